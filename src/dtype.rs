@@ -1,0 +1,142 @@
+//! Element types the op handles, and the conversions the kernels use.
+//!
+//! f16 and bf16 values are widened to f32 for every arithmetic step (dot products, softmax,
+//! accumulation) and rounded once when stored: summing in half precision would lose the
+//! small softmax weights of long contexts.
+
+use crate::tensor::{Elems, ElemsMut};
+use half::{bf16, f16};
+
+/// Element type of a tensor. The discriminants are the `PA_*` codes of the C header and never
+/// change meaning.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElemType {
+    F32 = 0,
+    F16 = 1,
+    BF16 = 2,
+    I32 = 3,
+}
+
+impl ElemType {
+    /// Parses a C ABI code.
+    pub fn from_code(code: i32) -> Option<ElemType> {
+        Some(match code {
+            0 => ElemType::F32,
+            1 => ElemType::F16,
+            2 => ElemType::BF16,
+            3 => ElemType::I32,
+            _ => return None,
+        })
+    }
+
+    pub fn size_bytes(self) -> usize {
+        match self {
+            ElemType::F32 | ElemType::I32 => 4,
+            ElemType::F16 | ElemType::BF16 => 2,
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        !matches!(self, ElemType::I32)
+    }
+
+    /// The lower-case name used in messages and in OpenVINO's element types (`f32`, `bf16`...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ElemType::F32 => "f32",
+            ElemType::F16 => "f16",
+            ElemType::BF16 => "bf16",
+            ElemType::I32 => "i32",
+        }
+    }
+}
+
+impl std::fmt::Display for ElemType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A floating-point storage type: f32, f16 or bf16.
+pub trait Float: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
+    const TYPE: ElemType;
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+    /// The elements if they are of this type.
+    fn elems(e: Elems<'_>) -> Option<&[Self]>;
+    /// The elements if they are of this type.
+    fn elems_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]>;
+}
+
+impl Float for f32 {
+    const TYPE: ElemType = ElemType::F32;
+    fn elems(e: Elems<'_>) -> Option<&[Self]> {
+        match e {
+            Elems::F32(s) => Some(s),
+            _ => None,
+        }
+    }
+    fn elems_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]> {
+        match e {
+            ElemsMut::F32(s) => Some(s),
+            _ => None,
+        }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Float for f16 {
+    const TYPE: ElemType = ElemType::F16;
+    fn elems(e: Elems<'_>) -> Option<&[Self]> {
+        match e {
+            Elems::F16(s) => Some(s),
+            _ => None,
+        }
+    }
+    fn elems_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]> {
+        match e {
+            ElemsMut::F16(s) => Some(s),
+            _ => None,
+        }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Float for bf16 {
+    const TYPE: ElemType = ElemType::BF16;
+    fn elems(e: Elems<'_>) -> Option<&[Self]> {
+        match e {
+            Elems::BF16(s) => Some(s),
+            _ => None,
+        }
+    }
+    fn elems_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]> {
+        match e {
+            ElemsMut::BF16(s) => Some(s),
+            _ => None,
+        }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}

@@ -1,0 +1,19 @@
+//! PagedAttention for CPUs: the 16-input / 2-output op of OpenVINO's `ie_internal_opset`
+//! (see `../shared/SPEC.md`), with a C ABI (`include/paged_attention.h`), an OpenVINO extension
+//! (feature `openvino`, C++ shim in `cpp/`), an IR loader, and a KV-cache manager.
+//!
+//! - [`op`]: the contract, shape inference, validation and [`op::execute`].
+//! - [`kernel`]: the CPU kernels (scalar reference and fast paths).
+//! - [`ffi`]: the `extern "C"` functions of the header; conversion and error mapping only.
+
+pub mod dtype;
+pub mod error;
+pub mod ffi;
+pub mod kernel;
+pub mod op;
+pub mod tensor;
+
+pub use dtype::{ElemType, Float};
+pub use error::{PaError, Status};
+pub use op::{execute, infer_shapes, validate, PaInputs, PaOutputs, Plan};
+pub use tensor::{Elems, ElemsMut, Tensor, TensorMut};

@@ -1,0 +1,189 @@
+//! The PagedAttention op: its inputs and outputs, validation, and execution.
+//!
+//! - `contract`: the 16-input table every other part reads.
+//! - `shape`: shape inference on partial shapes (also the shape rules of validation).
+//! - `validate`: concrete checks of values, producing a [`Plan`] the kernels run from.
+
+pub mod contract;
+pub mod shape;
+pub mod validate;
+
+pub use shape::{
+    infer_shapes, infer_shapes_with_past_lens, OutputInfo, PartialInput, PartialShape, DYN,
+};
+pub use validate::{validate, Plan, Rotation, SeqPlan};
+
+use crate::error::{PaError, Result};
+use crate::tensor::{Tensor, TensorMut};
+use contract::*;
+
+/// The op's inputs by name. Optional inputs are `None` when not given; an empty tensor is
+/// treated exactly like `None`. `key_cache` and `value_cache` are written in place.
+#[derive(Debug)]
+pub struct PaInputs<'a> {
+    /// `[T, H*D]`
+    pub query: Tensor<'a>,
+    /// `[T, Hkv*D]`
+    pub key: Tensor<'a>,
+    /// `[T, Hkv*D]`
+    pub value: Tensor<'a>,
+    /// `[NB, Hkv, BS, D]`, written in place.
+    pub key_cache: TensorMut<'a>,
+    /// `[NB, Hkv, BS, D]`, written in place.
+    pub value_cache: TensorMut<'a>,
+    /// `[B]` i32
+    pub past_lens: Tensor<'a>,
+    /// `[B+1]` i32
+    pub subsequence_begins: Tensor<'a>,
+    /// `[N]` i32
+    pub block_indices: Tensor<'a>,
+    /// `[B+1]` i32
+    pub block_indices_begins: Tensor<'a>,
+    /// scalar
+    pub scale: Option<Tensor<'a>>,
+    /// scalar i32
+    pub sliding_window: Option<Tensor<'a>>,
+    /// `[H]`
+    pub alibi_slopes: Option<Tensor<'a>>,
+    /// `[R]` i32
+    pub rotated_block_indices: Option<Tensor<'a>>,
+    /// `[R, BS]`, `[R, 1]` or `[R]` i32
+    pub rotation_deltas: Option<Tensor<'a>>,
+    /// `[M, D]`
+    pub rotation_trig_lut: Option<Tensor<'a>>,
+    /// scalar or `[B]` i32
+    pub score_aggregation_window: Option<Tensor<'a>>,
+}
+
+/// Where the op writes its two outputs.
+#[derive(Debug)]
+pub struct PaOutputs<'a> {
+    /// `[T, H*D]`, query's type.
+    pub output: TensorMut<'a>,
+    /// `[sum(past_lens) + T]`, query's type.
+    pub scores: TensorMut<'a>,
+}
+
+/// One input of the positional (list) form, as the C ABI and the IR executor hold them.
+#[derive(Debug)]
+pub enum InputArg<'a> {
+    Ref(Tensor<'a>),
+    Mut(TensorMut<'a>),
+}
+
+impl<'a> InputArg<'a> {
+    fn into_ref(self) -> Tensor<'a> {
+        match self {
+            InputArg::Ref(t) => t,
+            InputArg::Mut(t) => {
+                let TensorMut { shape, data } = t;
+                let data = match data {
+                    crate::tensor::ElemsMut::F32(s) => crate::tensor::Elems::F32(s),
+                    crate::tensor::ElemsMut::F16(s) => crate::tensor::Elems::F16(s),
+                    crate::tensor::ElemsMut::BF16(s) => crate::tensor::Elems::BF16(s),
+                    crate::tensor::ElemsMut::I32(s) => crate::tensor::Elems::I32(s),
+                };
+                Tensor { shape, data }
+            }
+        }
+    }
+}
+
+impl<'a> PaInputs<'a> {
+    /// Builds the inputs from the positional form (9 to 16 entries, in SPEC order). Entries 3 and
+    /// 4 (the caches) must be [`InputArg::Mut`].
+    pub fn from_list(list: Vec<InputArg<'a>>) -> Result<PaInputs<'a>> {
+        if list.len() < MIN_INPUTS || list.len() > MAX_INPUTS {
+            return Err(PaError::InputCount { found: list.len() });
+        }
+        let mut it = list.into_iter().enumerate();
+        let next_ref = |it: &mut dyn Iterator<Item = (usize, InputArg<'a>)>| {
+            it.next().map(|(_, a)| a.into_ref())
+        };
+        let query = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let key = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let value = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let cache = |it: &mut dyn Iterator<Item = (usize, InputArg<'a>)>| match it.next() {
+            Some((_, InputArg::Mut(t))) => Ok(t),
+            Some((i, InputArg::Ref(_))) => Err(PaError::InvalidArgument {
+                detail: format!(
+                    "input {i} (`{}`) is written in place and must be given as a writable tensor",
+                    INPUTS[i].name
+                ),
+            }),
+            None => unreachable!(),
+        };
+        let key_cache = cache(&mut it)?;
+        let value_cache = cache(&mut it)?;
+        let past_lens = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let subsequence_begins = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let block_indices = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let block_indices_begins = next_ref(&mut it).unwrap_or_else(|| unreachable!());
+        let mut opt = || next_ref(&mut it);
+        Ok(PaInputs {
+            query,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            past_lens,
+            subsequence_begins,
+            block_indices,
+            block_indices_begins,
+            scale: opt(),
+            sliding_window: opt(),
+            alibi_slopes: opt(),
+            rotated_block_indices: opt(),
+            rotation_deltas: opt(),
+            rotation_trig_lut: opt(),
+            score_aggregation_window: opt(),
+        })
+    }
+
+    /// Input `i` (SPEC order) as a read-only view; `None` when an optional input is not given.
+    pub fn get(&self, i: usize) -> Option<Tensor<'_>> {
+        let t = match i {
+            QUERY => &self.query,
+            KEY => &self.key,
+            VALUE => &self.value,
+            KEY_CACHE => return Some(self.key_cache.as_ref()),
+            VALUE_CACHE => return Some(self.value_cache.as_ref()),
+            PAST_LENS => &self.past_lens,
+            SUBSEQUENCE_BEGINS => &self.subsequence_begins,
+            BLOCK_INDICES => &self.block_indices,
+            BLOCK_INDICES_BEGINS => &self.block_indices_begins,
+            SCALE => self.scale.as_ref()?,
+            SLIDING_WINDOW => self.sliding_window.as_ref()?,
+            ALIBI_SLOPES => self.alibi_slopes.as_ref()?,
+            ROTATED_BLOCK_INDICES => self.rotated_block_indices.as_ref()?,
+            ROTATION_DELTAS => self.rotation_deltas.as_ref()?,
+            ROTATION_TRIG_LUT => self.rotation_trig_lut.as_ref()?,
+            SCORE_AGGREGATION_WINDOW => self.score_aggregation_window.as_ref()?,
+            _ => return None,
+        };
+        Some(t.clone())
+    }
+
+    /// Number of inputs in the positional form: 9 plus the optional ones up to the last given.
+    pub fn count(&self) -> usize {
+        (MIN_INPUTS..MAX_INPUTS)
+            .rev()
+            .find(|&i| self.get(i).is_some())
+            .map_or(MIN_INPUTS, |i| i + 1)
+    }
+}
+
+/// Validates the call, then runs rotation, insertion, attention and scores (SPEC order),
+/// writing the caches in place and both outputs. A rejected call writes nothing.
+pub fn execute(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
+    let plan = validate(inputs)?;
+    validate::check_outputs(&plan, outputs)?;
+    crate::kernel::run(&plan, inputs, outputs)
+}
+
+/// Like [`execute`] with the scalar reference kernels only (the twin of the fast paths).
+pub fn execute_reference(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
+    let plan = validate(inputs)?;
+    validate::check_outputs(&plan, outputs)?;
+    crate::kernel::run_reference(&plan, inputs, outputs)
+}

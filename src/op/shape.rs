@@ -1,0 +1,407 @@
+//! Shape inference on partial shapes, and the shape rules validation reuses for concrete calls.
+//!
+//! A dimension is an `i64`; [`DYN`] (-1) means unknown. A shape of `None` has a dynamic rank.
+//! Every rule checks only what is already known, so a fully dynamic model infers and a fully
+//! static one is checked completely: concrete validation runs these same rules on the concrete
+//! shapes (one contract, not two).
+
+use super::contract::*;
+use crate::dtype::ElemType;
+use crate::error::{PaError, Result};
+
+/// An unknown dimension.
+pub const DYN: i64 = -1;
+
+/// A partial shape: `None` is a dynamic rank; a dimension of [`DYN`] is unknown.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartialShape(pub Option<Vec<i64>>);
+
+impl PartialShape {
+    pub fn dynamic() -> Self {
+        PartialShape(None)
+    }
+    pub fn from_dims(dims: &[i64]) -> Self {
+        PartialShape(Some(dims.to_vec()))
+    }
+    pub fn from_static(dims: &[usize]) -> Self {
+        PartialShape(Some(dims.iter().map(|&d| d as i64).collect()))
+    }
+    pub fn rank(&self) -> Option<usize> {
+        self.0.as_ref().map(|d| d.len())
+    }
+    /// Dimension `i` if the rank and that dimension are known.
+    pub fn dim(&self, i: usize) -> Option<i64> {
+        self.0
+            .as_ref()
+            .and_then(|d| d.get(i).copied())
+            .filter(|&v| v >= 0)
+    }
+    /// True when some dimension is statically zero: the tensor is empty ("not provided").
+    pub fn is_empty(&self) -> bool {
+        self.0.as_ref().is_some_and(|d| d.contains(&0))
+    }
+    pub fn is_static(&self) -> bool {
+        self.0.as_ref().is_some_and(|d| d.iter().all(|&v| v >= 0))
+    }
+}
+
+impl std::fmt::Display for PartialShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            None => f.write_str("[...]"),
+            Some(d) => {
+                f.write_str("[")?;
+                for (i, v) in d.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    if *v < 0 {
+                        f.write_str("?")?;
+                    } else {
+                        write!(f, "{v}")?;
+                    }
+                }
+                f.write_str("]")
+            }
+        }
+    }
+}
+
+/// What shape inference knows of one input: element type (`None` = dynamic) and partial shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartialInput {
+    pub elem: Option<ElemType>,
+    pub shape: PartialShape,
+}
+
+impl PartialInput {
+    pub fn new(elem: Option<ElemType>, shape: PartialShape) -> Self {
+        PartialInput { elem, shape }
+    }
+}
+
+/// One inferred output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputInfo {
+    pub elem: Option<ElemType>,
+    pub shape: PartialShape,
+}
+
+/// The op's dimensions as far as they are known.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dims {
+    pub t: Option<i64>,
+    pub b: Option<i64>,
+    pub h: Option<i64>,
+    pub hkv: Option<i64>,
+    pub d: Option<i64>,
+    pub bs: Option<i64>,
+    pub nb: Option<i64>,
+    /// Number of rotated blocks, when rotation inputs are present.
+    pub r: Option<i64>,
+    /// Rows of the trig LUT.
+    pub m: Option<i64>,
+    pub query_type: Option<ElemType>,
+    pub cache_type: Option<ElemType>,
+    /// Which optional inputs are present (given and not statically empty).
+    pub present: [bool; MAX_INPUTS],
+}
+
+/// Records `value` as the dimension `slot`, or reports it contradicts what is known.
+fn unify(
+    slot: &mut Option<i64>,
+    value: Option<i64>,
+    input: &'static str,
+    what: impl FnOnce(i64, i64) -> String,
+) -> Result<()> {
+    if let Some(v) = value {
+        match *slot {
+            None => *slot = Some(v),
+            Some(known) if known != v => return Err(PaError::shape(input, what(v, known))),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Checks the inputs' ranks, types and dimensions against each other and returns what is known.
+pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
+    if inputs.len() < MIN_INPUTS || inputs.len() > MAX_INPUTS {
+        return Err(PaError::InputCount {
+            found: inputs.len(),
+        });
+    }
+    let mut k = Dims::default();
+    for (i, inp) in inputs.iter().enumerate() {
+        k.present[i] = !(INPUTS[i].optional && inp.shape.is_empty());
+    }
+    let present = k.present;
+    let get = |i: usize| -> Option<&PartialInput> { inputs.get(i).filter(|_| present[i]) };
+
+    // Ranks and element types, straight from the table.
+    for (i, inp) in inputs.iter().enumerate() {
+        if !present[i] {
+            continue;
+        }
+        let s = &INPUTS[i];
+        if let Some(r) = inp.shape.rank() {
+            if !s.ranks.contains(&r) {
+                return Err(PaError::Rank {
+                    input: s.name,
+                    expected: s.ranks_text,
+                    found: r,
+                });
+            }
+        }
+        if let Some(e) = inp.elem {
+            let ok = match s.ty {
+                TypeRule::I32 => e == ElemType::I32,
+                _ => e.is_float(),
+            };
+            if !ok {
+                let expected = if s.ty == TypeRule::I32 {
+                    "i32"
+                } else {
+                    "f32, f16 or bf16"
+                };
+                return Err(PaError::ElementType {
+                    input: s.name,
+                    expected: expected.into(),
+                    found: e,
+                });
+            }
+        }
+    }
+    let q_type = inputs[QUERY]
+        .elem
+        .or(inputs[KEY].elem)
+        .or(inputs[VALUE].elem);
+    for i in [KEY, VALUE] {
+        if let (Some(e), Some(q)) = (inputs[i].elem, q_type) {
+            if e != q {
+                return Err(PaError::ElementType {
+                    input: INPUTS[i].name,
+                    expected: format!("{q} (the query's type)"),
+                    found: e,
+                });
+            }
+        }
+    }
+    if let (Some(kc), Some(vc)) = (inputs[KEY_CACHE].elem, inputs[VALUE_CACHE].elem) {
+        if kc != vc {
+            return Err(PaError::ElementType {
+                input: "value_cache",
+                expected: format!("{kc} (key_cache's type)"),
+                found: vc,
+            });
+        }
+    }
+    k.query_type = q_type;
+    k.cache_type = inputs[KEY_CACHE].elem.or(inputs[VALUE_CACHE].elem);
+
+    // One-element scalars given as rank 1.
+    for i in [SCALE, SLIDING_WINDOW] {
+        if let Some(inp) = get(i) {
+            if inp.shape.rank() == Some(1) {
+                if let Some(n) = inp.shape.dim(0) {
+                    if n != 1 {
+                        return Err(PaError::shape(
+                            INPUTS[i].name,
+                            format!(
+                                "`{}` should be a scalar, but its shape is {}",
+                                INPUTS[i].name, inp.shape
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    // Cache geometry: [NB, Hkv, BS, D], identical for both caches.
+    let kc = &inputs[KEY_CACHE].shape;
+    let vc = &inputs[VALUE_CACHE].shape;
+    for (i, slot) in [&mut k.nb, &mut k.hkv, &mut k.bs, &mut k.d]
+        .into_iter()
+        .enumerate()
+    {
+        *slot = kc.dim(i);
+        unify(slot, vc.dim(i), "value_cache", |v, known| {
+            format!("value_cache shape {vc} differs from key_cache shape {kc} (dim {i}: {v} vs {known})")
+        })?;
+    }
+    for (name, v) in [
+        ("num_kv_heads (cache dim 1)", k.hkv),
+        ("block_size (cache dim 2)", k.bs),
+        ("head_size (cache dim 3)", k.d),
+    ] {
+        if v == Some(0) {
+            return Err(PaError::shape(
+                "key_cache",
+                format!("key_cache shape {kc} has {name} = 0"),
+            ));
+        }
+    }
+
+    // Query heads.
+    let q = &inputs[QUERY].shape;
+    if let (Some(w), Some(d)) = (q.dim(1), k.d) {
+        if w % d != 0 {
+            return Err(PaError::shape(
+                "query",
+                format!("query.dim1 = {w} is not a multiple of head_size = {d} (key_cache dim 3)"),
+            ));
+        }
+        k.h = Some(w / d);
+    }
+    if let (Some(h), Some(hkv)) = (k.h, k.hkv) {
+        if h % hkv != 0 {
+            return Err(PaError::shape("query", format!("num_heads = {h} (query.dim1 / head_size) is not a multiple of num_kv_heads = {hkv}")));
+        }
+    }
+    for i in [KEY, VALUE] {
+        let s = &inputs[i].shape;
+        if let (Some(w), Some(hkv), Some(d)) = (s.dim(1), k.hkv, k.d) {
+            if w != hkv * d {
+                let name = INPUTS[i].name;
+                return Err(PaError::shape(
+                    name,
+                    format!(
+                        "{name}.dim1 = {w}, but num_kv_heads * head_size = {hkv} * {d} = {}",
+                        hkv * d
+                    ),
+                ));
+            }
+        }
+    }
+    // Tokens.
+    for i in [QUERY, KEY, VALUE] {
+        let name = INPUTS[i].name;
+        unify(&mut k.t, inputs[i].shape.dim(0), name, |v, known| {
+            format!("{name}.dim0 = {v} tokens, but another of query/key/value has {known}")
+        })?;
+    }
+    // Sequences.
+    k.b = inputs[PAST_LENS].shape.dim(0);
+    for i in [SUBSEQUENCE_BEGINS, BLOCK_INDICES_BEGINS] {
+        let name = INPUTS[i].name;
+        let b = inputs[i].shape.dim(0).map(|n| n - 1);
+        if b == Some(-1) {
+            return Err(PaError::shape(
+                name,
+                format!("`{name}` must have B + 1 >= 1 elements, but it is empty"),
+            ));
+        }
+        unify(&mut k.b, b, name, |v, known| {
+            format!("{name} has {} elements, but past_lens says B = {known} sequences, so B + 1 = {} are needed", v + 1, known + 1)
+        })?;
+    }
+    if let Some(inp) = get(SCORE_AGGREGATION_WINDOW) {
+        if inp.shape.rank() == Some(1) {
+            unify(
+                &mut k.b,
+                inp.shape.dim(0),
+                "score_aggregation_window",
+                |v, known| {
+                    format!("score_aggregation_window has {v} elements; it must be a scalar or have one per sequence (B = {known})")
+                },
+            )?;
+        }
+    }
+    // ALiBi: one slope per query head.
+    if let Some(inp) = get(ALIBI_SLOPES) {
+        if let (Some(n), Some(h)) = (inp.shape.dim(0), k.h) {
+            if n != h {
+                return Err(PaError::shape(
+                    "alibi_slopes",
+                    format!(
+                        "alibi_slopes has {n} elements, but there are num_heads = {h} query heads"
+                    ),
+                ));
+            }
+        }
+    }
+    // Rotation: all three inputs together.
+    let rot = [ROTATED_BLOCK_INDICES, ROTATION_DELTAS, ROTATION_TRIG_LUT];
+    let rot_given = rot.iter().filter(|&&i| get(i).is_some()).count();
+    if rot_given > 0 {
+        if rot_given < 3 {
+            let missing: Vec<&str> = rot
+                .iter()
+                .filter(|&&i| get(i).is_none())
+                .map(|&i| INPUTS[i].name)
+                .collect();
+            return Err(PaError::shape("rotated_block_indices", format!("rotation needs rotated_block_indices, rotation_deltas and rotation_trig_lut together; missing: {}", missing.join(", "))));
+        }
+        k.r = inputs[ROTATED_BLOCK_INDICES].shape.dim(0);
+        let rd = &inputs[ROTATION_DELTAS].shape;
+        unify(&mut k.r, rd.dim(0), "rotation_deltas", |v, known| {
+            format!("rotation_deltas.dim0 = {v}, but rotated_block_indices has {known} blocks")
+        })?;
+        if let (Some(c), Some(bs)) = (rd.dim(1), k.bs) {
+            if c != 1 && c != bs {
+                return Err(PaError::shape(
+                    "rotation_deltas",
+                    format!("rotation_deltas.dim1 = {c}; it must be 1 or block_size = {bs}"),
+                ));
+            }
+        }
+        let lut = &inputs[ROTATION_TRIG_LUT].shape;
+        if let (Some(w), Some(d)) = (lut.dim(1), k.d) {
+            if w != d {
+                return Err(PaError::shape(
+                    "rotation_trig_lut",
+                    format!("rotation_trig_lut.dim1 = {w}, but head_size = {d}"),
+                ));
+            }
+        }
+        if let Some(d) = k.d {
+            if d % 2 != 0 {
+                return Err(PaError::shape(
+                    "rotation_trig_lut",
+                    format!("rotation needs an even head_size, but head_size = {d}"),
+                ));
+            }
+        }
+        k.m = lut.dim(0);
+    }
+    Ok(k)
+}
+
+/// Infers the two outputs from partial input shapes: `output` `[T, H*D]` and `scores`
+/// `[sum(past_lens) + T]` (dynamic, since past_lens values are not known from shapes alone).
+pub fn infer_shapes(inputs: &[PartialInput]) -> Result<[OutputInfo; 2]> {
+    infer_shapes_with_past_lens(inputs, None)
+}
+
+/// As [`infer_shapes`], with the values of `past_lens` when they are constant, which makes the
+/// scores length static once T is.
+pub fn infer_shapes_with_past_lens(
+    inputs: &[PartialInput],
+    past_lens: Option<&[i32]>,
+) -> Result<[OutputInfo; 2]> {
+    let k = check(inputs)?;
+    let hd = match (k.h, k.d) {
+        (Some(h), Some(d)) => Some(h * d),
+        _ => inputs[QUERY].shape.dim(1),
+    };
+    let t = k.t.unwrap_or(DYN);
+    let scores_len = match (k.t, past_lens) {
+        (Some(t), Some(p))
+            if p.iter().all(|&v| v >= 0) && k.b.is_none_or(|b| b as usize == p.len()) =>
+        {
+            t + p.iter().map(|&v| v as i64).sum::<i64>()
+        }
+        _ => DYN,
+    };
+    Ok([
+        OutputInfo {
+            elem: k.query_type,
+            shape: PartialShape(Some(vec![t, hd.unwrap_or(DYN)])),
+        },
+        OutputInfo {
+            elem: k.query_type,
+            shape: PartialShape(Some(vec![scores_len])),
+        },
+    ])
+}
