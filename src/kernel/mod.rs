@@ -4,9 +4,12 @@
 //!
 //! - `reference`: plain scalar code written straight from SPEC.md; the twin every fast path is
 //!   tested against, and what [`run_reference`] runs.
+//! - `fast`: tiled, parallel, SIMD (AVX2+FMA+F16C when detected, else scalar) kernels; what
+//!   [`run`] runs. Its `mod.rs` states its dispatch rule.
 //!
 //! The (query type, cache type) pair is resolved once, here, into a monomorphised kernel.
 
+pub mod fast;
 pub mod reference;
 
 use crate::error::Result;
@@ -38,7 +41,7 @@ pub(crate) use dispatch_types;
 
 /// Runs a validated plan with the fastest kernels available on this CPU.
 pub fn run(plan: &Plan, inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
-    run_reference(plan, inputs, outputs)
+    fast::run(plan, inputs, outputs, fast::FastOptions::default())
 }
 
 /// Runs a validated plan with the scalar reference kernels.

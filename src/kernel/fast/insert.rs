@@ -1,0 +1,41 @@
+//! Step 2: writes the new tokens' key/value rows (`[T, Hkv*D]`) into a cache.
+//!
+//! One task per KV head: rows of different KV heads never overlap, and inside a task tokens are
+//! written in the reference's order, so block tables that alias give the reference's result.
+
+use super::shared::SharedMut;
+use crate::dtype::Float;
+use crate::kernel::reference::{block_of, cache_row};
+use crate::op::Plan;
+use rayon::prelude::*;
+
+pub(crate) fn insert<Q: Float, C: Float>(plan: &Plan, src: &[Q], cache: &mut [C], block_indices: &[i32]) {
+    let (d, hkv, bs) = (plan.d, plan.hkv, plan.bs);
+    let w = SharedMut::new(cache);
+    (0..hkv).into_par_iter().for_each(|head| {
+        for sp in &plan.seqs {
+            for i in 0..sp.n {
+                let pos = sp.past + i;
+                let dst = cache_row(plan, block_of(block_indices, sp.block_begin, bs, pos), head, pos % bs);
+                // SAFETY: the row includes `head`, so rows written by different tasks are
+                // disjoint; this task holds one row at a time.
+                let row = unsafe { w.part(dst, d) };
+                let s = &src[((sp.begin + i) * hkv + head) * d..][..d];
+                copy_row(s, row);
+            }
+        }
+    });
+}
+
+/// `dst = src` converted to the cache type (a plain copy when the types match).
+fn copy_row<Q: Float, C: Float>(src: &[Q], dst: &mut [C]) {
+    if Q::TYPE == C::TYPE {
+        // SAFETY: one Float impl per element type, so equal TYPEs mean Q and C are the same
+        // type; both slices hold dst.len() elements.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr() as *const C, dst.as_mut_ptr(), dst.len()) };
+    } else {
+        for (o, v) in dst.iter_mut().zip(src) {
+            *o = C::from_f32(v.to_f32());
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! AVX2 + FMA + F16C micro-kernels.
+//!
+//! Register blocking: `qk` computes 4 query rows x 3 keys per pass (12 accumulators, each key
+//! row loaded and widened once per 4 rows, one combined horizontal reduction per row); `pv`
+//! keeps up to 6 rows x 16 output columns in 12 accumulators over all keys of a tile. f16 rows
+//! are widened with `vcvtph2ps`, bf16 rows by shifting the 16 bits into the top of an f32.
+//!
+//! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; they are reached
+//! only through [`Avx2`], which can only be built by [`Avx2::detect`] after the CPU reported
+//! those features.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::Micro;
+use crate::dtype::{ElemType, Float};
+
+/// Proof that AVX2, FMA and F16C are available (only [`Avx2::detect`] builds one).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2 {
+    _private: (),
+}
+
+impl Avx2 {
+    /// `Some` when this CPU (and OS) supports AVX2, FMA and F16C.
+    pub(crate) fn detect() -> Option<Avx2> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Some(Avx2 { _private: () });
+            }
+        }
+        None
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Micro for Avx2 {
+    fn qk<C: Float>(self, _: &[f32], _: usize, _: &[C], _: usize, _: usize, _: &mut [f32], _: usize) {
+        unreachable!("Avx2 is never built off x86_64")
+    }
+    fn pv<C: Float>(self, _: &[f32], _: usize, _: usize, _: &[C], _: usize, _: usize, _: &mut [f32]) {
+        unreachable!("Avx2 is never built off x86_64")
+    }
+    fn exp_sub_sum(self, _: &mut [f32], _: f32) -> f32 {
+        unreachable!("Avx2 is never built off x86_64")
+    }
+    fn add_exp_scaled(self, _: &mut [f32], _: &[f32], _: f32, _: f32) {
+        unreachable!("Avx2 is never built off x86_64")
+    }
+    fn scale(self, _: &mut [f32], _: f32) {
+        unreachable!("Avx2 is never built off x86_64")
+    }
+    fn widen<C: Float>(self, _: &[C], _: &mut [f32]) {
+        unreachable!("Avx2 is never built off x86_64")
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Micro for Avx2 {
+    fn qk<C: Float>(self, q: &[f32], rows: usize, k: &[C], n: usize, d: usize, s: &mut [f32], lds: usize) {
+        assert!(q.len() >= rows * d && k.len() >= n * d);
+        assert!(rows == 0 || n == 0 || s.len() >= (rows - 1) * lds + n);
+        // SAFETY: `self` proves the features; the asserts above bound every access.
+        unsafe { qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), lds) }
+    }
+
+    fn pv<C: Float>(self, p: &[f32], ldp: usize, rows: usize, v: &[C], n: usize, d: usize, acc: &mut [f32]) {
+        assert!(v.len() >= n * d && acc.len() >= rows * d);
+        assert!(rows == 0 || n == 0 || p.len() >= (rows - 1) * ldp + n);
+        // SAFETY: `self` proves the features; the asserts above bound every access.
+        unsafe { pv::<C>(p.as_ptr(), ldp, rows, v.as_ptr(), n, d, acc.as_mut_ptr()) }
+    }
+
+    fn exp_sub_sum(self, s: &mut [f32], m: f32) -> f32 {
+        // SAFETY: `self` proves the features; the function stays inside `s`.
+        unsafe { exp_sub_sum(s, m) }
+    }
+
+    fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32) {
+        assert!(s.len() >= dst.len());
+        // SAFETY: `self` proves the features; accesses stay inside `dst` and `s[..dst.len()]`.
+        unsafe { add_exp_scaled(dst, s, m, c) }
+    }
+
+    fn scale(self, x: &mut [f32], c: f32) {
+        // SAFETY: `self` proves the features; the function stays inside `x`.
+        unsafe { scale(x, c) }
+    }
+
+    fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        // SAFETY: `self` proves the features; `n` elements exist in both slices.
+        unsafe { widen::<C>(src.as_ptr(), dst.as_mut_ptr(), n) }
+    }
+}
+
+/// Eight elements of type `C` at `p`, widened to f32.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<C: Float>(p: *const C) -> __m256 {
+    // SAFETY (all arms): the caller guarantees 8 readable elements of type `C` at `p`;
+    // `C::TYPE` names that type, so the reinterpretation reads exactly those bytes.
+    unsafe {
+        match C::TYPE {
+            ElemType::F32 => _mm256_loadu_ps(p as *const f32),
+            ElemType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            // bf16 is the top half of an f32: zero-extend to 32 bits and shift up.
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p as *const __m128i),
+            ))),
+        }
+    }
+}
+
+/// `[sum(a), sum(b), sum(c), sum(d)]`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let ab = _mm256_hadd_ps(a, b);
+    let cd = _mm256_hadd_ps(c, d);
+    let abcd = _mm256_hadd_ps(ab, cd);
+    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps::<1>(abcd))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk<C: Float>(q: *const f32, rows: usize, k: *const C, n: usize, d: usize, s: *mut f32, lds: usize) {
+    let mut r = 0;
+    while r < rows {
+        let rr = (rows - r).min(4);
+        let mut j = 0;
+        while j < n {
+            let kk = (n - j).min(3);
+            // SAFETY: rows r..r+rr of q, keys j..j+kk of k and the matching s entries are
+            // inside the ranges the caller checked.
+            unsafe {
+                let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * lds + j));
+                match (rr, kk) {
+                    (4, 3) => qk_block::<C, 4, 3>(qp, kp, d, sp, lds),
+                    (4, 2) => qk_block::<C, 4, 2>(qp, kp, d, sp, lds),
+                    (4, _) => qk_block::<C, 4, 1>(qp, kp, d, sp, lds),
+                    (3, 3) => qk_block::<C, 3, 3>(qp, kp, d, sp, lds),
+                    (3, 2) => qk_block::<C, 3, 2>(qp, kp, d, sp, lds),
+                    (3, _) => qk_block::<C, 3, 1>(qp, kp, d, sp, lds),
+                    (2, 3) => qk_block::<C, 2, 3>(qp, kp, d, sp, lds),
+                    (2, 2) => qk_block::<C, 2, 2>(qp, kp, d, sp, lds),
+                    (2, _) => qk_block::<C, 2, 1>(qp, kp, d, sp, lds),
+                    (_, 3) => qk_block::<C, 1, 3>(qp, kp, d, sp, lds),
+                    (_, 2) => qk_block::<C, 1, 2>(qp, kp, d, sp, lds),
+                    (_, _) => qk_block::<C, 1, 1>(qp, kp, d, sp, lds),
+                }
+            }
+            j += kk;
+        }
+        r += rr;
+    }
+}
+
+/// Dot products of `R` query rows with `K` key rows (both of length `d`, row stride `d`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_block<C: Float, const R: usize, const K: usize>(q: *const f32, k: *const C, d: usize, s: *mut f32, lds: usize) {
+    let z = _mm256_setzero_ps();
+    let mut acc = [[z; K]; R];
+    let d8 = d & !7;
+    let mut x = 0;
+    while x < d8 {
+        let mut kv = [z; K];
+        for (kk, v) in kv.iter_mut().enumerate() {
+            // SAFETY: x + 8 <= d, so 8 elements of key row kk are readable.
+            *v = unsafe { load8(k.add(kk * d + x)) };
+        }
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: as above, for query row r.
+            let qv = unsafe { _mm256_loadu_ps(q.add(r * d + x)) };
+            for kk in 0..K {
+                a[kk] = _mm256_fmadd_ps(qv, kv[kk], a[kk]);
+            }
+        }
+        x += 8;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let g = |i: usize| a.get(i).copied().unwrap_or(z);
+        let v = hsum4(g(0), g(1), g(2), z);
+        let mut out = [0f32; 4];
+        // SAFETY: `out` holds 4 floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), v) };
+        for (kk, &o) in out.iter().enumerate().take(K) {
+            let mut t = o;
+            for xx in d8..d {
+                // SAFETY: xx < d, inside row r of q and row kk of k.
+                t += unsafe { *q.add(r * d + xx) * (*k.add(kk * d + xx)).to_f32() };
+            }
+            // SAFETY: entry (r, kk) of the caller's s tile.
+            unsafe { *s.add(r * lds + kk) = t };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv<C: Float>(p: *const f32, ldp: usize, rows: usize, v: *const C, n: usize, d: usize, acc: *mut f32) {
+    let mut r = 0;
+    while r < rows {
+        let rr = (rows - r).min(6);
+        // SAFETY (whole block): rows r..r+rr of p and acc, columns x..x+16 / x..x+8 < d of v and
+        // acc, all inside the ranges the caller checked.
+        unsafe {
+            let (pp, ap) = (p.add(r * ldp), acc.add(r * d));
+            let mut x = 0;
+            while x + 16 <= d {
+                pv_rows::<C, 2>(rr, pp, ldp, v.add(x), n, d, ap.add(x));
+                x += 16;
+            }
+            if x + 8 <= d {
+                pv_rows::<C, 1>(rr, pp, ldp, v.add(x), n, d, ap.add(x));
+                x += 8;
+            }
+            for rrow in 0..rr {
+                for xx in x..d {
+                    let mut t = *ap.add(rrow * d + xx);
+                    for j in 0..n {
+                        t += *pp.add(rrow * ldp + j) * (*v.add(j * d + xx)).to_f32();
+                    }
+                    *ap.add(rrow * d + xx) = t;
+                }
+            }
+        }
+        r += rr;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv_rows<C: Float, const DV: usize>(rr: usize, p: *const f32, ldp: usize, v: *const C, n: usize, d: usize, acc: *mut f32) {
+    // SAFETY: forwarded from `pv`.
+    unsafe {
+        match rr {
+            6 => pv_block::<C, 6, DV>(p, ldp, v, n, d, acc),
+            5 => pv_block::<C, 5, DV>(p, ldp, v, n, d, acc),
+            4 => pv_block::<C, 4, DV>(p, ldp, v, n, d, acc),
+            3 => pv_block::<C, 3, DV>(p, ldp, v, n, d, acc),
+            2 => pv_block::<C, 2, DV>(p, ldp, v, n, d, acc),
+            _ => pv_block::<C, 1, DV>(p, ldp, v, n, d, acc),
+        }
+    }
+}
+
+/// `R` accumulator rows (stride `d`) x `8*DV` columns += weights `p` (stride `ldp`) x `n` value rows.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(p: *const f32, ldp: usize, v: *const C, n: usize, d: usize, acc: *mut f32) {
+    let z = _mm256_setzero_ps();
+    let mut a = [[z; DV]; R];
+    for (r, ar) in a.iter_mut().enumerate() {
+        for (dv, x) in ar.iter_mut().enumerate() {
+            // SAFETY: 8*DV columns of accumulator row r are inside `acc` (caller).
+            *x = unsafe { _mm256_loadu_ps(acc.add(r * d + dv * 8)) };
+        }
+    }
+    for j in 0..n {
+        let mut vv = [z; DV];
+        for (dv, x) in vv.iter_mut().enumerate() {
+            // SAFETY: value row j, 8*DV columns from the caller's column offset, all < d.
+            *x = unsafe { load8(v.add(j * d + dv * 8)) };
+        }
+        for (r, ar) in a.iter_mut().enumerate() {
+            // SAFETY: weight (r, j) is inside the caller's p tile.
+            let w = unsafe { _mm256_broadcast_ss(&*p.add(r * ldp + j)) };
+            for dv in 0..DV {
+                ar[dv] = _mm256_fmadd_ps(w, vv[dv], ar[dv]);
+            }
+        }
+    }
+    for (r, ar) in a.iter().enumerate() {
+        for (dv, x) in ar.iter().enumerate() {
+            // SAFETY: as for the loads above.
+            unsafe { _mm256_storeu_ps(acc.add(r * d + dv * 8), *x) };
+        }
+    }
+}
+
+/// `exp(x)` for 8 lanes (Cephes polynomial, about 1 ulp); exactly 0 below -87.3 (and for -inf).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.33654));
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654));
+    let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.398_2e-3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.333_452e-3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.166_579_6e-2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.166_666_65));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0)));
+    // 2^fx: fx is in -126..=127 after the clamps, a normal exponent.
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
+    let r = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    _mm256_andnot_ps(under, r)
+}
+
+/// Loads `len < 8` floats from `p` into the low lanes, `fill` elsewhere.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_partial(p: *const f32, len: usize, fill: f32) -> __m256 {
+    let mut buf = [fill; 8];
+    // SAFETY: the caller guarantees `len` readable floats at `p`; `buf` holds 8 >= len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), len);
+        _mm256_loadu_ps(buf.as_ptr())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let z = _mm256_setzero_ps();
+    _mm_cvtss_f32(hsum4(v, z, z, z))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
+    let mv = _mm256_set1_ps(m);
+    let mut sum = _mm256_setzero_ps();
+    let n = s.len();
+    let p = s.as_mut_ptr();
+    let mut j = 0;
+    while j + 8 <= n {
+        // SAFETY: j + 8 <= n elements of `s`.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
+            _mm256_storeu_ps(p.add(j), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        j += 8;
+    }
+    if j < n {
+        let mut buf = [0f32; 8];
+        // SAFETY: n - j < 8 elements remain; the padding is -inf, whose exp is 0.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(load_partial(p.add(j), n - j, f32::NEG_INFINITY), mv));
+            _mm256_storeu_ps(buf.as_mut_ptr(), e);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), p.add(j), n - j);
+            sum = _mm256_add_ps(sum, e);
+        }
+    }
+    hsum(sum)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
+    let (mv, cv) = (_mm256_set1_ps(m), _mm256_set1_ps(c));
+    let n = dst.len();
+    let (dp, sp) = (dst.as_mut_ptr(), s.as_ptr());
+    let mut j = 0;
+    while j + 8 <= n {
+        // SAFETY: j + 8 <= n <= s.len() (checked by the caller).
+        unsafe {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(j)), mv));
+            _mm256_storeu_ps(dp.add(j), _mm256_fmadd_ps(e, cv, _mm256_loadu_ps(dp.add(j))));
+        }
+        j += 8;
+    }
+    if j < n {
+        let mut buf = [0f32; 8];
+        // SAFETY: n - j < 8 elements remain in both slices.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(load_partial(sp.add(j), n - j, f32::NEG_INFINITY), mv));
+            let r = _mm256_fmadd_ps(e, cv, load_partial(dp.add(j), n - j, 0.0));
+            _mm256_storeu_ps(buf.as_mut_ptr(), r);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), dp.add(j), n - j);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale(x: &mut [f32], c: f32) {
+    let cv = _mm256_set1_ps(c);
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let mut j = 0;
+    while j + 8 <= n {
+        // SAFETY: j + 8 <= n.
+        unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), cv)) };
+        j += 8;
+    }
+    for v in &mut x[j..] {
+        *v *= c;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen<C: Float>(src: *const C, dst: *mut f32, n: usize) {
+    let mut j = 0;
+    while j + 8 <= n {
+        // SAFETY: j + 8 <= n elements in both buffers.
+        unsafe { _mm256_storeu_ps(dst.add(j), load8(src.add(j))) };
+        j += 8;
+    }
+    while j < n {
+        // SAFETY: j < n.
+        unsafe { *dst.add(j) = (*src.add(j)).to_f32() };
+        j += 1;
+    }
+}

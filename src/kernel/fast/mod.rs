@@ -1,0 +1,207 @@
+//! Fast kernels: the same four steps as `reference`, tiled, parallel and SIMD.
+//!
+//! Dispatch rule, one line per submodule:
+//! - `rotate`, `insert`: one rayon task per KV head (KV heads never share cache rows, and
+//!   within a head the rows are written in the reference's order, so aliasing block tables
+//!   behave exactly as in the reference).
+//! - `partition`: cuts attention into work items (sequence, KV head, query tile, key chunk).
+//!   Decode-like sequences (all new tokens fit in one query tile) get their context split into
+//!   chunks (flash-decoding); prefill sequences get query tiles of about 32 rows (tokens x the G
+//!   query heads of a KV head) over the whole visible key range. The cut depends only on the
+//!   plan, never on the thread count, so results are bit-identical for any number of threads.
+//! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
+//!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.
+//! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
+//!   would exceed its budget, by recomputing those logits tile by tile).
+//! - `micro`: the inner loops, AVX2+FMA+F16C when detected at run time, else scalar.
+//!
+//! SIMD levels: `avx2` (AVX2 + FMA + F16C) and `scalar`. There is no AVX-512 path: the
+//! machines this was written on have no AVX-512 to test it on. `PA_SIMD=scalar` forces the
+//! scalar path for a process; [`execute_with`] picks a level per call (tests).
+//!
+//! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
+
+mod attention;
+mod insert;
+pub(crate) mod micro;
+mod partition;
+mod rotate;
+mod scores;
+mod shared;
+
+use crate::dtype::Float;
+use crate::error::{PaError, Result};
+use crate::op::{PaInputs, PaOutputs, Plan};
+use micro::avx2::Avx2;
+use micro::scalar::Scalar;
+use micro::Micro;
+use std::sync::OnceLock;
+
+/// Instruction set the fast kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimdLevel {
+    /// Plain Rust loops.
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl SimdLevel {
+    /// The best level this CPU supports.
+    pub fn detected() -> SimdLevel {
+        if Avx2::detect().is_some() {
+            SimdLevel::Avx2
+        } else {
+            SimdLevel::Scalar
+        }
+    }
+
+    /// The detected level, lowered by `PA_SIMD=scalar` (read once per process). Asking for a
+    /// level the CPU lacks (`PA_SIMD=avx2` without AVX2) gives the detected one.
+    pub fn from_env() -> SimdLevel {
+        static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+        *LEVEL.get_or_init(|| match std::env::var("PA_SIMD").as_deref() {
+            Ok("scalar") => SimdLevel::Scalar,
+            _ => SimdLevel::detected(),
+        })
+    }
+}
+
+/// How step 4 gets the logits of the score rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoresMode {
+    /// Stash them during attention when the stash fits its budget, else recompute.
+    Auto,
+    /// Always recompute (the path taken for very long score windows).
+    Recompute,
+}
+
+/// Options of one fast call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FastOptions {
+    pub simd: SimdLevel,
+    pub scores: ScoresMode,
+}
+
+impl Default for FastOptions {
+    fn default() -> Self {
+        FastOptions {
+            simd: SimdLevel::from_env(),
+            scores: ScoresMode::Auto,
+        }
+    }
+}
+
+/// Validates and executes with the fast kernels at the given options (used by tests to hold
+/// each SIMD level against the reference in one process).
+pub fn execute_with(
+    opts: FastOptions,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+) -> Result<()> {
+    let plan = crate::op::validate(inputs)?;
+    crate::op::validate::check_outputs(&plan, outputs)?;
+    run(&plan, inputs, outputs, opts)
+}
+
+/// Runs a validated plan with the fast kernels.
+pub fn run(
+    plan: &Plan,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+    opts: FastOptions,
+) -> Result<()> {
+    if plan.d == 0 || plan.h == 0 || plan.hkv == 0 {
+        return super::run_reference(plan, inputs, outputs);
+    }
+    match opts.simd {
+        SimdLevel::Avx2 => match Avx2::detect() {
+            Some(m) => run_micro(m, plan, inputs, outputs, opts),
+            None => run_micro(Scalar, plan, inputs, outputs, opts),
+        },
+        SimdLevel::Scalar => run_micro(Scalar, plan, inputs, outputs, opts),
+    }
+}
+
+fn run_micro<M: Micro>(
+    m: M,
+    plan: &Plan,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+    opts: FastOptions,
+) -> Result<()> {
+    macro_rules! go {
+        ($q:ty, $c:ty) => {
+            run_typed::<M, $q, $c>(m, plan, inputs, outputs, opts)
+        };
+    }
+    use crate::dtype::ElemType as E;
+    use half::{bf16, f16};
+    match (plan.query_type, plan.cache_type) {
+        (E::F32, E::F32) => go!(f32, f32),
+        (E::F32, E::F16) => go!(f32, f16),
+        (E::F32, E::BF16) => go!(f32, bf16),
+        (E::F16, E::F32) => go!(f16, f32),
+        (E::F16, E::F16) => go!(f16, f16),
+        (E::F16, E::BF16) => go!(f16, bf16),
+        (E::BF16, E::F32) => go!(bf16, f32),
+        (E::BF16, E::F16) => go!(bf16, f16),
+        (E::BF16, E::BF16) => go!(bf16, bf16),
+        (q, c) => Err(PaError::InvalidArgument {
+            detail: format!("no kernel for query type {q} with cache type {c}"),
+        }),
+    }
+}
+
+fn missing(what: &str) -> PaError {
+    PaError::InvalidArgument {
+        detail: format!("{what} does not have the validated element type"),
+    }
+}
+
+fn run_typed<M: Micro, Q: Float, C: Float>(
+    m: M,
+    plan: &Plan,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+    opts: FastOptions,
+) -> Result<()> {
+    let block_indices = inputs.block_indices.as_i32().ok_or_else(|| missing("block_indices"))?;
+    if let Some(rot) = &plan.rotation {
+        let rbi = inputs.rotated_block_indices.as_ref().and_then(|t| t.as_i32());
+        let rd = inputs.rotation_deltas.as_ref().and_then(|t| t.as_i32());
+        let lut = inputs.rotation_trig_lut.as_ref();
+        let (rbi, rd, lut) = match (rbi, rd, lut) {
+            (Some(a), Some(b), Some(c)) => (a, b, c),
+            _ => return Err(missing("rotation inputs")),
+        };
+        let kc = inputs.key_cache.as_float_mut::<C>().ok_or_else(|| missing("key_cache"))?;
+        rotate::rotate(plan, rot.delta_cols, kc, rbi, rd, lut);
+    }
+    let key = inputs.key.as_float::<Q>().ok_or_else(|| missing("key"))?;
+    let value = inputs.value.as_float::<Q>().ok_or_else(|| missing("value"))?;
+    {
+        let kc = inputs.key_cache.as_float_mut::<C>().ok_or_else(|| missing("key_cache"))?;
+        insert::insert(plan, key, kc, block_indices);
+    }
+    {
+        let vc = inputs.value_cache.as_float_mut::<C>().ok_or_else(|| missing("value_cache"))?;
+        insert::insert(plan, value, vc, block_indices);
+    }
+    let query = inputs.query.as_float::<Q>().ok_or_else(|| missing("query"))?;
+    let kc = inputs.key_cache.as_ref();
+    let vc = inputs.value_cache.as_ref();
+    let kc = kc.as_float::<C>().ok_or_else(|| missing("key_cache"))?;
+    let vc = vc.as_float::<C>().ok_or_else(|| missing("value_cache"))?;
+    let out = outputs.output.as_float_mut::<Q>().ok_or_else(|| missing("output"))?;
+    let scores_out = outputs.scores.as_float_mut::<Q>().ok_or_else(|| missing("scores"))?;
+
+    let part = partition::Partition::new(plan, opts.scores);
+    let ctx = attention::Ctx { plan, part: &part, query, kc, vc, block_indices };
+    let (stats, stash) = attention::attention(m, &ctx, out);
+    match stash {
+        Some(stash) => scores::from_stash(m, &ctx, &stats, &stash, scores_out),
+        None => scores::recompute(m, &ctx, &stats, scores_out),
+    }
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! Cuts one call's attention into work items. The cut depends only on the plan (never on the
+//! number of threads), which is what makes results bit-identical for any thread count.
+
+use super::ScoresMode;
+use crate::kernel::reference::window_start;
+use crate::op::Plan;
+
+/// Query rows (tokens x the G query heads of one KV head) a prefill tile aims for.
+pub(crate) const ROW_TARGET: usize = 32;
+/// Keys a decode chunk aims for (flash-decoding split).
+pub(crate) const CHUNK_KEYS: usize = 256;
+/// Upper bound of chunks per row, so partial results stay O(T*H*D).
+pub(crate) const MAX_CHUNKS: usize = 16;
+/// Score logits stashed during attention, at most this many f32 beyond 8*T*H*D (16 MiB).
+pub(crate) const STASH_EXTRA: usize = 1 << 22;
+
+/// How one sequence is cut.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeqLayout {
+    /// Tokens per query tile.
+    pub qtok: usize,
+    /// Key chunks per query row (1 for prefill sequences).
+    pub nchunks: usize,
+    /// First key of chunk 0 (block aligned) and keys per chunk (a multiple of BS).
+    pub chunk0: usize,
+    pub chunk_len: usize,
+    /// Offset of this sequence's first partial result (rows `[n][H]`, each `nchunks` x `D+2`).
+    pub part_base: usize,
+    /// Offset of this sequence's first stashed logit row (rows `[score_tokens][H]` x `ctx`).
+    pub stash_base: usize,
+}
+
+impl SeqLayout {
+    /// Keys `[k0, k1)` of chunk `c`, for a sequence of `ctx` keys.
+    pub fn chunk_range(&self, c: usize, ctx: usize) -> (usize, usize) {
+        if self.nchunks == 1 {
+            return (0, ctx);
+        }
+        let k0 = self.chunk0 + c * self.chunk_len;
+        (k0, (k0 + self.chunk_len).min(ctx))
+    }
+}
+
+/// One work item: one query tile of one KV head of one sequence, over one key chunk.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Item {
+    pub seq: u32,
+    pub kvh: u32,
+    pub qt: u32,
+    pub chunk: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Partition {
+    pub seqs: Vec<SeqLayout>,
+    pub items: Vec<Item>,
+    /// f32 elements of the partial-results buffer.
+    pub part_len: usize,
+    /// f32 elements of the score-logit stash, `None` when the scores are recomputed.
+    pub stash_len: Option<usize>,
+    pub seq_of_token: Vec<u32>,
+}
+
+impl Partition {
+    pub fn new(plan: &Plan, mode: ScoresMode) -> Partition {
+        let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+        let qtok = (ROW_TARGET / g.max(1)).max(1);
+        let mut seqs = Vec::with_capacity(plan.seqs.len());
+        let mut items = Vec::new();
+        let (mut part_len, mut stash_len) = (0usize, 0usize);
+        let mut seq_of_token = vec![0u32; plan.t];
+        for (s, sp) in plan.seqs.iter().enumerate() {
+            seq_of_token[sp.begin..sp.begin + sp.n].fill(s as u32);
+            let nqt = sp.n.div_ceil(qtok);
+            let (mut nchunks, mut chunk0, mut chunk_len) = (1, 0, sp.ctx().max(1));
+            if nqt == 1 {
+                // Decode-like: split the visible keys of the tile into block-aligned chunks.
+                chunk0 = window_start(plan, sp.past) / bs * bs;
+                let span = sp.ctx() - chunk0;
+                let want = span.div_ceil(CHUNK_KEYS).clamp(1, MAX_CHUNKS);
+                chunk_len = span.div_ceil(want).div_ceil(bs) * bs;
+                nchunks = span.div_ceil(chunk_len).max(1);
+            }
+            seqs.push(SeqLayout {
+                qtok,
+                nchunks,
+                chunk0,
+                chunk_len,
+                part_base: part_len,
+                stash_base: stash_len,
+            });
+            part_len += sp.n * h * nchunks * (d + 2);
+            stash_len += sp.score_tokens * h * sp.ctx();
+            for kvh in 0..plan.hkv {
+                for qt in 0..nqt {
+                    for chunk in 0..nchunks {
+                        items.push(Item {
+                            seq: s as u32,
+                            kvh: kvh as u32,
+                            qt: qt as u32,
+                            chunk: chunk as u32,
+                        });
+                    }
+                }
+            }
+        }
+        let budget = 8 * plan.t * h * d + STASH_EXTRA;
+        let stash_len = (mode == ScoresMode::Auto && stash_len <= budget).then_some(stash_len);
+        Partition { seqs, items, part_len, stash_len, seq_of_token }
+    }
+}
