@@ -84,6 +84,7 @@ def run_builtin(
     *,
     raw_score_window=False,
     native_r_deltas=False,
+    threads=None,
 ):
     """Run the call through the built-in op. Inputs are numpy arrays (None/empty = absent); the
     caches are copied, never modified. Returns float32 arrays (output, scores, key_cache_after,
@@ -92,7 +93,8 @@ def run_builtin(
     raw_score_window=True passes score_aggregation_window to the plugin as given (must already be
     [B] i32; a negative value is not replaced): only for probing the plugin itself.
     native_r_deltas=True passes [R] rotation_deltas to the plugin as a rank-1 tensor instead of
-    reshaping it to [R,1]."""
+    reshaping it to [R,1].
+    threads: INFERENCE_NUM_THREADS for the compiled model (models/gen.py uses 1 for reproducibility)."""
     for name, a in (("query", query), ("key", key), ("value", value),
                     ("key_cache", key_cache), ("value_cache", value_cache)):
         if np.asarray(a).dtype != np.float32:
@@ -178,7 +180,10 @@ def run_builtin(
     rt["num_v_heads"] = Hkv
     rt["v_head_size"] = D
     model = ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_oracle")
-    compiled = _get_core().compile_model(model, "CPU", _CONFIG)
+    config = dict(_CONFIG)
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    compiled = _get_core().compile_model(model, "CPU", config)
     req = compiled.create_infer_request()
     tensors = [ov.Tensor(a, shared_memory=True) for a in feeds]
     for i, t in enumerate(tensors):
