@@ -22,15 +22,15 @@ def encode(arr, et):
     """numpy array of element type ``et`` in its on-disk form (bf16 -> uint16 bit patterns)."""
     a = np.asarray(arr)
     if et == "f32":
-        return np.ascontiguousarray(a, dtype=np.float32)
+        return np.require(a, dtype=np.float32, requirements="C")
     if et == "f16":
-        return np.ascontiguousarray(a, dtype=np.float16)
+        return np.require(a, dtype=np.float16, requirements="C")
     if et == "bf16":
         if a.dtype == np.uint16:
-            return np.ascontiguousarray(a)
+            return np.require(a, requirements="C")
         return f32_to_bf16_bits(a.astype(np.float32))
     if et == "i32":
-        return np.ascontiguousarray(a, dtype=np.int32)
+        return np.require(a, dtype=np.int32, requirements="C")
     raise ValueError(et)
 
 

@@ -57,11 +57,11 @@ def _get_core():
 
 
 def _f32(x):
-    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    return np.require(x, dtype=np.float32, requirements="C")
 
 
 def _i32(x):
-    return np.ascontiguousarray(np.asarray(x, dtype=np.int32))
+    return np.require(x, dtype=np.int32, requirements="C")
 
 
 def run_builtin(

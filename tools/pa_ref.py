@@ -39,7 +39,7 @@ def f32_to_bf16_bits(x) -> np.ndarray:
 
     Values are first converted to float32 (so float64 input is rounded twice: f64->f32->bf16; feed
     float32 or bf16-exact values to avoid double rounding). NaN stays NaN (quiet)."""
-    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    a = np.require(x, dtype=np.float32, requirements="C")
     u = a.view(np.uint32).astype(np.uint64)
     lsb = (u >> 16) & 1
     rounded = (u + 0x7FFF + lsb) >> 16
@@ -52,7 +52,7 @@ def f32_to_bf16_bits(x) -> np.ndarray:
 
 def bf16_bits_to_f32(bits) -> np.ndarray:
     """Decode raw bf16 bit patterns (uint16) into float32 values (exact)."""
-    b = np.ascontiguousarray(np.asarray(bits, dtype=np.uint16))
+    b = np.require(bits, dtype=np.uint16, requirements="C")
     return (b.astype(np.uint32) << 16).view(np.float32).reshape(b.shape)
 
 
