@@ -195,6 +195,32 @@ def test_crosscheck_can_fail(mutation):
     assert worst > 100 * TOL_OUT, worst
 
 
+@needs_ov
+def test_multi_step_decode():
+    """5 decode steps, caches fed back from the previous step, through both oracles separately."""
+    rng = np.random.default_rng(60)
+    call = make_call(rng, H=4, Hkv=2, D=32, BS=32, seqs=[(30, 1), (31, 1)], slack_blocks=1)
+    kc_r = kc_o = call["key_cache"]
+    vc_r = vc_o = call["value_cache"]
+    past = call["past_lens"].copy()
+    for step in range(5):
+        q = rng.standard_normal(call["query"].shape).astype(np.float32)
+        k = rng.standard_normal(call["key"].shape).astype(np.float32)
+        v = rng.standard_normal(call["value"].shape).astype(np.float32)
+        base = dict(call, query=q, key=k, value=v, past_lens=past.copy())
+        ref = paged_attention_ref(*call_args(dict(base, key_cache=kc_r, value_cache=vc_r)),
+                                  cache_dtype="f32")
+        got = run_builtin(*call_args(dict(base, key_cache=kc_o, value_cache=vc_o)))
+        assert np.abs(ref[0] - got[0]).max() <= TOL_OUT, step
+        assert np.abs(ref[1] - got[1]).max() <= TOL_SCORES, step
+        kc_r, vc_r = ref[2].astype(np.float32), ref[3].astype(np.float32)
+        kc_o, vc_o = got[2], got[3]
+        past = past + 1  # positions 30..35 cross the block boundary at 32
+    mask = cache_compare_mask(kc_r.shape, past - 1, call["subsequence_begins"],
+                              call["block_indices"], call["block_indices_begins"])
+    assert np.array_equal(kc_r[mask], kc_o[mask]) and np.array_equal(vc_r[mask], vc_o[mask])
+
+
 # ---------------------------------------------------------------- reference-only unit tests
 def test_bf16_rounding():
     x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, 3.0e38, 1e-40], np.float32)
