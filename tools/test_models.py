@@ -1,6 +1,6 @@
 """Validity checks of the golden suite in models/ (no extension needed).
 
-    /work/main/.venv/bin/python -m pytest tools/test_models.py -q
+    .venv/bin/python -m pytest tools/test_models.py -q
 
 * XML structure: well-formed IR v11, unique layer ids, every edge resolves to an existing output port
   and input port, one producer per input port, precisions/dims agree along edges, the PagedAttention

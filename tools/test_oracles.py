@@ -1,8 +1,8 @@
 """Cross-check of the two independent oracles: tools/pa_ref.py (float64 numpy, from SPEC.md) against
 tools/ov_builtin.py (OpenVINO 2026.4.1's built-in PagedAttentionExtension, f32, block 32).
 
-    /work/main/.venv/bin/python -m pytest tools/test_oracles.py -q
-    /work/main/.venv/bin/python tools/test_oracles.py      # prints the table of max differences
+    .venv/bin/python -m pytest tools/test_oracles.py -q
+    .venv/bin/python tools/test_oracles.py      # prints the table of max differences
 """
 from __future__ import annotations
 
