@@ -108,6 +108,29 @@ pub(crate) fn mask_tile(plan: &Plan, s: &mut [f32], rows: usize, n: usize, kvh: 
     }
 }
 
+/// Keys per step of a tile's QK (a multiple of the AVX2 kernel's 3 keys) and PV.
+const QK_STEP: usize = 6;
+const PV_STEP: usize = 8;
+
+/// Asks the CPU to start loading the cache lines of part `i` of `parts` equal parts of `x`
+/// (a hint; no effect on results).
+#[inline]
+fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(x);
+        let lines = bytes.div_ceil(64);
+        let (l0, l1) = (lines * i / parts, lines * (i + 1) / parts);
+        let p = x.as_ptr() as *const i8;
+        for l in l0..l1 {
+            // SAFETY: prefetch never faults, and line l < lines starts inside `x`; SSE is part
+            // of the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(l * 64)) };
+        }
+    }
+}
+
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
 pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
@@ -209,17 +232,35 @@ fn run_item<M: Micro, Q: Float, C: Float>(
     let widen = C::TYPE != ElemType::F32 && rows > 8;
     // Score rows of this item: tokens at or after `first_score` (in-sequence index).
     let first_score = sp.n - sp.score_tokens;
-    for (j0, j1) in tiles(lo, hi, bs) {
-        let n = j1 - j0;
+    let tile_at = |j0: usize, j1: usize| {
         let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
         let off = cache_row(plan, phys, kvh, j0 % bs);
-        let (kt, vt) = (&ctx.kc[off..off + n * d], &ctx.vc[off..off + n * d]);
+        (&ctx.kc[off..off + (j1 - j0) * d], &ctx.vc[off..off + (j1 - j0) * d])
+    };
+    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: the
+    // next tile's lines are requested a slice at a time between the steps of this tile, which
+    // keeps a steady number of loads in flight (one burst per tile would stall the core).
+    let mut pf = tiles(lo, hi, bs);
+    pf.next();
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let n = j1 - j0;
+        let (kt, vt) = tile_at(j0, j1);
+        let (kn, vn) = pf.next().map_or((&[][..], &[][..]), |(a, b)| tile_at(a, b));
         let st = &mut s[..rows * n];
-        if widen {
+        let (kq, vq) = if widen {
             m.widen(kt, &mut kf[..n * d]);
-            m.qk(q, rows, &kf[..n * d], n, d, st, n);
+            (None, None)
         } else {
-            m.qk(q, rows, kt, n, d, st, n);
+            (Some(kt), Some(vt))
+        };
+        let steps = n.div_ceil(QK_STEP);
+        for (i, a) in (0..n).step_by(QK_STEP).enumerate() {
+            let b = (a + QK_STEP).min(n);
+            match kq {
+                Some(kt) => m.qk(q, rows, &kt[a * d..b * d], b - a, d, &mut st[a..], n),
+                None => m.qk(q, rows, &kf[a * d..b * d], b - a, d, &mut st[a..], n),
+            }
+            prefetch_part(kn, i, steps);
         }
         mask_tile(plan, st, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
@@ -254,9 +295,15 @@ fn run_item<M: Micro, Q: Float, C: Float>(
         }
         if widen {
             m.widen(vt, &mut kf[..n * d]);
-            m.pv(st, n, rows, &kf[..n * d], n, d, acc);
-        } else {
-            m.pv(st, n, rows, vt, n, d, acc);
+        }
+        let steps = n.div_ceil(PV_STEP);
+        for (i, a) in (0..n).step_by(PV_STEP).enumerate() {
+            let b = (a + PV_STEP).min(n);
+            match vq {
+                Some(vt) => m.pv(&st[a..], n, rows, &vt[a * d..b * d], b - a, d, acc),
+                None => m.pv(&st[a..], n, rows, &kf[a * d..b * d], b - a, d, acc),
+            }
+            prefetch_part(vn, i, steps);
         }
     }
     for r in 0..rows {

@@ -9,7 +9,8 @@ use crate::kernel::reference::{block_of, cache_row};
 use crate::op::Plan;
 use rayon::prelude::*;
 
-pub(crate) fn insert<Q: Float, C: Float>(plan: &Plan, src: &[Q], cache: &mut [C], block_indices: &[i32]) {
+/// Safe for any plan: rows are disjoint by construction and every slice access is checked.
+pub fn insert<Q: Float, C: Float>(plan: &Plan, src: &[Q], cache: &mut [C], block_indices: &[i32]) {
     let (d, hkv, bs) = (plan.d, plan.hkv, plan.bs);
     let w = SharedMut::new(cache);
     (0..hkv).into_par_iter().for_each(|head| {

@@ -22,10 +22,10 @@
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
 mod attention;
-mod insert;
+pub mod insert;
 pub(crate) mod micro;
 mod partition;
-mod rotate;
+pub mod rotate;
 mod scores;
 mod shared;
 

@@ -1,0 +1,102 @@
+//! Measures this machine's limits for the benchmark table (`tools/bench.py` runs it):
+//! read bandwidth with a streaming-read kernel, and the f32 FMA peak with a register-blocked
+//! FMA loop, both on the rayon pool (`RAYON_NUM_THREADS`). Prints one JSON line.
+
+use rayon::prelude::*;
+use std::time::Instant;
+
+fn main() {
+    let threads = rayon::current_num_threads();
+    let bw = read_bandwidth();
+    let fma = fma_peak(threads);
+    println!(
+        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"simd\": \"{:?}\"}}",
+        paged_attention::kernel::fast::SimdLevel::detected()
+    );
+}
+
+/// GB/s of a parallel sum over 1 GiB (well past every cache), best of 5.
+fn read_bandwidth() -> f64 {
+    let n = (1usize << 30) / 4;
+    let data: Vec<f32> = (0..n).into_par_iter().map(|i| (i & 7) as f32).collect();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: f32 = data.par_chunks(1 << 16).map(sum_chunk).sum();
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (n * 4) as f64 / best / 1e9
+}
+
+fn sum_chunk(c: &[f32]) -> f32 {
+    let mut acc = [0f32; 32];
+    for ch in c.chunks_exact(32) {
+        for i in 0..32 {
+            acc[i] += ch[i];
+        }
+    }
+    acc.iter().sum()
+}
+
+/// GFLOP/s of independent FMAs on every thread (AVX2: 12 accumulators x 8 lanes), best of 5.
+fn fma_peak(threads: usize) -> f64 {
+    let iters = 20_000_000usize;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let r: f32 = (0..threads).into_par_iter().map(|_| fma_loop(iters)).sum();
+        std::hint::black_box(r);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let flops_per_iter = if avx2() { 12.0 * 8.0 * 2.0 } else { 12.0 * 2.0 };
+    threads as f64 * iters as f64 * flops_per_iter / best / 1e9
+}
+
+fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn fma_loop(iters: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: AVX2 and FMA were detected just above.
+        return unsafe { fma_loop_avx2(iters) };
+    }
+    let mut a = [1.0f32; 12];
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = x.mul_add(0.999_999, 1e-7);
+        }
+    }
+    a.iter().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop_avx2(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm256_set1_ps(0.999_999);
+    let c = _mm256_set1_ps(1e-7);
+    let mut a = [_mm256_set1_ps(1.0); 12];
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, m, c);
+        }
+    }
+    let mut s = _mm256_setzero_ps();
+    for x in a {
+        s = _mm256_add_ps(s, x);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+    out.iter().sum()
+}

@@ -1,0 +1,224 @@
+"""Benchmark: the issue's workloads through our C ABI (pa_execute), through our extension in
+OpenVINO (when the library exports create_extensions), and through OpenVINO's built-in
+PagedAttentionExtension, in one process on identical inputs (the same buffers).
+
+    RAYON_NUM_THREADS=2 .venv/bin/python tools/bench.py [--reps 15] [--only decode16,prefill] [--types f32,f16,bf16]
+
+Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16 (OpenVINO compiled with
+INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION = cache type, INFERENCE_NUM_THREADS=2).
+Each repetition runs the three paths back to back (so machine noise hits them alike); the table
+gives min and median ms, KV GB/s (cache bytes the attention must read, at the min time),
+GFLOP/s (4*D flops per visible (query head, key) pair), the ratio OpenVINO/ours (min/min), and
+our share of the read bandwidth and FMA peak that target/release/pa_machine measures in the
+same run. The outputs of the paths are compared (max abs difference) as a sanity check.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes as ct
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+LIB = ROOT / "target" / "release" / "libpaged_attention.so"
+MACHINE = ROOT / "target" / "release" / "pa_machine"
+H, HKV, D, BS = 32, 8, 128, 32
+THREADS = int(os.environ.get("RAYON_NUM_THREADS", "2"))
+os.environ.setdefault("RAYON_NUM_THREADS", str(THREADS))
+
+WORKLOADS = {
+    "decode16": ("decode 16 x 1024 past", [(1024, 1)] * 16),
+    "decode4": ("decode 4 x 4096 past", [(4096, 1)] * 4),
+    "prefill": ("prefill 1 x 1024", [(0, 1024)]),
+    "mixed": ("mixed 256 on 768 + 15 x 1024 decode", [(768, 256)] + [(1024, 1)] * 15),
+}
+ELEM = {"f32": 0, "f16": 1, "bf16": 2, "i32": 3}
+
+
+class PaTensor(ct.Structure):
+    _fields_ = [("elem_type", ct.c_int32), ("rank", ct.c_int32), ("dims", ct.c_int64 * 8), ("data", ct.c_void_p)]
+
+
+def pa_tensor(arr: np.ndarray, elem: str) -> PaTensor:
+    t = PaTensor()
+    t.elem_type = ELEM[elem]
+    t.rank = arr.ndim
+    for i, d in enumerate(arr.shape):
+        t.dims[i] = d
+    t.data = arr.ctypes.data
+    return t
+
+
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    b = a.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+class Call:
+    """One workload's inputs, in buffers both implementations use."""
+
+    def __init__(self, seqs, cache: str, rng):
+        self.seqs, self.cache = seqs, cache
+        n = [s[1] for s in seqs]
+        self.T = sum(n)
+        self.B = len(seqs)
+        nblocks = [-(-(p + k) // BS) for p, k in seqs]
+        NB = sum(nblocks)
+        perm = rng.permutation(NB).astype(np.int32)
+        self.q = rng.uniform(-1, 1, (self.T, H * D)).astype(np.float32)
+        self.k = rng.uniform(-1, 1, (self.T, HKV * D)).astype(np.float32)
+        self.v = rng.uniform(-1, 1, (self.T, HKV * D)).astype(np.float32)
+        kc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
+        vc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
+        if cache == "f16":
+            kc, vc = kc.astype(np.float16), vc.astype(np.float16)
+        elif cache == "bf16":
+            kc, vc = f32_to_bf16_bits(kc), f32_to_bf16_bits(vc)
+        self.kc, self.vc = kc, vc
+        self.past = np.array([p for p, _ in seqs], np.int32)
+        self.sb = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+        self.bi = perm
+        self.bib = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int32)
+        self.out = np.zeros((self.T, H * D), np.float32)
+        self.scores = np.zeros(int(self.past.sum()) + self.T, np.float32)
+        esize = 4 if cache == "f32" else 2
+        self.kv_bytes = sum((p + k) for p, k in seqs) * HKV * D * 2 * esize
+        self.flops = sum(sum(p + i + 1 for i in range(k)) for p, k in seqs) * H * D * 4
+
+    # --- ours, C ABI
+    def bind_ours(self, lib):
+        ins = [pa_tensor(self.q, "f32"), pa_tensor(self.k, "f32"), pa_tensor(self.v, "f32"),
+               pa_tensor(self.kc, self.cache), pa_tensor(self.vc, self.cache),
+               pa_tensor(self.past, "i32"), pa_tensor(self.sb, "i32"), pa_tensor(self.bi, "i32"),
+               pa_tensor(self.bib, "i32")]
+        self._ins = (PaTensor * len(ins))(*ins)
+        self._outs = (PaTensor * 2)(pa_tensor(self.out, "f32"), pa_tensor(self.scores, "f32"))
+        self._lib = lib
+
+    def run_ours(self):
+        rc = self._lib.pa_execute(self._ins, len(self._ins), self._outs, 2)
+        if rc != 0:
+            buf = ct.create_string_buffer(1024)
+            self._lib.pa_last_error_message(buf, 1024)
+            raise RuntimeError(f"pa_execute: {rc}: {buf.value.decode()}")
+
+    # --- OpenVINO built-in
+    def bind_ov(self, core):
+        import openvino as ov
+        import openvino.opset13 as ops
+        from openvino._pyopenvino.op import _PagedAttentionExtension
+        ctype = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}[self.cache]
+        f32, i32 = ov.Type.f32, ov.Type.i32
+        max_ctx = np.array(max(p + k for p, k in self.seqs), np.int32)
+        feeds = [
+            ("query", f32, [-1, H * D], self.q), ("key", f32, [-1, HKV * D], self.k),
+            ("value", f32, [-1, HKV * D], self.v),
+            ("key_cache", ctype, [-1, HKV, BS, D], self.kc), ("value_cache", ctype, [-1, HKV, BS, D], self.vc),
+            ("past_lens", i32, [-1], self.past), ("subsequence_begins", i32, [-1], self.sb),
+            ("block_indices", i32, [-1], self.bi), ("block_indices_begins", i32, [-1], self.bib),
+            ("scale", f32, [], np.array(0.0, np.float32)), ("sliding_window", i32, [], np.array(0, np.int32)),
+            ("alibi_slopes", f32, [-1], np.zeros([0], np.float32)), ("max_context_len", i32, [], max_ctx),
+            ("score_aggregation_window", i32, [-1], np.ones(self.B, np.int32)),
+            ("rotated_block_indices", i32, [-1], np.zeros([0], np.int32)),
+            ("rotation_deltas", i32, [-1, -1], np.zeros([0, 1], np.int32)),
+            ("rotation_trig_lut", f32, [-1, D], np.zeros([0, D], np.float32)),
+        ]
+        params = [ops.parameter(ov.PartialShape(s), et, name=nm) for nm, et, s, _ in feeds]
+        extra = [ops.constant(np.zeros([0], np.float32)), ops.constant(np.array(0, np.int32)),
+                 ops.constant(np.array(0, np.int32)), ops.constant(np.zeros([0], np.float32)),
+                 ops.constant(np.array(0, np.int32)), ops.constant(np.zeros([0], np.int32)),
+                 ops.constant(np.zeros([0], np.int32)), ops.constant(np.zeros([0], np.int32)),
+                 ops.constant(np.zeros([0], np.int32)), ops.constant(np.zeros([0], np.uint8)),
+                 ops.constant(np.zeros([0], np.int32))]
+        node = _PagedAttentionExtension([p.output(0) for p in params] + [e.output(0) for e in extra])
+        rt = node.get_rt_info()
+        rt["num_k_heads"], rt["k_head_size"], rt["num_v_heads"], rt["v_head_size"] = HKV, D, HKV, D
+        model = ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_bench")
+        cfg = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": self.cache,
+               "INFERENCE_NUM_THREADS": THREADS}
+        self._ov_compiled = core.compile_model(model, "CPU", cfg)
+        self._ov_req = self._ov_compiled.create_infer_request()
+        self._ov_tensors = []
+        for i, (nm, et, _, a) in enumerate(feeds):
+            t = ov.Tensor(a, list(a.shape), et) if et == ov.Type.bf16 else ov.Tensor(a, shared_memory=True)
+            self._ov_tensors.append(t)
+            self._ov_req.set_input_tensor(i, t)
+
+    def run_ov(self):
+        self._ov_req.infer()
+
+    def ov_outputs(self):
+        return (np.array(self._ov_req.get_output_tensor(0).data, np.float32),
+                np.array(self._ov_req.get_output_tensor(1).data, np.float32))
+
+
+def timed(f):
+    t = time.perf_counter()
+    f()
+    return (time.perf_counter() - t) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--only", default=",".join(WORKLOADS))
+    ap.add_argument("--types", default="f32,f16,bf16")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+
+    import openvino as ov
+    machine = json.loads(subprocess.run([str(MACHINE)], capture_output=True, text=True, check=True,
+                                        env=dict(os.environ, RAYON_NUM_THREADS=str(THREADS))).stdout)
+    lib = ct.CDLL(str(LIB))
+    lib.pa_execute.restype = ct.c_int32
+    core = ov.Core()
+    has_ext = hasattr(lib, "create_extensions")
+    print(f"# OpenVINO {ov.__version__.split('-')[0]}, {THREADS} threads; machine: read {machine['read_gbs']:.1f} GB/s, "
+          f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']}); our extension: "
+          f"{'yes' if has_ext else 'n/a (library built without --features openvino)'}")
+    hdr = ("| workload | cache | ours ms min / med | OV built-in ms min / med | ours-in-OV ms | ratio OV/ours "
+           "| ours GB/s (% read BW) | ours GFLOP/s (% FMA peak) | OV GB/s | max |diff| |")
+    print(hdr)
+    print("|" + "---|" * hdr.count("|")[:-1] if False else "|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    rng = np.random.default_rng(0)
+    for key in args.only.split(","):
+        label, seqs = WORKLOADS[key]
+        for cache in args.types.split(","):
+            call = Call(seqs, cache, rng)
+            call.bind_ours(lib)
+            call.bind_ov(core)
+            for _ in range(2):  # warm-up (thread pools, page faults, plugin caches)
+                call.run_ours()
+                call.run_ov()
+            ours, ovt = [], []
+            for _ in range(args.reps):
+                ours.append(timed(call.run_ours))
+                ovt.append(timed(call.run_ov))
+            o_out, o_sc = call.out.copy(), call.scores.copy()
+            v_out, v_sc = call.ov_outputs()
+            diff = max(float(np.abs(o_out - v_out).max()), float(np.abs(o_sc - v_sc).max()))
+            omin, omed, vmin, vmed = min(ours), statistics.median(ours), min(ovt), statistics.median(ovt)
+            gbs = call.kv_bytes / omin / 1e6
+            gfl = call.flops / omin / 1e6
+            row = dict(workload=label, cache=cache, ours_min=omin, ours_med=omed, ov_min=vmin, ov_med=vmed,
+                       ratio=vmin / omin, gbs=gbs, bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
+                       fma_pct=100 * gfl / machine["fma_gflops"], ov_gbs=call.kv_bytes / vmin / 1e6, diff=diff)
+            rows.append(row)
+            print(f"| {label} | {cache} | {omin:.2f} / {omed:.2f} | {vmin:.2f} / {vmed:.2f} | n/a | {row['ratio']:.2f}x "
+                  f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {row['ov_gbs']:.1f} | {diff:.1e} |",
+                  flush=True)
+            del call
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(machine=machine, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
