@@ -151,6 +151,40 @@ class Call:
             self._ov_tensors.append(t)
             self._ov_req.set_input_tensor(i, t)
 
+    # --- ours through OpenVINO (the extension in the same library), when it is built in
+    def bind_ext(self, core, tmpdir):
+        import openvino as ov
+        sys.path.insert(0, str(ROOT / "tools"))
+        from ir_writer import IRBuilder, Port
+        b = IRBuilder("pa_ext_bench")
+        ins = [("query", "f32", [-1, H * D], self.q), ("key", "f32", [-1, HKV * D], self.k),
+               ("value", "f32", [-1, HKV * D], self.v),
+               ("key_cache", self.cache, [-1, HKV, BS, D], self.kc),
+               ("value_cache", self.cache, [-1, HKV, BS, D], self.vc),
+               ("past_lens", "i32", [-1], self.past), ("subsequence_begins", "i32", [-1], self.sb),
+               ("block_indices", "i32", [-1], self.bi), ("block_indices_begins", "i32", [-1], self.bib)]
+        srcs = [b.parameter(nm, et, dims) for nm, et, dims, _ in ins]
+        node = b.op("pa", "PagedAttention", "ie_internal_opset", srcs,
+                    [Port(i, et, dims) for i, (_, et, dims, _) in enumerate(ins)],
+                    [Port(len(ins), "f32", [-1, H * D]), Port(len(ins) + 1, "f32", [-1])])
+        b.result("output", (node, len(ins)))
+        b.result("scores", (node, len(ins) + 1))
+        xml = Path(tmpdir) / f"pa_{id(self)}.xml"
+        xml.write_text(b.xml())
+        xml.with_suffix(".bin").write_bytes(bytes(b.bin))
+        model = core.read_model(str(xml))
+        cfg = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": THREADS}
+        self._ext_compiled = core.compile_model(model, "CPU", cfg)
+        self._ext_req = self._ext_compiled.create_infer_request()
+        self._ext_tensors = []
+        for i, (_, et, _, a) in enumerate(ins):
+            t = ov.Tensor(a, list(a.shape), ov.Type.bf16) if et == "bf16" else ov.Tensor(a, shared_memory=True)
+            self._ext_tensors.append(t)
+            self._ext_req.set_input_tensor(i, t)
+
+    def run_ext(self):
+        self._ext_req.infer()
+
     def run_ov(self):
         self._ov_req.infer()
 
@@ -180,11 +214,15 @@ def main():
     lib.pa_execute.restype = ct.c_int32
     core = ov.Core()
     has_ext = hasattr(lib, "create_extensions")
+    import tempfile
+    tmpdir = tempfile.mkdtemp(prefix="pa_bench_")
+    if has_ext:
+        core.add_extension(str(LIB))
     print(f"# OpenVINO {ov.__version__.split('-')[0]}, {THREADS} threads; machine: read {machine['read_gbs']:.1f} GB/s, "
           f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']}); our extension: "
           f"{'yes' if has_ext else 'n/a (library built without --features openvino)'}")
-    hdr = ("| workload | cache | ours ms min / med | OV built-in ms min / med | ours-in-OV ms | ratio OV/ours "
-           "| ours GB/s (% read BW) | ours GFLOP/s (% FMA peak) | OV GB/s | max |diff| |")
+    hdr = ("| workload | cache | ours ms min / med | OV built-in ms min / med | ours-in-OV ms min / med (vs C ABI) | ratio OV/ours "
+           "| ours GB/s (% read BW) | ours GFLOP/s (% FMA peak) | OV GB/s | max abs diff |")
     print(hdr)
     print("|---" * (hdr.count("|") - 1) + "|")
     rows = []
@@ -195,24 +233,36 @@ def main():
             call = Call(seqs, cache, rng)
             call.bind_ours(lib)
             call.bind_ov(core)
+            ext_err = None if has_ext else "n/a"
+            if has_ext:
+                try:
+                    call.bind_ext(core, tmpdir)
+                except Exception as e:  # reported in the table, the other columns still run
+                    ext_err = f"error: {str(e).splitlines()[0][:60]}"
             for _ in range(2):  # warm-up (thread pools, page faults, plugin caches)
                 call.run_ours()
                 call.run_ov()
-            ours, ovt = [], []
+                if ext_err is None:
+                    call.run_ext()
+            ours, ovt, ext = [], [], []
             for _ in range(args.reps):
                 ours.append(timed(call.run_ours))
                 ovt.append(timed(call.run_ov))
+                if ext_err is None:
+                    ext.append(timed(call.run_ext))
             o_out, o_sc = call.out.copy(), call.scores.copy()
             v_out, v_sc = call.ov_outputs()
             diff = max(float(np.abs(o_out - v_out).max()), float(np.abs(o_sc - v_sc).max()))
             omin, omed, vmin, vmed = min(ours), statistics.median(ours), min(ovt), statistics.median(ovt)
             gbs = call.kv_bytes / omin / 1e6
             gfl = call.flops / omin / 1e6
+            ext_txt = ext_err if ext_err else f"{min(ext):.2f} / {statistics.median(ext):.2f} ({100 * (min(ext) / omin - 1):+.0f}%)"
             row = dict(workload=label, cache=cache, ours_min=omin, ours_med=omed, ov_min=vmin, ov_med=vmed,
+                       ext_min=min(ext) if ext else None,
                        ratio=vmin / omin, gbs=gbs, bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
                        fma_pct=100 * gfl / machine["fma_gflops"], ov_gbs=call.kv_bytes / vmin / 1e6, diff=diff)
             rows.append(row)
-            print(f"| {label} | {cache} | {omin:.2f} / {omed:.2f} | {vmin:.2f} / {vmed:.2f} | n/a | {row['ratio']:.2f}x "
+            print(f"| {label} | {cache} | {omin:.2f} / {omed:.2f} | {vmin:.2f} / {vmed:.2f} | {ext_txt} | {row['ratio']:.2f}x "
                   f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {row['ov_gbs']:.1f} | {diff:.1e} |",
                   flush=True)
             del call
