@@ -240,3 +240,172 @@ fn keep<T: Copy>(v: &[T], gone: &[bool]) -> Vec<T> {
         .map(|(&x, _)| x)
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::manager::ManagerConfig;
+
+    fn seq_with_scores(bs: usize, scores: &[f32]) -> BlockManager {
+        let mut m = BlockManager::new(ManagerConfig {
+            num_blocks: 16,
+            block_size: bs,
+            prefix_caching: true,
+        })
+        .unwrap();
+        m.add_sequence(1, &[]).unwrap();
+        let toks: Vec<u32> = (0..scores.len() as u32).collect();
+        m.append(1, &toks).unwrap();
+        m.accumulate_scores(1, scores).unwrap();
+        m
+    }
+
+    #[test]
+    fn eviction_keeps_start_and_recent_blocks_and_drops_the_lowest_scored() {
+        // 7 blocks of 2; block scores 9, 1, 5, 0.5, 7, 0, 3 (blocks 5 and 6 are recent).
+        let s = [9., 0., 1., 0., 5., 0., 0.5, 0., 7., 0., 0., 0., 3., 0.];
+        let mut m = seq_with_scores(2, &s);
+        let table = m.block_table(1).unwrap().to_vec();
+        let p = EvictionPolicy {
+            start: 1,
+            recent: 2,
+            budget: 5,
+        };
+        let ev = m.evict(1, p).unwrap();
+        assert_eq!(ev.evicted, vec![1, 3], "blocks 1 (score 1) and 3 (0.5) go");
+        let want: Vec<_> = [0, 2, 4, 5, 6].iter().map(|&i| table[i]).collect();
+        assert_eq!(m.block_table(1).unwrap(), &want[..]);
+        assert_eq!(m.len(1).unwrap(), 10);
+        assert_eq!(m.block_scores(1).unwrap(), &[9.0, 5.0, 7.0, 0.0, 3.0]);
+        // Block 5 (score 0) was recent, so it stayed although it is the lowest.
+        m.check_invariants().unwrap();
+        assert_eq!(
+            m.evict(1, p).unwrap(),
+            Eviction::default(),
+            "within budget now"
+        );
+    }
+
+    #[test]
+    fn eviction_rotates_moved_blocks_back_by_the_positions_they_moved() {
+        let s = [9., 0., 1., 0., 5., 0., 0.5, 0., 7., 0., 0., 0., 3., 0.];
+        let mut m = seq_with_scores(2, &s);
+        let table = m.block_table(1).unwrap().to_vec();
+        m.evict(
+            1,
+            EvictionPolicy {
+                start: 1,
+                recent: 2,
+                budget: 5,
+            },
+        )
+        .unwrap();
+        let r = m.take_rotation().unwrap();
+        // Block 2 moves down 1 block (2 positions), blocks 4, 5, 6 move down 2 blocks (4).
+        let mut want: Vec<(i32, i32)> = vec![
+            (table[2] as i32, 2),
+            (table[4] as i32, 4),
+            (table[5] as i32, 4),
+            (table[6] as i32, 4),
+        ];
+        want.sort_unstable();
+        let got: Vec<(i32, i32)> = r
+            .block_indices
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (b, r.deltas[i * 2]))
+            .collect();
+        assert_eq!(got, want);
+        assert!(r.deltas.chunks(2).all(|row| row[0] == row[1]));
+        assert_eq!(r.lut_rows(), 5);
+        assert!(m.take_rotation().is_none(), "rotations are handed out once");
+    }
+
+    #[test]
+    fn evicting_a_shared_moved_block_copies_it_for_this_sequence_only() {
+        let s = [1., 1., 0., 0., 1., 1., 1., 1.];
+        let mut m = seq_with_scores(2, &s);
+        m.fork(1, 2).unwrap();
+        let table = m.block_table(2).unwrap().to_vec();
+        let ev = m
+            .evict(
+                1,
+                EvictionPolicy {
+                    start: 1,
+                    recent: 1,
+                    budget: 3,
+                },
+            )
+            .unwrap();
+        assert_eq!(ev.evicted, vec![1]);
+        assert_eq!(ev.copies.len(), 2, "blocks 2 and 3 move and are shared");
+        assert_eq!(
+            m.block_table(2).unwrap(),
+            &table[..],
+            "the fork is untouched"
+        );
+        let r = m.take_rotation().unwrap();
+        let moved: Vec<i32> = ev.copies.iter().map(|c| c.dst as i32).collect();
+        assert_eq!(r.block_indices, moved, "only the copies are rotated");
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn eviction_rejects_a_policy_without_room_for_start_and_recent() {
+        let mut m = seq_with_scores(2, &[0.; 8]);
+        let bad = EvictionPolicy {
+            start: 2,
+            recent: 2,
+            budget: 3,
+        };
+        assert!(matches!(
+            m.evict(1, bad),
+            Err(PaError::InvalidArgument { .. })
+        ));
+        let no_recent = EvictionPolicy {
+            start: 0,
+            recent: 0,
+            budget: 3,
+        };
+        assert!(m.evict(1, no_recent).is_err());
+    }
+
+    #[test]
+    fn pending_rotation_is_dropped_when_the_block_is_freed() {
+        let mut m = seq_with_scores(2, &[5., 5., 0., 0., 5., 5.]);
+        m.evict(
+            1,
+            EvictionPolicy {
+                start: 1,
+                recent: 1,
+                budget: 2,
+            },
+        )
+        .unwrap();
+        assert_eq!(m.pending_rotations().len(), 1);
+        m.free(1).unwrap();
+        assert!(m.take_rotation().is_none());
+    }
+
+    #[test]
+    fn backward_lut_row_undoes_forward_row() {
+        let d = 8;
+        let f = rotation_lut(6, d, 10000.0, RotationDirection::Forward).unwrap();
+        let b = rotation_lut(6, d, 10000.0, RotationDirection::Backward).unwrap();
+        assert_eq!(
+            &f[..d],
+            &[1., 1., 1., 1., 0., 0., 0., 0.],
+            "row 0 is the identity"
+        );
+        for m in 0..6 {
+            for i in 0..d / 2 {
+                let fi = 10000f64.powf(-2.0 * i as f64 / d as f64);
+                let want = (m as f64 * fi).sin() as f32;
+                assert!((f[m * d + d / 2 + i] - want).abs() < 1e-6);
+                assert_eq!(b[m * d + d / 2 + i], -f[m * d + d / 2 + i]);
+                assert_eq!(b[m * d + i], f[m * d + i]);
+            }
+        }
+        assert!(rotation_lut(2, 7, 10000.0, RotationDirection::Backward).is_err());
+    }
+}

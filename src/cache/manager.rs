@@ -493,3 +493,257 @@ pub fn copy_blocks<T: Copy>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mgr(num_blocks: usize, block_size: usize) -> BlockManager {
+        BlockManager::new(ManagerConfig {
+            num_blocks,
+            block_size,
+            prefix_caching: true,
+        })
+        .unwrap()
+    }
+
+    fn toks(r: std::ops::Range<u32>) -> Vec<u32> {
+        r.collect()
+    }
+
+    #[test]
+    fn append_allocates_blocks_on_demand() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        let a = m.append(1, &toks(0..5)).unwrap();
+        assert_eq!(a.past_len, 0);
+        assert_eq!(m.block_table(1).unwrap().len(), 2);
+        let a = m.append(1, &toks(5..8)).unwrap();
+        assert_eq!(a.past_len, 5);
+        assert_eq!(
+            m.block_table(1).unwrap().len(),
+            2,
+            "8 tokens fill exactly 2 blocks"
+        );
+        m.append(1, &[8]).unwrap();
+        assert_eq!(m.block_table(1).unwrap().len(), 3);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn append_fails_without_change_when_blocks_run_out() {
+        let mut m = mgr(2, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..6)).unwrap();
+        let err = m.append(1, &toks(6..9)).unwrap_err();
+        assert!(matches!(err, PaError::OutOfBlocks { .. }), "got {err:?}");
+        assert_eq!(m.len(1).unwrap(), 6);
+        assert_eq!(m.block_table(1).unwrap().len(), 2);
+        m.append(1, &toks(6..8)).unwrap();
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn unknown_sequence_is_an_error() {
+        let mut m = mgr(2, 4);
+        assert_eq!(
+            m.append(9, &[1]).unwrap_err(),
+            PaError::UnknownSequence { id: 9 }
+        );
+        assert!(matches!(m.free(9), Err(PaError::UnknownSequence { id: 9 })));
+    }
+
+    #[test]
+    fn fork_shares_every_block_and_free_drops_ref_counts() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..6)).unwrap();
+        m.fork(1, 2).unwrap();
+        let t = m.block_table(1).unwrap().to_vec();
+        assert_eq!(m.block_table(2).unwrap(), &t[..]);
+        for &b in &t {
+            assert_eq!(m.ref_count(b), 2);
+        }
+        assert_eq!(m.stats().shared_blocks, 2);
+        m.free(1).unwrap();
+        for &b in &t {
+            assert_eq!(m.ref_count(b), 1);
+        }
+        m.free(2).unwrap();
+        for &b in &t {
+            assert_eq!(m.ref_count(b), 0);
+        }
+        assert_eq!(m.available_blocks(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn writing_a_shared_partial_block_copies_it_first() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..6)).unwrap();
+        m.fork(1, 2).unwrap();
+        let parent = m.block_table(1).unwrap().to_vec();
+        let a = m.append(2, &[100]).unwrap();
+        assert_eq!(a.copies.len(), 1);
+        assert_eq!(a.copies[0].src, parent[1]);
+        let child = m.block_table(2).unwrap().to_vec();
+        assert_eq!(child[0], parent[0], "the full block stays shared");
+        assert_eq!(child[1], a.copies[0].dst);
+        assert_ne!(child[1], parent[1]);
+        assert_eq!(m.ref_count(parent[1]), 1);
+        // The parent now holds its block alone: no copy.
+        assert!(m.append(1, &[200]).unwrap().copies.is_empty());
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn writing_after_a_full_shared_block_needs_no_copy() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..8)).unwrap();
+        m.fork(1, 2).unwrap();
+        assert!(m.append(2, &[1]).unwrap().copies.is_empty());
+    }
+
+    #[test]
+    fn copy_blocks_copies_whole_blocks_of_both_caches() {
+        let (hkv, bs, d) = (2, 2, 3);
+        let be = hkv * bs * d;
+        let mut k: Vec<f32> = (0..3 * be).map(|x| x as f32).collect();
+        let mut v: Vec<f32> = k.iter().map(|x| -x).collect();
+        copy_blocks(&mut k, &mut v, be, &[BlockCopy { src: 0, dst: 2 }]).unwrap();
+        assert_eq!(k[2 * be..], k[..be].to_vec()[..]);
+        assert_eq!(v[2 * be..], v[..be].to_vec()[..]);
+        assert_eq!(k[be], be as f32, "block 1 untouched");
+        assert!(copy_blocks(&mut k, &mut v, be, &[BlockCopy { src: 0, dst: 3 }]).is_err());
+    }
+
+    #[test]
+    fn rollback_frees_the_blocks_of_rejected_tokens() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..6)).unwrap();
+        let before = m.available_blocks();
+        m.append(1, &toks(6..13)).unwrap(); // 5 draft-ish tokens more: 4 blocks
+        assert_eq!(m.available_blocks(), before - 2);
+        m.truncate(1, 7).unwrap();
+        assert_eq!(m.len(1).unwrap(), 7);
+        assert_eq!(m.block_table(1).unwrap().len(), 2);
+        assert_eq!(m.available_blocks(), before);
+        assert!(m.truncate(1, 8).is_err(), "cannot grow by truncation");
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn rollback_into_a_shared_block_copies_on_the_next_write() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..8)).unwrap();
+        m.fork(1, 2).unwrap();
+        m.truncate(2, 6).unwrap();
+        let a = m.append(2, &[99]).unwrap();
+        assert_eq!(
+            a.copies.len(),
+            1,
+            "block 1 is shared with seq 1: copy before writing"
+        );
+        assert_eq!(m.len(1).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn prefix_hit_reuses_computed_full_blocks() {
+        let mut m = mgr(8, 4);
+        let prompt = toks(0..10);
+        assert_eq!(m.add_sequence(1, &prompt).unwrap(), 0);
+        m.append(1, &prompt).unwrap();
+        // Not computed yet: no hit.
+        assert_eq!(m.add_sequence(2, &prompt).unwrap(), 0);
+        m.free(2).unwrap();
+        m.mark_computed();
+        assert_eq!(m.add_sequence(2, &prompt).unwrap(), 8);
+        let t1 = m.block_table(1).unwrap().to_vec();
+        assert_eq!(m.block_table(2).unwrap(), &t1[..2]);
+        assert_eq!(m.ref_count(t1[0]), 2);
+        // A prompt that differs in block 1 hits block 0 only.
+        let mut other = prompt.clone();
+        other[5] = 77;
+        assert_eq!(m.add_sequence(3, &other).unwrap(), 4);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn prefix_hit_leaves_at_least_one_token_to_compute() {
+        let mut m = mgr(8, 4);
+        let prompt = toks(0..8);
+        m.add_sequence(1, &prompt).unwrap();
+        m.append(1, &prompt).unwrap();
+        m.mark_computed();
+        assert_eq!(m.add_sequence(2, &prompt).unwrap(), 4);
+    }
+
+    #[test]
+    fn freed_prefix_blocks_stay_reusable_until_memory_is_needed() {
+        let mut m = mgr(4, 4);
+        let p1 = toks(0..9);
+        m.add_sequence(1, &p1).unwrap();
+        m.append(1, &p1).unwrap();
+        m.mark_computed();
+        m.free(1).unwrap();
+        let s = m.stats();
+        assert_eq!((s.cached_blocks, s.free_blocks), (2, 2));
+        assert_eq!(m.add_sequence(2, &p1).unwrap(), 8, "hit after free");
+        m.free(2).unwrap();
+        // A different sequence needing all 4 blocks takes the free ones, then the cached ones
+        // least recently used first (block 1 of the prompt was released before block 0).
+        m.add_sequence(3, &[]).unwrap();
+        m.append(3, &toks(100..112)).unwrap();
+        assert_eq!(m.stats().cached_blocks, 1);
+        m.add_sequence(4, &[]).unwrap();
+        let hit = m.add_sequence(5, &p1).unwrap();
+        assert_eq!(hit, 4, "block 0 of the prompt survived, block 1 was reused");
+        m.append(3, &toks(112..113)).unwrap_err();
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn stats_count_fragmentation_as_empty_slots_of_used_blocks() {
+        let mut m = mgr(8, 4);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..5)).unwrap();
+        m.add_sequence(2, &[]).unwrap();
+        m.append(2, &toks(0..2)).unwrap();
+        let s = m.stats();
+        assert_eq!(s.used_blocks, 3);
+        assert_eq!(s.used_slots, 7);
+        assert_eq!(s.fragmentation, 5);
+        assert_eq!(s.free_blocks, 5);
+    }
+
+    #[test]
+    fn accumulated_scores_sum_per_block() {
+        let mut m = mgr(8, 2);
+        m.add_sequence(1, &[]).unwrap();
+        m.append(1, &toks(0..3)).unwrap();
+        m.accumulate_scores(1, &[1.0, 2.0, 4.0]).unwrap();
+        m.accumulate_scores(1, &[1.0, 0.0, 1.0]).unwrap();
+        assert_eq!(m.block_scores(1).unwrap(), &[4.0, 5.0]);
+        assert!(m.accumulate_scores(1, &[1.0]).is_err());
+    }
+
+    #[test]
+    fn block_inputs_concatenate_tables_in_batch_order() {
+        let mut m = mgr(8, 2);
+        for id in [1, 2] {
+            m.add_sequence(id, &[]).unwrap();
+        }
+        m.append(1, &toks(0..3)).unwrap();
+        m.append(2, &toks(0..1)).unwrap();
+        let (bi, bib) = m.block_inputs(&[2, 1]).unwrap();
+        let mut want = m.block_table(2).unwrap().to_vec();
+        want.extend_from_slice(m.block_table(1).unwrap());
+        assert_eq!(bi, want.iter().map(|&b| b as i32).collect::<Vec<_>>());
+        assert_eq!(bib, vec![0, 1, 3]);
+    }
+}
