@@ -13,6 +13,8 @@ pub type SeqId = u64;
 
 /// A block copy the caller must perform on both caches before the next op call:
 /// `cache[dst, :, :, :] = cache[src, :, :, :]` (see [`copy_blocks`]).
+/// `#[repr(C)]`: the C ABI's `pa_block_copy`.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockCopy {
     pub src: BlockId,
