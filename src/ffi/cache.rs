@@ -364,7 +364,7 @@ pub unsafe extern "C" fn pa_cache_block_inputs(
 /// # Safety
 /// `m` live; `out` writable.
 #[no_mangle]
-pub unsafe extern "C" fn pa_cache_stats(m: *mut PaCacheManager, out: *mut PaCacheStats) -> i32 {
+pub unsafe extern "C" fn pa_cache_get_stats(m: *mut PaCacheManager, out: *mut PaCacheStats) -> i32 {
     boundary(|| {
         // SAFETY: header contract for `m`.
         let m = unsafe { handle(m, "manager") }?;
