@@ -80,7 +80,7 @@ pub fn rotation_lut(
     base: f64,
     dir: RotationDirection,
 ) -> Result<Vec<f32>> {
-    if head_size == 0 || head_size % 2 != 0 || !(base > 0.0) || !base.is_finite() {
+    if head_size == 0 || head_size % 2 != 0 || base.is_nan() || base <= 0.0 || !base.is_finite() {
         return Err(PaError::InvalidArgument {
             detail: format!(
                 "rotation LUT needs an even head size > 0 and a finite base > 0, got head size \
