@@ -3,7 +3,9 @@
 //!
 //! - this file: the panic-catching boundary, the per-thread last error, tensor conversion.
 //! - `op`: the op's functions (version, shape inference, validate, execute).
+//! - `cache`: the block manager and scheduler (`include/paged_attention_cache.h`).
 
+pub mod cache;
 pub mod op;
 
 use crate::dtype::ElemType;
