@@ -9,6 +9,7 @@
 pub mod dtype;
 pub mod error;
 pub mod ffi;
+pub mod ir;
 pub mod kernel;
 pub mod op;
 pub mod tensor;

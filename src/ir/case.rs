@@ -1,0 +1,1 @@
+//! One golden case directory: load, run through our executor or OpenVINO, compare.
