@@ -5,6 +5,7 @@
 //! - [`op`]: the contract, shape inference, validation and [`op::execute`].
 //! - [`kernel`]: the CPU kernels (scalar reference and fast paths).
 //! - [`ffi`]: the `extern "C"` functions of the header; conversion and error mapping only.
+//! - [`ir`]: OpenVINO IR reader and executor, `.npy` files, the golden cases (`pa` command).
 
 pub mod dtype;
 pub mod error;

@@ -11,10 +11,12 @@ error.txt when the case could not run. Every input is an ov.Tensor over memory t
 set explicitly on the request (OPENVINO.md: in-place cache writes reach the caller only through
 shared buffers; set every input on every request).
 
-f16 caches: OpenVINO's CPU plugin converts an f16 Parameter to f32 (so the op writes a copy and the
-caller's cache is unchanged) unless the model is compiled with INFERENCE_PRECISION_HINT=f16 on a CPU
-with native f16. Such a case is run with the f16 hint where the CPU has native f16; otherwise it runs
-with the f32 hint and info.json says caches_in_place=false, and the caches are not compared.
+f16/bf16 caches: OpenVINO's CPU plugin feeds the op a converted f32 copy of an f16 or bf16 cache
+Parameter (the op writes the copy; the caller's cache is unchanged) unless it runs the model in that
+precision natively (INFERENCE_PRECISION_HINT=f16 on a CPU with native f16; bf16 likewise). The hint
+is chosen per case (f16 where the CPU has native f16, bf16 for bf16 caches, f32 otherwise), and
+whether the caches reach the op directly is read from the compiled runtime graph: when they do not,
+info.json says caches_in_place=false and the caches are not compared.
 """
 import argparse
 import json
@@ -57,6 +59,19 @@ def cache_npy(t, element_type):
     return np.array(d, copy=True)
 
 
+def caches_reach_op_directly(model, compiled):
+    """True when, in the compiled (runtime) graph, inputs 3 and 4 of our op come straight from
+    the model's inputs, so in-place writes reach the caller's buffers. The CPU plugin inserts a
+    Convert in front of f16/bf16 caches when it does not run the model in that precision."""
+    pa = [op.get_friendly_name() for op in model.get_ordered_ops() if op.get_type_name() == "PagedAttention"]
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        if op.get_friendly_name() in pa:
+            kinds = [op.input(i).get_source_output().get_node().get_rt_info()["layerType"].astype(str)
+                     for i in (3, 4)]
+            return all(k == "Input" for k in kinds)
+    return False
+
+
 def run_case(core, case_dir, out_dir, native_f16):
     case = json.loads((case_dir / "case.json").read_text())
     model = core.read_model(str(case_dir / "model.xml"))
@@ -65,11 +80,11 @@ def run_case(core, case_dir, out_dir, native_f16):
         if e.get("file"):
             by_name[e["name"]] = e
     cache_type = case.get("cache_dtype", case.get("dtype", "f32"))
-    in_place = not (cache_type == "f16" and not native_f16)
-    hint = "f16" if cache_type == "f16" and native_f16 else "f32"
+    hint = {"f16": "f16" if native_f16 else "f32", "bf16": "bf16"}.get(cache_type, "f32")
     t0 = time.perf_counter()
     compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": hint})
     compile_ms = (time.perf_counter() - t0) * 1e3
+    in_place = caches_reach_op_directly(model, compiled)
     req = compiled.create_infer_request()
     tensors = {}
     for i, port in enumerate(compiled.inputs):
@@ -93,7 +108,9 @@ def run_case(core, case_dir, out_dir, native_f16):
         if idx in tensors:
             t, et = tensors[idx]
             np.save(out_dir / fname, cache_npy(t, et))
-    note = "" if in_place else "f16 cache converted to f32 by the CPU plugin (no native f16): not written in place"
+    note = "" if in_place else (
+        f"the CPU plugin feeds the op a converted copy of the {cache_type} caches (hint {hint}): "
+        "written there, not in place")
     (out_dir / "info.json").write_text(json.dumps({
         "infer_ms": infer_ms, "compile_ms": compile_ms, "caches_in_place": in_place,
         "hint": hint, "note": note}))

@@ -167,7 +167,11 @@ fn conformance(args: &[String]) -> Result<bool, String> {
     let n = cases.len();
     for (k, case) in cases.iter().enumerate() {
         eprintln!("[{}/{n}] {}", k + 1, case.name);
-        let features = case.features.join(",");
+        let mut features = case.features.join(",");
+        if features.len() > 34 {
+            features.truncate(33);
+            features.push('+');
+        }
         let mut case_ok = true;
         let mut report = |path: &str, res: Result<Actual, String>| {
             let verdict = res.and_then(|a| case.compare(&a).map(|v| (v, a.time)));
@@ -194,9 +198,8 @@ fn conformance(args: &[String]) -> Result<bool, String> {
             }
         };
         report("ours", case.run_ours());
-        match (&ov, ov_results.get(k)) {
-            (Ok(_), Some(r)) => report("openvino", r.clone()),
-            _ => {}
+        if let (Ok(_), Some(r)) = (&ov, ov_results.get(k)) {
+            report("openvino", r.clone());
         }
         if let Err(why) = &ov {
             if k == 0 {

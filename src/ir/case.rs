@@ -232,7 +232,7 @@ impl Case {
                     f64::INFINITY
                 }
             };
-            if !(err <= self.tol[k]) {
+            if err.is_nan() || err > self.tol[k] {
                 v.pass = false;
                 if err.is_finite() {
                     v.notes.push(format!(
@@ -377,7 +377,8 @@ impl OvEnv {
 
 fn read_ov_result(dir: &Path) -> Result<Actual, String> {
     if let Ok(e) = std::fs::read_to_string(dir.join("error.txt")) {
-        return Err(e.lines().last().unwrap_or("").to_string());
+        let last = e.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+        return Err(format!("OpenVINO: {}", last.trim()));
     }
     let info = std::fs::read_to_string(dir.join("info.json"))
         .map_err(|e| format!("no info.json from the OpenVINO run: {e}"))?;

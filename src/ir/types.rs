@@ -80,7 +80,7 @@ impl IrType {
         NAMES
             .iter()
             .find(|(t, _)| *t == self)
-            .map_or("?", |(_, n)| n[1 % n.len()])
+            .map_or("?", |(_, n)| n[0])
     }
 }
 

@@ -325,11 +325,11 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
     // empty at run time ("not provided"), so its cross-input rules wait for concrete shapes: the
     // seed's own example declares a `[?, 128]` LUT with head_size 16 and feeds it empty.
     let maybe_empty = |i: usize| {
-        inputs.get(i).is_none_or(|inp| {
+        inputs.get(i).map_or(true, |inp| {
             inp.shape
                 .0
                 .as_ref()
-                .is_none_or(|d| d.iter().any(|&v| v <= 0))
+                .map_or(true, |d| d.iter().any(|&v| v <= 0))
         })
     };
     let rot = [ROTATED_BLOCK_INDICES, ROTATION_DELTAS, ROTATION_TRIG_LUT];
