@@ -321,11 +321,22 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
-    // Rotation: all three inputs together.
+    // Rotation: all three inputs together. An optional input with an unknown dimension may be
+    // empty at run time ("not provided"), so its cross-input rules wait for concrete shapes: the
+    // seed's own example declares a `[?, 128]` LUT with head_size 16 and feeds it empty.
+    let maybe_empty = |i: usize| {
+        inputs.get(i).map_or(true, |inp| {
+            inp.shape
+                .0
+                .as_ref()
+                .map_or(true, |d| d.iter().any(|&v| v <= 0))
+        })
+    };
     let rot = [ROTATED_BLOCK_INDICES, ROTATION_DELTAS, ROTATION_TRIG_LUT];
     let rot_given = rot.iter().filter(|&&i| get(i).is_some()).count();
+    let rot_sure = rot.iter().any(|&i| get(i).is_some() && !maybe_empty(i));
     if rot_given > 0 {
-        if rot_given < 3 {
+        if rot_given < 3 && rot_sure {
             let missing: Vec<&str> = rot
                 .iter()
                 .filter(|&&i| get(i).is_none())
@@ -338,7 +349,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         unify(&mut k.r, rd.dim(0), "rotation_deltas", |v, known| {
             format!("rotation_deltas.dim0 = {v}, but rotated_block_indices has {known} blocks")
         })?;
-        if let (Some(c), Some(bs)) = (rd.dim(1), k.bs) {
+        if let (Some(c), Some(bs), false) = (rd.dim(1), k.bs, maybe_empty(ROTATION_DELTAS)) {
             if c != 1 && c != bs {
                 return Err(PaError::shape(
                     "rotation_deltas",
@@ -347,7 +358,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
         let lut = &inputs[ROTATION_TRIG_LUT].shape;
-        if let (Some(w), Some(d)) = (lut.dim(1), k.d) {
+        if let (Some(w), Some(d), false) = (lut.dim(1), k.d, maybe_empty(ROTATION_TRIG_LUT)) {
             if w != d {
                 return Err(PaError::shape(
                     "rotation_trig_lut",
@@ -355,7 +366,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
                 ));
             }
         }
-        if let Some(d) = k.d {
+        if let (Some(d), true) = (k.d, rot_sure) {
             if d % 2 != 0 {
                 return Err(PaError::shape(
                     "rotation_trig_lut",
