@@ -3,8 +3,11 @@
 //!
 //! - this file: the panic-catching boundary, the per-thread last error, tensor conversion.
 //! - `op`: the op's functions (version, shape inference, validate, execute).
+//! - `openvino` (feature `openvino`): the OpenVINO extension entry point `create_extensions`.
 
 pub mod op;
+#[cfg(feature = "openvino")]
+pub mod openvino;
 
 use crate::dtype::ElemType;
 use crate::error::{PaError, Status};
