@@ -20,7 +20,8 @@ fn main() {
     for var in ["OPENVINO_DIR", "OPENVINO_ROOT", "PYTHON"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    let crate_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let crate_dir =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let ov = match find_openvino(&crate_dir) {
         Ok(ov) => ov,
         Err(tried) => {
@@ -38,7 +39,10 @@ fn main() {
         .collect();
     sources.sort();
     println!("cargo:rerun-if-changed={}", cpp_dir.display());
-    println!("cargo:rerun-if-changed={}", crate_dir.join("include/paged_attention.h").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        crate_dir.join("include/paged_attention.h").display()
+    );
     for s in &sources {
         println!("cargo:rerun-if-changed={}", s.display());
     }
@@ -52,11 +56,18 @@ fn main() {
         .include(crate_dir.join("include"))
         // -isystem: OpenVINO's own headers are not held to our warning flags.
         .flag("-isystem")
-        .flag(ov.include.to_str().expect("OpenVINO include path is not UTF-8"))
+        .flag(
+            ov.include
+                .to_str()
+                .expect("OpenVINO include path is not UTF-8"),
+        )
         .warnings(true)
         .extra_warnings(true)
         .warnings_into_errors(true);
-    for s in sources.iter().filter(|p| p.extension().is_some_and(|e| e == "cpp")) {
+    for s in sources
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "cpp"))
+    {
         build.file(s);
     }
     build.compile("pa_openvino_shim");
@@ -66,7 +77,10 @@ fn main() {
     // So the library (and test binaries) load without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", ov.libs.display());
     // Read by tests/openvino_cpp.rs to compile the C++ host program against the same OpenVINO.
-    println!("cargo:rustc-env=PA_OPENVINO_INCLUDE={}", ov.include.display());
+    println!(
+        "cargo:rustc-env=PA_OPENVINO_INCLUDE={}",
+        ov.include.display()
+    );
     println!("cargo:rustc-env=PA_OPENVINO_LIBS={}", ov.libs.display());
     println!("cargo:rustc-env=PA_OPENVINO_LIB_NAME={}", ov.lib_name);
 }
@@ -102,21 +116,35 @@ fn find_openvino(crate_dir: &Path) -> Result<OpenVino, String> {
             candidates.push(("crate .venv".into(), py.join("site-packages/openvino")));
         }
     } else {
-        tried.push(format!("  {}: no such directory", crate_dir.join(".venv/lib").display()));
+        tried.push(format!(
+            "  {}: no such directory",
+            crate_dir.join(".venv/lib").display()
+        ));
     }
     if let Some(ov) = pick(&candidates, &mut tried) {
         return Ok(ov);
     }
     let python = env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let asked = Command::new(&python).args(["-c", "import os, openvino; print(os.path.dirname(openvino.__file__))"]).output();
+    let asked = Command::new(&python)
+        .args([
+            "-c",
+            "import os, openvino; print(os.path.dirname(openvino.__file__))",
+        ])
+        .output();
     match asked {
         Ok(out) if out.status.success() => {
             let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-            if let Some(ov) = pick(&[(format!("`{python} -c 'import openvino'`"), dir)], &mut tried) {
+            if let Some(ov) = pick(
+                &[(format!("`{python} -c 'import openvino'`"), dir)],
+                &mut tried,
+            ) {
                 return Ok(ov);
             }
         }
-        Ok(out) => tried.push(format!("  `{python} -c 'import openvino'`: {}", String::from_utf8_lossy(&out.stderr).trim())),
+        Ok(out) => tried.push(format!(
+            "  `{python} -c 'import openvino'`: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
         Err(e) => tried.push(format!("  `{python}`: {e}")),
     }
     Err(tried.join("\n"))
@@ -126,15 +154,29 @@ fn pick(candidates: &[(String, PathBuf)], tried: &mut Vec<String>) -> Option<Ope
     for (origin, dir) in candidates {
         let include = dir.join("include");
         if !include.join("openvino/core/op_extension.hpp").is_file() {
-            tried.push(format!("  {origin}: {}: no include/openvino/core/op_extension.hpp", dir.display()));
+            tried.push(format!(
+                "  {origin}: {}: no include/openvino/core/op_extension.hpp",
+                dir.display()
+            ));
             continue;
         }
-        for libs in [dir.join("libs"), dir.join("lib"), dir.join("runtime/lib/intel64")] {
+        for libs in [
+            dir.join("libs"),
+            dir.join("lib"),
+            dir.join("runtime/lib/intel64"),
+        ] {
             if let Some(lib_name) = core_library(&libs) {
-                return Some(OpenVino { include, libs, lib_name });
+                return Some(OpenVino {
+                    include,
+                    libs,
+                    lib_name,
+                });
             }
         }
-        tried.push(format!("  {origin}: {}: no libopenvino.so* in libs/, lib/ or runtime/lib/intel64/", dir.display()));
+        tried.push(format!(
+            "  {origin}: {}: no libopenvino.so* in libs/, lib/ or runtime/lib/intel64/",
+            dir.display()
+        ));
     }
     None
 }
@@ -144,7 +186,11 @@ fn core_library(dir: &Path) -> Option<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .ok()?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n == "libopenvino.so" || n.strip_prefix("libopenvino.so.").is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.')))
+        .filter(|n| {
+            n == "libopenvino.so"
+                || n.strip_prefix("libopenvino.so.")
+                    .is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        })
         .collect();
     names.sort_by_key(|n| (n.len(), n.clone()));
     names.pop()

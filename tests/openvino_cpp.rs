@@ -1,7 +1,7 @@
 //! The extension in a C++ host: compiles tests/cpp/host.cpp with g++ against the same OpenVINO
 //! the library was built with (the paths build.rs found), then runs it on the release cdylib and
-//! the seed's example IR (tests/cpp/seed_example.xml). host.cpp checks the results against its
-//! own double-precision reference; see its header comment.
+//! an IR with the seed example's shapes (tests/cpp/host_model.xml). host.cpp checks the results
+//! against its own double-precision reference; see its header comment.
 //!
 //! Only with the `openvino` feature, after `cargo build --release --features openvino`:
 //! `cargo test --features openvino --test openvino_cpp`.
@@ -19,13 +19,21 @@ fn extension_library(root: &Path) -> PathBuf {
         return PathBuf::from(p);
     }
     let lib = root.join("target/release/libpaged_attention.so");
-    let build = "build it with `cargo build --release --features openvino` (or set PA_EXTENSION_LIB)";
-    let built = std::fs::metadata(&lib).and_then(|m| m.modified()).unwrap_or_else(|_| panic!("{} not found: {build}", lib.display()));
+    let build =
+        "build it with `cargo build --release --features openvino` (or set PA_EXTENSION_LIB)";
+    let built = std::fs::metadata(&lib)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| panic!("{} not found: {build}", lib.display()));
     let mut newest = (std::time::SystemTime::UNIX_EPOCH, PathBuf::new());
     for p in ["src", "cpp", "include", "build.rs", "Cargo.toml"] {
         newest_file(&root.join(p), &mut newest);
     }
-    assert!(built >= newest.0, "{} is older than {}: re{build}", lib.display(), newest.1.display());
+    assert!(
+        built >= newest.0,
+        "{} is older than {}: re{build}",
+        lib.display(),
+        newest.1.display()
+    );
     lib
 }
 
@@ -47,7 +55,14 @@ fn cpp_host_loads_extension_and_matches_its_reference() {
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pa_openvino_host");
     let ov_libs = env!("PA_OPENVINO_LIBS");
     let compile = Command::new("g++")
-        .args(["-std=c++17", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Wall", "-Wextra", "-Werror", "-O1"])
+        .args([
+            "-std=c++17",
+            "-D_GLIBCXX_USE_CXX11_ABI=1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-O1",
+        ])
         .arg(format!("-I{}", root.join("include").display()))
         .args(["-isystem", env!("PA_OPENVINO_INCLUDE")])
         .arg(root.join("tests/cpp/host.cpp"))
@@ -58,9 +73,17 @@ fn cpp_host_loads_extension_and_matches_its_reference() {
         .arg(format!("-Wl,-rpath,{ov_libs}"))
         .output()
         .expect("running g++");
-    assert!(compile.status.success(), "g++ failed on tests/cpp/host.cpp:\n{}", String::from_utf8_lossy(&compile.stderr));
+    assert!(
+        compile.status.success(),
+        "g++ failed on tests/cpp/host.cpp:\n{}",
+        String::from_utf8_lossy(&compile.stderr)
+    );
 
-    let run = Command::new(&exe).arg(extension_library(root)).arg(root.join("tests/cpp/seed_example.xml")).output().expect("running the host");
+    let run = Command::new(&exe)
+        .arg(extension_library(root))
+        .arg(root.join("tests/cpp/host_model.xml"))
+        .output()
+        .expect("running the host");
     let stdout = String::from_utf8_lossy(&run.stdout);
     println!("{stdout}");
     assert!(
