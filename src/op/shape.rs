@@ -137,6 +137,11 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
     }
     let present = k.present;
     let get = |i: usize| -> Option<&PartialInput> { inputs.get(i).filter(|_| present[i]) };
+    // An optional input with a dynamic dimension may still be empty ("not provided") at run
+    // time, so its dimensions can contradict the others only once they are known: e.g. the
+    // seed's example IR declares rotation_trig_lut as [?, 128] with head_size 16 and feeds it
+    // empty. Concrete calls have static shapes, so validation checks everything.
+    let sure = |i: usize| get(i).filter(|inp| inp.shape.is_static());
 
     // Ranks and element types, straight from the table.
     for (i, inp) in inputs.iter().enumerate() {
@@ -309,7 +314,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         }
     }
     // ALiBi: one slope per query head.
-    if let Some(inp) = get(ALIBI_SLOPES) {
+    if let Some(inp) = sure(ALIBI_SLOPES) {
         if let (Some(n), Some(h)) = (inp.shape.dim(0), k.h) {
             if n != h {
                 return Err(PaError::shape(
@@ -321,22 +326,12 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
-    // Rotation: all three inputs together. An optional input with an unknown dimension may be
-    // empty at run time ("not provided"), so its cross-input rules wait for concrete shapes: the
-    // seed's own example declares a `[?, 128]` LUT with head_size 16 and feeds it empty.
-    let maybe_empty = |i: usize| {
-        inputs.get(i).map_or(true, |inp| {
-            inp.shape
-                .0
-                .as_ref()
-                .map_or(true, |d| d.iter().any(|&v| v <= 0))
-        })
-    };
+    // Rotation: all three inputs together.
     let rot = [ROTATED_BLOCK_INDICES, ROTATION_DELTAS, ROTATION_TRIG_LUT];
-    let rot_given = rot.iter().filter(|&&i| get(i).is_some()).count();
-    let rot_sure = rot.iter().any(|&i| get(i).is_some() && !maybe_empty(i));
-    if rot_given > 0 {
-        if rot_given < 3 && rot_sure {
+    let rot_given = rot.iter().filter(|&&i| sure(i).is_some()).count();
+    let rot_absent = rot.iter().filter(|&&i| get(i).is_none()).count();
+    if rot_given > 0 && rot_absent > 0 {
+        {
             let missing: Vec<&str> = rot
                 .iter()
                 .filter(|&&i| get(i).is_none())
@@ -344,12 +339,14 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
                 .collect();
             return Err(PaError::shape("rotated_block_indices", format!("rotation needs rotated_block_indices, rotation_deltas and rotation_trig_lut together; missing: {}", missing.join(", "))));
         }
+    }
+    if rot_given == 3 {
         k.r = inputs[ROTATED_BLOCK_INDICES].shape.dim(0);
         let rd = &inputs[ROTATION_DELTAS].shape;
         unify(&mut k.r, rd.dim(0), "rotation_deltas", |v, known| {
             format!("rotation_deltas.dim0 = {v}, but rotated_block_indices has {known} blocks")
         })?;
-        if let (Some(c), Some(bs), false) = (rd.dim(1), k.bs, maybe_empty(ROTATION_DELTAS)) {
+        if let (Some(c), Some(bs)) = (rd.dim(1), k.bs) {
             if c != 1 && c != bs {
                 return Err(PaError::shape(
                     "rotation_deltas",
@@ -358,7 +355,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
         let lut = &inputs[ROTATION_TRIG_LUT].shape;
-        if let (Some(w), Some(d), false) = (lut.dim(1), k.d, maybe_empty(ROTATION_TRIG_LUT)) {
+        if let (Some(w), Some(d)) = (lut.dim(1), k.d) {
             if w != d {
                 return Err(PaError::shape(
                     "rotation_trig_lut",
@@ -366,7 +363,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
                 ));
             }
         }
-        if let (Some(d), true) = (k.d, rot_sure) {
+        if let Some(d) = k.d {
             if d % 2 != 0 {
                 return Err(PaError::shape(
                     "rotation_trig_lut",
