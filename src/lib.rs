@@ -21,3 +21,8 @@ pub use dtype::{ElemType, Float};
 pub use error::{PaError, Status};
 pub use op::{execute, infer_shapes, validate, PaInputs, PaOutputs, Plan};
 pub use tensor::{Elems, ElemsMut, Tensor, TensorMut};
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
