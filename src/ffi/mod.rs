@@ -71,19 +71,28 @@ pub struct PaPartialShape {
 }
 
 impl PaPartialShape {
-    pub(crate) fn from_rust(elem: Option<ElemType>, shape: &crate::op::PartialShape) -> Result<Self, PaError> {
+    pub(crate) fn from_rust(
+        elem: Option<ElemType>,
+        shape: &crate::op::PartialShape,
+    ) -> Result<Self, PaError> {
         let mut dims = [0i64; MAX_RANK];
         let rank = match &shape.0 {
             None => -1,
             Some(d) => {
                 if d.len() > MAX_RANK {
-                    return Err(PaError::InvalidArgument { detail: format!("rank {} exceeds PA_MAX_RANK", d.len()) });
+                    return Err(PaError::InvalidArgument {
+                        detail: format!("rank {} exceeds PA_MAX_RANK", d.len()),
+                    });
                 }
                 dims[..d.len()].copy_from_slice(d);
                 d.len() as i32
             }
         };
-        Ok(PaPartialShape { elem_type: elem.map_or(-1, |e| e as i32), rank, dims })
+        Ok(PaPartialShape {
+            elem_type: elem.map_or(-1, |e| e as i32),
+            rank,
+            dims,
+        })
     }
 }
 
@@ -99,33 +108,58 @@ pub(crate) struct Described {
 
 /// Checks a `pa_tensor` (enum, rank, dims, size, pointer, alignment) without touching its data.
 pub(crate) fn describe(t: &PaTensor, name: &str) -> Result<Described, PaError> {
-    let elem = ElemType::from_code(t.elem_type)
-        .ok_or_else(|| PaError::InvalidArgument { detail: format!("`{name}` has unknown elem_type {}", t.elem_type) })?;
+    let elem = ElemType::from_code(t.elem_type).ok_or_else(|| PaError::InvalidArgument {
+        detail: format!("`{name}` has unknown elem_type {}", t.elem_type),
+    })?;
     if t.rank < 0 || t.rank as usize > MAX_RANK {
-        return Err(PaError::InvalidArgument { detail: format!("`{name}` has rank {}, outside 0..={MAX_RANK}", t.rank) });
+        return Err(PaError::InvalidArgument {
+            detail: format!("`{name}` has rank {}, outside 0..={MAX_RANK}", t.rank),
+        });
     }
     let mut shape = Vec::with_capacity(t.rank as usize);
     for (i, &d) in t.dims[..t.rank as usize].iter().enumerate() {
         if d < 0 {
-            return Err(PaError::InvalidArgument { detail: format!("`{name}` has a negative dimension dims[{i}] = {d}") });
+            return Err(PaError::InvalidArgument {
+                detail: format!("`{name}` has a negative dimension dims[{i}] = {d}"),
+            });
         }
         shape.push(d as usize);
     }
-    let too_big = || PaError::InvalidArgument { detail: format!("`{name}` shape {shape:?} is too large to address") };
+    let too_big = || PaError::InvalidArgument {
+        detail: format!("`{name}` shape {shape:?} is too large to address"),
+    };
     let numel = crate::tensor::shape_elems(&shape).ok_or_else(too_big)?;
-    let bytes = numel.checked_mul(elem.size_bytes()).filter(|&b| b <= isize::MAX as usize).ok_or_else(too_big)?;
+    let bytes = numel
+        .checked_mul(elem.size_bytes())
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(too_big)?;
     let addr = t.data as usize;
     if numel > 0 {
         if t.data.is_null() {
-            return Err(PaError::NullPointer { what: format!("`{name}` data ({numel} elements)") });
+            return Err(PaError::NullPointer {
+                what: format!("`{name}` data ({numel} elements)"),
+            });
         }
         if addr % elem.size_bytes() != 0 {
-            return Err(PaError::Alignment { name: name.to_string(), align: elem.size_bytes() });
+            return Err(PaError::Alignment {
+                name: name.to_string(),
+                align: elem.size_bytes(),
+            });
         }
         addr.checked_add(bytes).ok_or_else(too_big)?;
     }
-    let range = if numel > 0 { (addr, addr + bytes) } else { (0, 0) };
-    Ok(Described { elem, shape, numel, ptr: t.data, range })
+    let range = if numel > 0 {
+        (addr, addr + bytes)
+    } else {
+        (0, 0)
+    };
+    Ok(Described {
+        elem,
+        shape,
+        numel,
+        ptr: t.data,
+        range,
+    })
 }
 
 /// Rejects a writable buffer that overlaps any other buffer of the call: the op would otherwise
@@ -137,7 +171,11 @@ pub(crate) fn check_no_overlap(all: &[(&str, &Described, bool)]) -> Result<(), P
                 continue;
             }
             if a.range.0 < b.range.1 && b.range.0 < a.range.1 {
-                return Err(PaError::InvalidArgument { detail: format!("buffers `{name_a}` and `{name_b}` overlap, and one of them is written") });
+                return Err(PaError::InvalidArgument {
+                    detail: format!(
+                        "buffers `{name_a}` and `{name_b}` overlap, and one of them is written"
+                    ),
+                });
             }
         }
     }
@@ -163,7 +201,10 @@ impl Described {
                 ElemType::I32 => Elems::I32(raw_slice::<i32>(self.ptr, n)),
             }
         };
-        Tensor { shape: self.shape.clone(), data }
+        Tensor {
+            shape: self.shape.clone(),
+            data,
+        }
     }
 
     /// A writable view.
@@ -182,7 +223,10 @@ impl Described {
                 ElemType::I32 => ElemsMut::I32(raw_slice_mut::<i32>(self.ptr, n)),
             }
         };
-        TensorMut { shape: self.shape.clone(), data }
+        TensorMut {
+            shape: self.shape.clone(),
+            data,
+        }
     }
 }
 
@@ -212,7 +256,9 @@ unsafe fn raw_slice_mut<'a, T>(p: *mut std::ffi::c_void, n: usize) -> &'a mut [T
 /// For n > 0 and non-NULL `p`: `p` points to n valid, aligned T.
 pub(crate) unsafe fn c_array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], PaError> {
     if p.is_null() {
-        return Err(PaError::NullPointer { what: what.to_string() });
+        return Err(PaError::NullPointer {
+            what: what.to_string(),
+        });
     }
     if n == 0 {
         return Ok(&[]);

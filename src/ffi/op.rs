@@ -3,7 +3,9 @@
 use super::{boundary, c_array, check_no_overlap, describe, PaPartialShape, PaTensor, MAX_RANK};
 use crate::dtype::ElemType;
 use crate::error::PaError;
-use crate::op::contract::{INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, OUTPUT_NAMES, VALUE_CACHE};
+use crate::op::contract::{
+    INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, OUTPUT_NAMES, VALUE_CACHE,
+};
 use crate::op::{InputArg, PaInputs, PaOutputs, PartialInput, PartialShape};
 use std::ffi::c_char;
 
@@ -12,7 +14,9 @@ static VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 #[no_mangle]
 pub extern "C" fn pa_version() -> u32 {
     let p = |s: &str| s.parse::<u32>().unwrap_or(0);
-    (p(env!("CARGO_PKG_VERSION_MAJOR")) << 16) | (p(env!("CARGO_PKG_VERSION_MINOR")) << 8) | p(env!("CARGO_PKG_VERSION_PATCH"))
+    (p(env!("CARGO_PKG_VERSION_MAJOR")) << 16)
+        | (p(env!("CARGO_PKG_VERSION_MINOR")) << 8)
+        | p(env!("CARGO_PKG_VERSION_PATCH"))
 }
 
 #[no_mangle]
@@ -65,27 +69,45 @@ fn partial_from_c(s: &PaPartialShape, i: usize) -> Result<PartialInput, PaError>
     let name = INPUTS.get(i).map_or("input", |s| s.name);
     let elem = match s.elem_type {
         -1 => None,
-        c => Some(ElemType::from_code(c).ok_or_else(|| PaError::InvalidArgument { detail: format!("`{name}` has unknown elem_type {c}") })?),
+        c => Some(
+            ElemType::from_code(c).ok_or_else(|| PaError::InvalidArgument {
+                detail: format!("`{name}` has unknown elem_type {c}"),
+            })?,
+        ),
     };
     let shape = match s.rank {
         -1 => PartialShape::dynamic(),
         r if (0..=MAX_RANK as i32).contains(&r) => {
             let dims = &s.dims[..r as usize];
             if let Some(d) = dims.iter().find(|&&d| d < -1) {
-                return Err(PaError::InvalidArgument { detail: format!("`{name}` has dimension {d}; use -1 for dynamic") });
+                return Err(PaError::InvalidArgument {
+                    detail: format!("`{name}` has dimension {d}; use -1 for dynamic"),
+                });
             }
             PartialShape::from_dims(dims)
         }
-        r => return Err(PaError::InvalidArgument { detail: format!("`{name}` has rank {r}, outside -1..={MAX_RANK}") }),
+        r => {
+            return Err(PaError::InvalidArgument {
+                detail: format!("`{name}` has rank {r}, outside -1..={MAX_RANK}"),
+            })
+        }
     };
     Ok(PartialInput::new(elem, shape))
 }
 
-fn write_shapes(outputs: *mut PaPartialShape, infos: [(Option<ElemType>, PartialShape); 2]) -> Result<(), PaError> {
+fn write_shapes(
+    outputs: *mut PaPartialShape,
+    infos: [(Option<ElemType>, PartialShape); 2],
+) -> Result<(), PaError> {
     if outputs.is_null() {
-        return Err(PaError::NullPointer { what: "outputs".into() });
+        return Err(PaError::NullPointer {
+            what: "outputs".into(),
+        });
     }
-    let converted = [PaPartialShape::from_rust(infos[0].0, &infos[0].1)?, PaPartialShape::from_rust(infos[1].0, &infos[1].1)?];
+    let converted = [
+        PaPartialShape::from_rust(infos[0].0, &infos[0].1)?,
+        PaPartialShape::from_rust(infos[1].0, &infos[1].1)?,
+    ];
     // SAFETY: the caller provides an array of 2 writable pa_partial_shape at `outputs` (header).
     unsafe { std::ptr::copy_nonoverlapping(converted.as_ptr(), outputs, 2) };
     Ok(())
@@ -94,14 +116,22 @@ fn write_shapes(outputs: *mut PaPartialShape, infos: [(Option<ElemType>, Partial
 /// # Safety
 /// `inputs` points to `n_inputs` valid structs; `outputs` to 2 writable ones.
 #[no_mangle]
-pub unsafe extern "C" fn pa_infer_shapes(inputs: *const PaPartialShape, n_inputs: usize, outputs: *mut PaPartialShape) -> i32 {
+pub unsafe extern "C" fn pa_infer_shapes(
+    inputs: *const PaPartialShape,
+    n_inputs: usize,
+    outputs: *mut PaPartialShape,
+) -> i32 {
     boundary(|| {
         // SAFETY: the header's contract for `inputs`.
         let list = unsafe { c_array(inputs, n_inputs, "inputs")? };
         if !(MIN_INPUTS..=MAX_INPUTS).contains(&list.len()) {
             return Err(PaError::InputCount { found: list.len() });
         }
-        let parts = list.iter().enumerate().map(|(i, s)| partial_from_c(s, i)).collect::<Result<Vec<_>, _>>()?;
+        let parts = list
+            .iter()
+            .enumerate()
+            .map(|(i, s)| partial_from_c(s, i))
+            .collect::<Result<Vec<_>, _>>()?;
         let [o, s] = crate::op::infer_shapes(&parts)?;
         write_shapes(outputs, [(o.elem, o.shape), (s.elem, s.shape)])
     })
@@ -122,21 +152,42 @@ unsafe fn with_call<R>(
     if !(MIN_INPUTS..=MAX_INPUTS).contains(&list.len()) {
         return Err(PaError::InputCount { found: list.len() });
     }
-    let descs = list.iter().enumerate().map(|(i, t)| describe(t, INPUTS[i].name)).collect::<Result<Vec<_>, _>>()?;
+    let descs = list
+        .iter()
+        .enumerate()
+        .map(|(i, t)| describe(t, INPUTS[i].name))
+        .collect::<Result<Vec<_>, _>>()?;
     let out_descs = match outputs {
         None => vec![],
         Some((p, n)) => {
             // SAFETY: the header's contract for `outputs`.
             let outs = unsafe { c_array(p, n, "outputs")? };
             if outs.len() != NUM_OUTPUTS {
-                return Err(PaError::InvalidArgument { detail: format!("pa_execute takes {NUM_OUTPUTS} outputs, but n_outputs = {}", outs.len()) });
+                return Err(PaError::InvalidArgument {
+                    detail: format!(
+                        "pa_execute takes {NUM_OUTPUTS} outputs, but n_outputs = {}",
+                        outs.len()
+                    ),
+                });
             }
-            outs.iter().enumerate().map(|(i, t)| describe(t, OUTPUT_NAMES[i])).collect::<Result<Vec<_>, _>>()?
+            outs.iter()
+                .enumerate()
+                .map(|(i, t)| describe(t, OUTPUT_NAMES[i]))
+                .collect::<Result<Vec<_>, _>>()?
         }
     };
     let writable = |i: usize| i == KEY_CACHE || i == VALUE_CACHE;
-    let mut all: Vec<(&str, &super::Described, bool)> = descs.iter().enumerate().map(|(i, d)| (INPUTS[i].name, d, writable(i))).collect();
-    all.extend(out_descs.iter().enumerate().map(|(i, d)| (OUTPUT_NAMES[i], d, true)));
+    let mut all: Vec<(&str, &super::Described, bool)> = descs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (INPUTS[i].name, d, writable(i)))
+        .collect();
+    all.extend(
+        out_descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (OUTPUT_NAMES[i], d, true)),
+    );
     check_no_overlap(&all)?;
 
     let args = descs
@@ -166,14 +217,24 @@ unsafe fn with_call<R>(
 /// # Safety
 /// See the header: `inputs` points to `n_inputs` valid tensors; `output_shapes` is NULL or 2.
 #[no_mangle]
-pub unsafe extern "C" fn pa_validate(inputs: *const PaTensor, n_inputs: usize, output_shapes: *mut PaPartialShape) -> i32 {
+pub unsafe extern "C" fn pa_validate(
+    inputs: *const PaTensor,
+    n_inputs: usize,
+    output_shapes: *mut PaPartialShape,
+) -> i32 {
     boundary(|| {
         // SAFETY: the header's contract.
         let plan = unsafe { with_call(inputs, n_inputs, None, |pa, _| crate::op::validate(pa))? };
         if !output_shapes.is_null() {
             let [o, s] = plan.output_shapes();
             let ty = Some(plan.query_type);
-            write_shapes(output_shapes, [(ty, PartialShape::from_static(&o)), (ty, PartialShape::from_static(&s))])?;
+            write_shapes(
+                output_shapes,
+                [
+                    (ty, PartialShape::from_static(&o)),
+                    (ty, PartialShape::from_static(&s)),
+                ],
+            )?;
         }
         Ok(())
     })
@@ -189,10 +250,17 @@ unsafe fn execute_with(
     boundary(|| {
         // SAFETY: the header's contract.
         unsafe {
-            with_call(inputs, n_inputs, Some((outputs, n_outputs)), |pa, out| match out {
-                Some(out) => run(pa, out),
-                None => Err(PaError::NullPointer { what: "outputs".into() }),
-            })
+            with_call(
+                inputs,
+                n_inputs,
+                Some((outputs, n_outputs)),
+                |pa, out| match out {
+                    Some(out) => run(pa, out),
+                    None => Err(PaError::NullPointer {
+                        what: "outputs".into(),
+                    }),
+                },
+            )
         }
     })
 }
@@ -200,7 +268,12 @@ unsafe fn execute_with(
 /// # Safety
 /// See the header.
 #[no_mangle]
-pub unsafe extern "C" fn pa_execute(inputs: *const PaTensor, n_inputs: usize, outputs: *const PaTensor, n_outputs: usize) -> i32 {
+pub unsafe extern "C" fn pa_execute(
+    inputs: *const PaTensor,
+    n_inputs: usize,
+    outputs: *const PaTensor,
+    n_outputs: usize,
+) -> i32 {
     // SAFETY: forwarded contract.
     unsafe { execute_with(inputs, n_inputs, outputs, n_outputs, crate::op::execute) }
 }
@@ -208,8 +281,20 @@ pub unsafe extern "C" fn pa_execute(inputs: *const PaTensor, n_inputs: usize, ou
 /// # Safety
 /// See the header.
 #[no_mangle]
-pub unsafe extern "C" fn pa_execute_reference(inputs: *const PaTensor, n_inputs: usize, outputs: *const PaTensor, n_outputs: usize) -> i32 {
+pub unsafe extern "C" fn pa_execute_reference(
+    inputs: *const PaTensor,
+    n_inputs: usize,
+    outputs: *const PaTensor,
+    n_outputs: usize,
+) -> i32 {
     // SAFETY: forwarded contract.
-    unsafe { execute_with(inputs, n_inputs, outputs, n_outputs, crate::op::execute_reference) }
+    unsafe {
+        execute_with(
+            inputs,
+            n_inputs,
+            outputs,
+            n_outputs,
+            crate::op::execute_reference,
+        )
+    }
 }
-
