@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The project's test command (README "Test"); .ci/run calls it. On a fresh machine it installs
+# what it needs (OpenVINO 2026.4.1 from PyPI into .venv), builds the library and the OpenVINO
+# extension, and runs every suite: Rust tests (kernel vs float64 reference, validation, shape
+# inference, C ABI, C/C++ programs, IR loader, cache manager), Python tests in OpenVINO, and the
+# golden conformance suite through both our executor and OpenVINO with the extension.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+
+echo "== setup"
+./scripts/setup.sh
+
+echo "== build (release, with the OpenVINO extension)"
+cargo build --release --features openvino --bins --lib
+
+echo "== rust tests"
+cargo test --release --features openvino
+
+if [ -d tests/python ] || ls tools/test_*.py >/dev/null 2>&1; then
+  echo "== python tests (OpenVINO)"
+  export PA_EXTENSION_LIB="$PWD/target/release/libpaged_attention.so"
+  .venv/bin/python -m pytest -q $( [ -d tests/python ] && echo tests/python ) $(ls tools/test_*.py 2>/dev/null)
+fi
+
+if [ -x target/release/pa ] && [ -d models ]; then
+  echo "== conformance suite"
+  target/release/pa conformance models
+fi

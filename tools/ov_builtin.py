@@ -1,0 +1,195 @@
+"""Oracle: run one 16-input PagedAttention call through OpenVINO 2026.4.1's BUILT-IN
+``PagedAttentionExtension`` (CPU plugin, f32, block size 32) and return
+``(output, scores, key_cache_after, value_cache_after)`` like ``tools/pa_ref.py``.
+
+How the 16 inputs of our op map onto the built-in op's 28 inputs (SPEC.md, "Using OpenVINO's built-in
+op as an oracle"):
+
+  ours 0..8 -> built-in 0..8 (query, key, value, key_cache, value_cache, past_lens,
+                subsequence_begins, block_indices, block_indices_begins)
+  9  scale           -> 9   f32 scalar; absent -> 0.0 (the CPU plugin reads 0 as 1/sqrt(D))
+  10 sliding_window  -> 10  i32 scalar; absent -> 0
+  11 alibi_slopes    -> 11  f32 [H]; absent -> empty [0]
+  (none)             -> 12  max_context_len, i32 scalar = max(past_lens + n_s)
+  15 score_agg_window-> 13  i32 [B] (the plugin rejects a scalar: broadcast it); w < 0 is replaced by
+                            n_s (same meaning; a negative value crashes the plugin for n_s > 32);
+                            absent -> [1]*B (SPEC: absent means 1)
+  12 rotated_block_indices -> 14 i32 [R]; absent -> empty
+  13 rotation_deltas -> 15  i32 [R,BS] or [R,1]; an [R] tensor is reshaped to [R,1] (same meaning,
+                            the built-in's type check wants rank 2)
+  14 rotation_trig_lut -> 16 f32 [M,D]; absent -> empty [0,D]
+  17..27 xattention / sinks / adaptive-RKV / token_type_ids / qq_bias: empty tensors or zero scalars.
+
+The node carries rt_info num_k_heads / k_head_size / num_v_heads / v_head_size and is compiled with
+{"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}. Every input is bound with
+``set_input_tensor`` on a shared ``ov.Tensor`` (so the in-place cache writes land in our arrays and the
+plugin's default-tensor bug is avoided), on a freshly compiled model per call.
+
+Only f32 data and block size 32 are supported; do not combine ALiBi with a sliding window (the plugin
+drops ALiBi then) -- ``run_builtin`` raises ``Unsupported`` for these.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import openvino as ov
+import openvino.opset13 as ops
+from openvino._pyopenvino.op import _PagedAttentionExtension
+
+from pa_ref import is_absent
+
+__all__ = ["run_builtin", "Unsupported", "BUILTIN_BLOCK_SIZE"]
+
+BUILTIN_BLOCK_SIZE = 32
+_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+_core = None
+
+
+class Unsupported(Exception):
+    """The built-in op cannot serve as an oracle for this call."""
+
+
+def _get_core():
+    global _core
+    if _core is None:
+        _core = ov.Core()
+    return _core
+
+
+def _f32(x):
+    return np.require(x, dtype=np.float32, requirements="C")
+
+
+def _i32(x):
+    return np.require(x, dtype=np.int32, requirements="C")
+
+
+def run_builtin(
+    query,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    past_lens,
+    subsequence_begins,
+    block_indices,
+    block_indices_begins,
+    scale=None,
+    sliding_window=None,
+    alibi_slopes=None,
+    rotated_block_indices=None,
+    rotation_deltas=None,
+    rotation_trig_lut=None,
+    score_aggregation_window=None,
+    *,
+    raw_score_window=False,
+    native_r_deltas=False,
+    threads=None,
+):
+    """Run the call through the built-in op. Inputs are numpy arrays (None/empty = absent); the
+    caches are copied, never modified. Returns float32 arrays (output, scores, key_cache_after,
+    value_cache_after).
+
+    raw_score_window=True passes score_aggregation_window to the plugin as given (must already be
+    [B] i32; a negative value is not replaced): only for probing the plugin itself.
+    native_r_deltas=True passes [R] rotation_deltas to the plugin as a rank-1 tensor instead of
+    reshaping it to [R,1].
+    threads: INFERENCE_NUM_THREADS for the compiled model (models/gen.py uses 1 for reproducibility)."""
+    for name, a in (("query", query), ("key", key), ("value", value),
+                    ("key_cache", key_cache), ("value_cache", value_cache)):
+        if np.asarray(a).dtype != np.float32:
+            raise Unsupported(f"{name}: only f32 data is supported by the oracle")
+    q, k, v = _f32(query), _f32(key), _f32(value)
+    kc = np.array(key_cache, dtype=np.float32, order="C", copy=True)
+    vc = np.array(value_cache, dtype=np.float32, order="C", copy=True)
+    NB, Hkv, BS, D = kc.shape
+    if BS != BUILTIN_BLOCK_SIZE:
+        raise Unsupported(f"block size {BS}: the CPU plugin only runs block size 32")
+    T = q.shape[0]
+    H = q.shape[1] // D
+    past = _i32(past_lens).reshape(-1)
+    sb = _i32(subsequence_begins).reshape(-1)
+    bi = _i32(block_indices).reshape(-1)
+    bib = _i32(block_indices_begins).reshape(-1)
+    B = past.shape[0]
+    n = (sb[1:] - sb[:-1]).astype(np.int64)
+
+    scale_a = np.array(0.0 if is_absent(scale) else float(np.asarray(scale).reshape(-1)[0]),
+                       dtype=np.float32)
+    sw_a = np.array(0 if is_absent(sliding_window) else int(np.asarray(sliding_window).reshape(-1)[0]),
+                    dtype=np.int32)
+    alibi_a = np.zeros([0], np.float32) if is_absent(alibi_slopes) else _f32(alibi_slopes).reshape(-1)
+    if alibi_a.size and sw_a > 0:
+        raise Unsupported("ALiBi together with a sliding window: the CPU plugin drops ALiBi")
+    max_ctx = np.array(int((past.astype(np.int64) + n).max()) if B else 0, dtype=np.int32)
+
+    if raw_score_window:
+        saw_a = _i32(score_aggregation_window).reshape(-1)
+    else:
+        if is_absent(score_aggregation_window):
+            w = np.ones(B, np.int64)
+        else:
+            w0 = np.asarray(score_aggregation_window).astype(np.int64).reshape(-1)
+            w = np.full(B, w0[0]) if w0.shape[0] == 1 else w0.copy()
+            if w.shape[0] != B:
+                raise ValueError("score_aggregation_window must be a scalar or [B]")
+        w = np.where(w < 0, n, w)
+        saw_a = _i32(w)
+
+    if is_absent(rotated_block_indices):
+        rbi_a = np.zeros([0], np.int32)
+        rd_a = np.zeros([0, 1], np.int32)
+        lut_a = np.zeros([0, D], np.float32)
+    else:
+        rbi_a = _i32(rotated_block_indices).reshape(-1)
+        rd_a = _i32(rotation_deltas)
+        if rd_a.ndim == 1 and not native_r_deltas:
+            rd_a = np.ascontiguousarray(rd_a.reshape(-1, 1))
+        lut_a = _f32(rotation_trig_lut)
+
+    feeds = [q, k, v, kc, vc, past, sb, bi, bib, scale_a, sw_a, alibi_a, max_ctx, saw_a,
+             rbi_a, rd_a, lut_a]
+    f32, i32 = ov.Type.f32, ov.Type.i32
+    specs = [
+        ("query", f32, [-1, H * D]), ("key", f32, [-1, Hkv * D]), ("value", f32, [-1, Hkv * D]),
+        ("key_cache", f32, [-1, Hkv, BS, D]), ("value_cache", f32, [-1, Hkv, BS, D]),
+        ("past_lens", i32, [-1]), ("subsequence_begins", i32, [-1]), ("block_indices", i32, [-1]),
+        ("block_indices_begins", i32, [-1]), ("scale", f32, []), ("sliding_window", i32, []),
+        ("alibi_slopes", f32, [-1]), ("max_context_len", i32, []),
+        ("score_aggregation_window", i32, [-1]), ("rotated_block_indices", i32, [-1]),
+        ("rotation_deltas", i32, [-1] * rd_a.ndim), ("rotation_trig_lut", f32, [-1, D]),
+    ]
+    params = [ops.parameter(ov.PartialShape(shape), et, name=name) for name, et, shape in specs]
+    extra = [
+        ops.constant(np.zeros([0], np.float32)),  # 17 xattention_threshold
+        ops.constant(np.array(0, np.int32)),  # 18 xattention_block_size
+        ops.constant(np.array(0, np.int32)),  # 19 xattention_stride
+        ops.constant(np.zeros([0], np.float32)),  # 20 sinks
+        ops.constant(np.array(0, np.int32)),  # 21 adaptive_rkv_start_size
+        ops.constant(np.zeros([0], np.int32)),  # 22 adaptive_rkv_evictable_sizes
+        ops.constant(np.zeros([0], np.int32)),  # 23 adaptive_rkv_diversity_block_set_indices
+        ops.constant(np.zeros([0], np.int32)),  # 24 ... begins
+        ops.constant(np.zeros([0], np.int32)),  # 25 token_type_ids
+        ops.constant(np.zeros([0], np.uint8)),  # 26 qq_bias
+        ops.constant(np.zeros([0], np.int32)),  # 27 qq_bias_begins
+    ]
+    node = _PagedAttentionExtension([p.output(0) for p in params] + [e.output(0) for e in extra])
+    rt = node.get_rt_info()
+    rt["num_k_heads"] = Hkv
+    rt["k_head_size"] = D
+    rt["num_v_heads"] = Hkv
+    rt["v_head_size"] = D
+    model = ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_oracle")
+    config = dict(_CONFIG)
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    compiled = _get_core().compile_model(model, "CPU", config)
+    req = compiled.create_infer_request()
+    tensors = [ov.Tensor(a, shared_memory=True) for a in feeds]
+    for i, t in enumerate(tensors):
+        req.set_input_tensor(i, t)
+    req.infer()
+    out = np.array(req.get_output_tensor(0).data, dtype=np.float32, copy=True)
+    scores = np.array(req.get_output_tensor(1).data, dtype=np.float32, copy=True)
+    del req, compiled, tensors
+    return out, scores, kc, vc
