@@ -301,10 +301,18 @@ fn run(args: &[String]) -> Result<bool, String> {
 
 fn simulate(args: &[String]) -> Result<bool, String> {
     use paged_attention::cache::simulate::{simulate, SimConfig};
-    let names = ["--seed", "--requests", "--blocks", "--block-size", "--max-len"];
+    let names = [
+        "--seed",
+        "--requests",
+        "--blocks",
+        "--block-size",
+        "--max-len",
+    ];
     let (opts, pos) = parse_args(args, &names, &[])?;
     if let Some(p) = pos.first() {
-        return Err(format!("pa simulate takes no positional argument, got `{p}`"));
+        return Err(format!(
+            "pa simulate takes no positional argument, got `{p}`"
+        ));
     }
     let num = |name: &str, default: u64| -> Result<u64, String> {
         match opts.get(name) {
