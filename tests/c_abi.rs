@@ -56,34 +56,35 @@ impl CShape {
     }
 }
 
-fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(d) => {
-            let d = PathBuf::from(d);
-            if d.is_absolute() {
-                d
-            } else {
-                Path::new(env!("CARGO_MANIFEST_DIR")).join(d)
-            }
-        }
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
-    }
-}
-
-/// Builds (or confirms fresh) the cdylib with the profile `cargo test` uses, and returns the
-/// directory holding `libpaged_attention.so`. `cargo test --test c_abi` alone does not build
-/// the cdylib, so the test asks cargo for it rather than trusting a possibly stale file.
+/// Builds (or confirms fresh) the cdylib with the profile and features this test binary was
+/// built with, and returns the directory holding `libpaged_attention.so`: the profile
+/// directory above this executable's `deps/` (`target/debug` or `target/release`, under
+/// CARGO_TARGET_DIR if set). `cargo test --test c_abi` alone does not build the cdylib, so the
+/// test asks cargo for it rather than trusting a possibly stale file.
 fn lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current_exe");
+        let dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("test binary lives in <target>/<profile>/deps")
+            .to_path_buf();
+        let release = dir.file_name().is_some_and(|n| n == "release");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--lib", "--profile", "test"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build --lib");
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--lib"])
+            .args(if release {
+                ["--profile", "release"]
+            } else {
+                ["--profile", "test"]
+            })
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if cfg!(feature = "openvino") {
+            cmd.args(["--features", "openvino"]);
+        }
+        let status = cmd.status().expect("running cargo build --lib");
         assert!(status.success(), "cargo build --lib failed");
-        let dir = target_dir().join("debug");
         assert!(
             dir.join("libpaged_attention.so").exists(),
             "no libpaged_attention.so in {}",
