@@ -326,11 +326,13 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
-    // Rotation: all three inputs together.
+    // Rotation: only when rotated_block_indices is non-empty (SPEC), and then all three inputs
+    // together. Deltas and a LUT next to an empty block list (a model that rotates on some
+    // steps only) are not an error: there is nothing to rotate.
     let rot = [ROTATED_BLOCK_INDICES, ROTATION_DELTAS, ROTATION_TRIG_LUT];
     let rot_given = rot.iter().filter(|&&i| sure(i).is_some()).count();
     let rot_absent = rot.iter().filter(|&&i| get(i).is_none()).count();
-    if rot_given > 0 && rot_absent > 0 {
+    if sure(ROTATED_BLOCK_INDICES).is_some() && rot_absent > 0 {
         {
             let missing: Vec<&str> = rot
                 .iter()
