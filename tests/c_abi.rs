@@ -3,6 +3,7 @@
 //! library and run.
 
 mod common;
+mod support;
 
 use common::call::{Call, Runner};
 use common::ref64::{gen_case, Features, Geometry, SeqKind};
@@ -10,7 +11,6 @@ use libloading::{Library, Symbol};
 use paged_attention::ElemType::{self, F16, F32};
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 const OK: i32 = 0;
@@ -56,42 +56,10 @@ impl CShape {
     }
 }
 
-/// Builds (or confirms fresh) the cdylib with the profile and features this test binary was
-/// built with, and returns the directory holding `libpaged_attention.so`: the profile
-/// directory above this executable's `deps/` (`target/debug` or `target/release`, under
-/// CARGO_TARGET_DIR if set). `cargo test --test c_abi` alone does not build the cdylib, so the
-/// test asks cargo for it rather than trusting a possibly stale file.
+/// `target/<profile>/deps`, where `cargo test` builds the cdylib this test loads.
 fn lib_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let exe = std::env::current_exe().expect("current_exe");
-        let dir = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .expect("test binary lives in <target>/<profile>/deps")
-            .to_path_buf();
-        let release = dir.file_name().is_some_and(|n| n == "release");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--lib"])
-            .args(if release {
-                ["--profile", "release"]
-            } else {
-                ["--profile", "test"]
-            })
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
-        if cfg!(feature = "openvino") {
-            cmd.args(["--features", "openvino"]);
-        }
-        let status = cmd.status().expect("running cargo build --lib");
-        assert!(status.success(), "cargo build --lib failed");
-        assert!(
-            dir.join("libpaged_attention.so").exists(),
-            "no libpaged_attention.so in {}",
-            dir.display()
-        );
-        dir
-    })
+    DIR.get_or_init(support::lib_dir)
 }
 
 fn lib() -> &'static Library {
@@ -570,43 +538,12 @@ fn many_threads_executing_at_once_on_different_buffers_agree_with_one_thread() {
     });
 }
 
-/// Compiles `sources` with `compiler` and `flags` against the header, links the library, runs
-/// the program and asserts it exits 0.
+/// Compiles `sources` with `compiler` and `flags` against the header (`-Wall -Wextra
+/// -Werror`; a missing compiler is a failure), links the library, runs the program and asserts
+/// it exits 0.
 fn compile_and_run(compiler: &str, flags: &[&str], sources: &[&str], exe: &str) {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = lib_dir();
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(exe);
-    let mut cmd = Command::new(compiler);
-    cmd.args(["-Wall", "-Wextra", "-Werror"])
-        .args(flags)
-        .arg("-I")
-        .arg(manifest.join("include"));
-    for s in sources {
-        cmd.arg(manifest.join(s));
-    }
-    cmd.arg("-o")
-        .arg(&out)
-        .arg("-L")
-        .arg(dir)
-        .arg(format!("-Wl,-rpath,{}", dir.display()))
-        .args(["-lpaged_attention", "-lm"]);
-    // A missing compiler is a failure, not a skip: the header's C contract is part of issue 2.
-    let res = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run `{compiler}` (a C toolchain is required): {e}"));
-    assert!(
-        res.status.success(),
-        "{compiler} failed on {sources:?}:\n{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
-    let run = Command::new(&out).output().expect("running the C program");
-    assert!(
-        run.status.success(),
-        "{exe} exited with {:?}:\n{}{}",
-        run.status.code(),
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let sources: Vec<PathBuf> = sources.iter().map(|s| support::root().join(s)).collect();
+    support::build_and_run(compiler, flags, &sources, exe);
 }
 
 #[test]

@@ -83,9 +83,6 @@ fn is_shape(e: &PaError) -> bool {
 fn is_value(e: &PaError) -> bool {
     matches!(e, PaError::Value { .. })
 }
-fn is_rank(e: &PaError) -> bool {
-    matches!(e, PaError::Rank { .. })
-}
 fn is_type(e: &PaError) -> bool {
     matches!(e, PaError::ElementType { .. })
 }
@@ -562,6 +559,21 @@ fn output_buffers_of_the_wrong_size_or_type_are_rejected() {
         call.outputs[o] = Owned::new(&shape, Data::poison(F16, n));
         assert_rejected(call, is_type, &[name, "f16", "f32"]);
     }
+}
+
+#[test]
+fn output_buffer_of_the_right_size_but_wrong_shape_is_rejected() {
+    let mut call = base();
+    let shape = call.outputs[0].shape.clone();
+    let n = call.outputs[0].data.len();
+    let transposed = vec![shape[1], shape[0]];
+    assert_ne!(transposed, shape, "the base case must not be square");
+    call.outputs[0] = Owned::new(&transposed, Data::poison(F32, n));
+    assert_rejected(
+        call,
+        is_shape,
+        &["output", &format!("{transposed:?}"), &format!("{shape:?}")],
+    );
 }
 
 #[test]

@@ -41,13 +41,21 @@ pub fn run(cmd: &mut Command) -> Output {
     out
 }
 
-/// Compiles C source files with `cc -std=c11 -Wall -Wextra -Werror` against `include/`, links
-/// the library built by `cargo test`, runs the program and returns its output.
-pub fn build_and_run_c(sources: &[PathBuf], exe_name: &str) -> Output {
+/// Compiles `sources` with `compiler`, `-Wall -Wextra -Werror` and `flags` against `include/`,
+/// links the library built by `cargo test`, runs the program and returns its output (the test
+/// fails if compiling or running fails).
+pub fn build_and_run(
+    compiler: &str,
+    flags: &[&str],
+    sources: &[PathBuf],
+    exe_name: &str,
+) -> Output {
     let lib = lib_dir();
     let exe = lib.join(exe_name);
-    run(Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+    run(Command::new(compiler)
+        .args(["-Wall", "-Wextra", "-Werror"])
+        .args(flags)
+        .arg("-I")
         .arg(root().join("include"))
         .args(sources)
         .arg("-L")
@@ -58,6 +66,11 @@ pub fn build_and_run_c(sources: &[PathBuf], exe_name: &str) -> Output {
     // Cargo's LD_LIBRARY_PATH lists target/<profile> (possibly a stale copy of the library)
     // ahead of the program's RUNPATH: drop it so the library just built is loaded.
     run(Command::new(&exe).env_remove("LD_LIBRARY_PATH"))
+}
+
+/// [`build_and_run`] as C11.
+pub fn build_and_run_c(sources: &[PathBuf], exe_name: &str) -> Output {
+    build_and_run("cc", &["-std=c11"], sources, exe_name)
 }
 
 /// Checks that a header compiles as C++ with `-Wall -Wextra -Werror`.
