@@ -1,6 +1,7 @@
 // A C++ host of the extension: loads the library with ov::Core::add_extension, reads
 // tests/cpp/host_model.xml (16 Parameters with the seed example's shapes: 8 heads, head size 16,
-// block 16; written by tests/python/ir_util.py), compiles it on CPU and runs one
+// block 16; written by the former tests/python/ir_util.py, now tools/ir_writer.py's
+// paged_attention_ir), compiles it on CPU and runs one
 // mixed call (a 3-token prefill continuation and a decode) with caller-owned buffers, checking
 // outputs, scores and the in-place cache writes against a small double-precision reference
 // written here. Then a call with a block id out of range must throw an ov::Exception carrying the

@@ -5,28 +5,38 @@ Needs the release cdylib built with the `openvino` feature:
 (path from $PA_EXTENSION_LIB, default target/release/libpaged_attention.so). A missing library or
 a missing OpenVINO fails these tests; nothing is skipped.
 
-Every model is the IR of tests/python/ir_util.py (Parameters -> PagedAttention -> 2 Results). Each
-call is compared with the float64 reference (ref64.py) and, for f32 and block 32, with OpenVINO's
-built-in PagedAttentionExtension (ov_oracle.py) on the same inputs. Caches are compared on slots
+Every model is tools/ir_writer.py's `paged_attention_ir` (Parameters -> PagedAttention -> 2
+Results). Each call is compared with the float64 reference (tools/pa_ref.py) and, for f32 and block
+32, with OpenVINO's built-in PagedAttentionExtension (tools/ov_builtin.py) on the same inputs
+(conftest.py puts tools/ on sys.path). Caches are compared on slots
 that hold tokens and on blocks no sequence references (SPEC.md, "Slots that hold no token").
 Every input tensor is set explicitly on every request (OPENVINO.md: plugin bug with default
 tensors), from buffers kept alive as long as the request.
 """
 
 import os
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
+import openvino as ov  # (a missing openvino fails here, it is not skipped)
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import openvino as ov  # noqa: E402  (a missing openvino fails here, it is not skipped)
+from ir_writer import paged_attention_ir, pa_port_dims
+from ov_builtin import run_builtin
+from pa_ref import paged_attention_ref
 
-import ir_util  # noqa: E402
-from ov_oracle import builtin  # noqa: E402
-from ref64 import reference  # noqa: E402
+
+def reference(inputs):
+    """float64 reference of one call (inputs in SPEC order). Values written into an f16 cache are
+    not rounded (cache_dtype=None): the CPU plugin runs the op on an f32 copy of an f16 cache unless
+    it runs f16 natively, and test_f16_cache_... rounds the expected cache itself."""
+    return paged_attention_ref(*inputs)
+
+
+def builtin(inputs):
+    """OpenVINO's built-in op on the same call (f32, block 32), in its own Core."""
+    return run_builtin(*inputs)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention.so"))
@@ -104,18 +114,17 @@ def checked_slots(inputs):
     return mask
 
 
-def compile_ext(core, tmp_path, inputs, config=None, dynamic_window=True):
-    types = []
-    for a in inputs:
-        dt = np.asarray(a).dtype
-        types.append({np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}[dt])
+def compile_ext(core, tmp_path, inputs, config=None):
+    """A model whose Parameters have the element types of `inputs` and dynamic T, NB, B, ...
+    (rotation_deltas dynamic in every dimension)."""
+    types = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
     NB, Hkv, BS, D = inputs[3].shape
-    spec = ir_util.default_inputs(len(inputs), heads=inputs[0].shape[1] // D, kv_heads=Hkv, head_size=D,
-                                  block_size=BS, dtype=types[0], cache_dtype=types[3],
-                                  window_per_seq=(len(inputs) < 16 or inputs[15].ndim == 1))
+    H = inputs[0].shape[1] // D
+    ports = [(types[np.asarray(a).dtype], pa_port_dims(i, np.shape(a), H, Hkv, D, BS))
+             for i, a in enumerate(inputs)]
     if len(inputs) > 13:
-        spec[13] = ("i32", [None] * np.asarray(inputs[13]).ndim)
-    xml = ir_util.write_ir(tmp_path / "pa.xml", ir_util.paged_attention_ir(spec))
+        ports[13] = ("i32", [-1] * np.asarray(inputs[13]).ndim)
+    xml = paged_attention_ir(ports).write(tmp_path / "pa.xml")
     return core.compile_model(core.read_model(xml), "CPU", config or {})
 
 
@@ -188,7 +197,7 @@ def test_matches_float64_reference_and_builtin_op(core, tmp_path, name):
     before = [a.copy() for a in inputs]
     out, scores = Runner(compile_ext(core, tmp_path, inputs))(inputs)
     e64 = assert_call_matches(f"{name} vs float64", before, inputs, out, scores, reference(before))
-    eov = assert_call_matches(f"{name} vs built-in", before, inputs, out, scores, builtin(before, core))
+    eov = assert_call_matches(f"{name} vs built-in", before, inputs, out, scores, builtin(before))
     print(f"{name}: max scaled error vs float64 {e64:.3g}, vs built-in op {eov:.3g}")
 
 
