@@ -7,6 +7,8 @@
 //! `cargo test --features openvino --test openvino_cpp`.
 #![cfg(feature = "openvino")]
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -49,10 +51,9 @@ fn newest_file(p: &Path, newest: &mut (std::time::SystemTime, PathBuf)) {
     }
 }
 
-#[test]
-fn cpp_host_loads_extension_and_matches_its_reference() {
+/// Compiles a C++ program against OpenVINO (the paths build.rs found) with warnings as errors.
+fn compile_cpp(source: &Path, exe: &Path) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pa_openvino_host");
     let ov_libs = env!("PA_OPENVINO_LIBS");
     let compile = Command::new("g++")
         .args([
@@ -65,9 +66,9 @@ fn cpp_host_loads_extension_and_matches_its_reference() {
         ])
         .arg(format!("-I{}", root.join("include").display()))
         .args(["-isystem", env!("PA_OPENVINO_INCLUDE")])
-        .arg(root.join("tests/cpp/host.cpp"))
+        .arg(source)
         .arg("-o")
-        .arg(&exe)
+        .arg(exe)
         .arg(format!("-L{ov_libs}"))
         .arg(format!("-l:{}", env!("PA_OPENVINO_LIB_NAME")))
         .arg(format!("-Wl,-rpath,{ov_libs}"))
@@ -75,9 +76,17 @@ fn cpp_host_loads_extension_and_matches_its_reference() {
         .expect("running g++");
     assert!(
         compile.status.success(),
-        "g++ failed on tests/cpp/host.cpp:\n{}",
+        "g++ failed on {}:\n{}",
+        source.display(),
         String::from_utf8_lossy(&compile.stderr)
     );
+}
+
+#[test]
+fn cpp_host_loads_extension_and_matches_its_reference() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pa_openvino_host");
+    compile_cpp(&root.join("tests/cpp/host.cpp"), &exe);
 
     let run = Command::new(&exe)
         .arg(extension_library(root))
@@ -89,6 +98,37 @@ fn cpp_host_loads_extension_and_matches_its_reference() {
     assert!(
         run.status.success() && stdout.contains("host: all checks passed"),
         "the C++ host failed ({}):\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// The README's C++ loading example works as written, run from the checkout's root (it names
+/// `target/release/libpaged_attention.so` and `models/seed_example/model.xml`).
+#[test]
+fn readme_cpp_example_loads_the_extension_as_written() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    extension_library(root);
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let blocks = support::marked_blocks(&readme, "cpp");
+    assert_eq!(
+        blocks.len(),
+        1,
+        "expected one C++ example marked in the README"
+    );
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let src = dir.join("readme_load.cpp");
+    std::fs::write(&src, &blocks[0]).expect("write example");
+    let exe = dir.join("readme_load");
+    compile_cpp(&src, &exe);
+    let run = Command::new(&exe)
+        .current_dir(root)
+        .output()
+        .expect("running the example");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && stdout.trim() == "16 inputs",
+        "the README's C++ example failed ({}):\n{stdout}\n{}",
         run.status,
         String::from_utf8_lossy(&run.stderr)
     );

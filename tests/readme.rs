@@ -5,33 +5,10 @@
 
 mod support;
 
-/// The fenced blocks that follow a `<!-- readme-test: LANG -->` marker.
-fn marked_blocks(readme: &str, lang: &str) -> Vec<String> {
-    let marker = format!("<!-- readme-test: {lang}");
-    let mut blocks = Vec::new();
-    let mut lines = readme.lines();
-    while let Some(line) = lines.next() {
-        if !line.starts_with(&marker) {
-            continue;
-        }
-        let fence = lines.next().unwrap_or_default();
-        assert!(
-            fence.starts_with("```"),
-            "a readme-test marker must be followed by a fenced block, found {fence:?}"
-        );
-        let body: Vec<&str> = lines
-            .by_ref()
-            .take_while(|l| !l.starts_with("```"))
-            .collect();
-        blocks.push(body.join("\n") + "\n");
-    }
-    blocks
-}
-
 #[test]
 fn readme_c_examples_compile_with_warnings_as_errors_and_run() {
     let readme = std::fs::read_to_string(support::root().join("README.md")).expect("README.md");
-    let blocks = marked_blocks(&readme, "c");
+    let blocks = support::marked_blocks(&readme, "c");
     assert!(
         blocks.len() >= 2,
         "expected the op and cache-manager C examples, found {} blocks",
@@ -47,7 +24,7 @@ fn readme_c_examples_compile_with_warnings_as_errors_and_run() {
 #[test]
 fn readme_rust_examples_are_doctests() {
     let readme = std::fs::read_to_string(support::root().join("README.md")).expect("README.md");
-    assert!(marked_blocks(&readme, "rust").len() >= 2);
+    assert!(support::marked_blocks(&readme, "rust").len() >= 2);
     let lib = std::fs::read_to_string(support::root().join("src/lib.rs")).expect("src/lib.rs");
     assert!(
         lib.contains("include_str!(\"../README.md\")"),

@@ -88,3 +88,26 @@ pub fn header_compiles_as_cpp(header: &str) {
         .arg(root().join("include"))
         .arg(root().join(header)));
 }
+
+/// The fenced blocks that follow a `<!-- readme-test: LANG -->` marker.
+pub fn marked_blocks(readme: &str, lang: &str) -> Vec<String> {
+    let marker = format!("<!-- readme-test: {lang} ");
+    let mut blocks = Vec::new();
+    let mut lines = readme.lines();
+    while let Some(line) = lines.next() {
+        if !line.starts_with(&marker) {
+            continue;
+        }
+        let fence = lines.next().unwrap_or_default();
+        assert!(
+            fence.starts_with("```"),
+            "a readme-test marker must be followed by a fenced block, found {fence:?}"
+        );
+        let body: Vec<&str> = lines
+            .by_ref()
+            .take_while(|l| !l.starts_with("```"))
+            .collect();
+        blocks.push(body.join("\n") + "\n");
+    }
+    blocks
+}
