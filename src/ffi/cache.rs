@@ -199,12 +199,8 @@ pub unsafe extern "C" fn pa_cache_manager_create(
 /// `m` is NULL or a handle from `pa_cache_manager_create` not destroyed yet.
 #[no_mangle]
 pub unsafe extern "C" fn pa_cache_manager_destroy(m: *mut PaCacheManager) {
-    if !m.is_null() {
-        // SAFETY: `m` came from Box::into_raw in pa_cache_manager_create and is destroyed once.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            drop(unsafe { Box::from_raw(m) })
-        }));
-    }
+    // SAFETY: the caller passes NULL or a live handle from pa_cache_manager_create, once.
+    unsafe { destroy_handle(m) }
 }
 
 /// # Safety
@@ -599,12 +595,8 @@ pub unsafe extern "C" fn pa_scheduler_create(
 /// `s` is NULL or a handle from `pa_scheduler_create` not destroyed yet.
 #[no_mangle]
 pub unsafe extern "C" fn pa_scheduler_destroy(s: *mut PaScheduler) {
-    if !s.is_null() {
-        // SAFETY: `s` came from Box::into_raw in pa_scheduler_create and is destroyed once.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            drop(unsafe { Box::from_raw(s) })
-        }));
-    }
+    // SAFETY: the caller passes NULL or a live handle from pa_scheduler_create, once.
+    unsafe { destroy_handle(s) }
 }
 
 /// # Safety
@@ -761,4 +753,17 @@ pub unsafe extern "C" fn pa_scheduler_stats(s: *mut PaScheduler, out: *mut PaCac
         unsafe { out.write(s.sched.manager().stats().into()) };
         Ok(())
     })
+}
+
+/// Frees a handle made by `Box::into_raw`; NULL is a no-op; a panic in a destructor is caught.
+///
+/// # Safety
+/// `p` is NULL or came from `Box::into_raw` and is not used afterwards.
+unsafe fn destroy_handle<T>(p: *mut T) {
+    if !p.is_null() {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: the function's contract: `p` came from Box::into_raw, freed once.
+            drop(unsafe { Box::from_raw(p) })
+        }));
+    }
 }
