@@ -29,7 +29,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 
-from ir_writer import IRBuilder, Port, encode  # noqa: E402
+from ir_writer import IRBuilder, Port, add_paged_attention, encode, pa_port_dims  # noqa: E402
 from pa_cases import INPUT_NAMES, make_call  # noqa: E402
 from pa_ref import bf16_bits_to_f32, cache_compare_mask, paged_attention_ref, round_to  # noqa: E402
 
@@ -352,7 +352,7 @@ def build_case(spec):
         elif i in const:
             dims = list(np.shape(v))
         else:
-            dims = dyn_dims(i, np.shape(v), H, Hkv, D, BS)
+            dims = pa_port_dims(i, np.shape(v), H, Hkv, D, BS)
         if i in const:
             prod = b.const(f"{nm}_const", et_s, v)
             kind = "Const"
@@ -369,11 +369,7 @@ def build_case(spec):
                             "element_type": et_s, "converted_to": et_o if et_s != et_o else None,
                             "shape": list(np.shape(v)),
                             "file": f"in_{i}_{nm}.npy" if kind == "Parameter" else None})
-    out_ports = [Port(n_inputs, dtype, [-1, H * D]), Port(n_inputs + 1, dtype, [-1])]
-    pa = b.op("paged_attention", "PagedAttention", "ie_internal_opset", srcs, in_ports, out_ports,
-              layer_id=ids.get("paged_attention"))
-    b.result("output", (pa, n_inputs))
-    b.result("scores", (pa, n_inputs + 1))
+    add_paged_attention(b, srcs, in_ports, dtype, H * D, layer_id=ids.get("paged_attention"))
 
     order = None
     if spec.get("shuffle_layers"):
@@ -438,29 +434,6 @@ SEED_PORT_DIMS = {
 }
 
 
-def dyn_dims(i, shape, H, Hkv, D, BS):
-    """Port dims with -1 for the data-dependent dimensions (as in the seed example)."""
-    if i == 0:
-        return [-1, H * D]
-    if i in (1, 2):
-        return [-1, Hkv * D]
-    if i in (3, 4):
-        return [-1, Hkv, BS, D]
-    if i in (5, 6, 7, 8, 12):
-        return [-1]
-    if i in (9, 10):
-        return []
-    if i == 11:
-        return [-1]
-    if i == 13:
-        return [-1] if len(shape) == 1 else [-1, shape[1]]
-    if i == 14:
-        return [-1, shape[1]]
-    if i == 15:
-        return [] if len(shape) == 0 else [-1]
-    raise ValueError(i)
-
-
 # ============================================================================ writing
 def write_case(root, spec):
     b, order, files, meta = build_case(spec)
@@ -468,10 +441,7 @@ def write_case(root, spec):
     if os.path.isdir(d):
         shutil.rmtree(d)
     os.makedirs(d)
-    with open(os.path.join(d, "model.xml"), "w", newline="\n") as f:
-        f.write(b.xml(order))
-    with open(os.path.join(d, "model.bin"), "wb") as f:
-        f.write(bytes(b.bin))
+    b.write(os.path.join(d, "model.xml"), order)
     for fname, arr in sorted(files.items()):
         np.save(os.path.join(d, fname), arr, allow_pickle=False)
     with open(os.path.join(d, "case.json"), "w", newline="\n") as f:

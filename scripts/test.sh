@@ -25,5 +25,5 @@ fi
 
 if [ -x target/release/pa ] && [ -d models ]; then
   echo "== conformance suite"
-  target/release/pa conformance models
+  target/release/pa conformance --require-openvino models
 fi

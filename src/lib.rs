@@ -4,11 +4,15 @@
 //!
 //! - [`op`]: the contract, shape inference, validation and [`op::execute`].
 //! - [`kernel`]: the CPU kernels (scalar reference and fast paths).
+//! - [`cache`]: the KV-cache block manager and scheduler that feed the op.
 //! - [`ffi`]: the `extern "C"` functions of the header; conversion and error mapping only.
+//! - [`ir`]: OpenVINO IR reader and executor, `.npy` files, the golden cases (`pa` command).
 
+pub mod cache;
 pub mod dtype;
 pub mod error;
 pub mod ffi;
+pub mod ir;
 pub mod kernel;
 pub mod op;
 pub mod tensor;
@@ -17,3 +21,8 @@ pub use dtype::{ElemType, Float};
 pub use error::{PaError, Status};
 pub use op::{execute, infer_shapes, validate, PaInputs, PaOutputs, Plan};
 pub use tensor::{Elems, ElemsMut, Tensor, TensorMut};
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,6 +1,10 @@
 """Minimal, deterministic writer of OpenVINO IR v11 (model.xml + model.bin) for graphs made of
 Parameter, Const, Convert, PagedAttention (ie_internal_opset) and Result layers.
 
+``paged_attention_ir(ports)`` builds the plain model (one Parameter per input -> PagedAttention -> two
+Results); ``add_paged_attention`` adds the op and its Results to any builder (models/gen.py);
+``pa_port_dims`` gives an input port's dims with the data-dependent dimensions dynamic.
+
 The text layout follows what ``openvino.save_model`` emits (tab indentation, ``<data shape="?,128"
 element_type="f16"/>`` on Parameters, ``<data element_type= shape= offset= size=/>`` on Consts,
 ``destination_type`` on Converts, port ids numbered inputs first then outputs).
@@ -12,7 +16,7 @@ from xml.sax.saxutils import quoteattr
 
 import numpy as np
 
-from pa_ref import f32_to_bf16_bits
+from pa_ref import INPUT_NAMES, f32_to_bf16_bits
 
 PRECISION = {"f32": "FP32", "f16": "FP16", "bf16": "BF16", "i32": "I32", "f64": "FP64", "u8": "U8",
              "i64": "I64"}
@@ -127,6 +131,16 @@ class IRBuilder:
         self.edges.append((sl.id, sp, dl.id, dp))
 
     # ------------------------------------------------------------------ output
+    def write(self, path_xml, layer_order=None):
+        """Writes ``path_xml`` and the .bin beside it (empty without Consts); returns the .xml path
+        as a str."""
+        path_xml = str(path_xml)
+        with open(path_xml, "w", newline="\n") as f:
+            f.write(self.xml(layer_order))
+        with open(path_xml[: -len(".xml")] + ".bin", "wb") as f:
+            f.write(bytes(self.bin))
+        return path_xml
+
     def xml(self, layer_order=None):
         layers = self.layers if layer_order is None else [self.layers[i] for i in layer_order]
         out = ['<?xml version="1.0"?>', f'<net name={quoteattr(self.name)} version="11">', "\t<layers>"]
@@ -163,3 +177,53 @@ class IRBuilder:
         out.append("\t<rt_info />")
         out.append("</net>")
         return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------- PagedAttention models
+def pa_port_dims(i, shape, H, Hkv, D, BS):
+    """Dims of the op's input port ``i`` for a value of ``shape``: -1 for the data-dependent
+    dimensions (T, NB, B, R, M, ...), as in the seed example."""
+    if i == 0:
+        return [-1, H * D]
+    if i in (1, 2):
+        return [-1, Hkv * D]
+    if i in (3, 4):
+        return [-1, Hkv, BS, D]
+    if i in (5, 6, 7, 8, 12):
+        return [-1]
+    if i in (9, 10):
+        return []
+    if i == 11:
+        return [-1]
+    if i == 13:
+        return [-1] if len(shape) == 1 else [-1, shape[1]]
+    if i == 14:
+        return [-1, shape[1]]
+    if i == 15:
+        return [] if len(shape) == 0 else [-1]
+    raise ValueError(i)
+
+
+def add_paged_attention(b, srcs, in_ports, out_et, q_width, layer_id=None):
+    """Adds the PagedAttention layer (input ports ``in_ports`` fed by ``srcs``, output ports n and
+    n+1 of type ``out_et``) and the Results ``output`` [-1, q_width] and ``scores`` [-1]."""
+    n = len(in_ports)
+    out_ports = [Port(n, out_et, [-1, q_width]), Port(n + 1, out_et, [-1])]
+    pa = b.op("paged_attention", "PagedAttention", "ie_internal_opset", srcs, in_ports, out_ports,
+              layer_id=layer_id)
+    b.result("output", (pa, n))
+    b.result("scores", (pa, n + 1))
+    return pa
+
+
+def paged_attention_ir(ports, name="paged_attention", out_et=None):
+    """IRBuilder of the plain model: one Parameter per input (named as in SPEC.md) feeding the op
+    directly, and two Results. ``ports``: (element type, dims) of the 9..16 inputs in SPEC order;
+    the outputs have the query's type unless ``out_et`` is given. No Consts: the .bin is empty."""
+    if not 9 <= len(ports) <= 16:
+        raise ValueError(f"{len(ports)} inputs: the op takes 9 to 16")
+    b = IRBuilder(name)
+    srcs = [b.parameter(INPUT_NAMES[i], et, dims) for i, (et, dims) in enumerate(ports)]
+    in_ports = [Port(i, et, list(dims)) for i, (et, dims) in enumerate(ports)]
+    add_paged_attention(b, srcs, in_ports, out_et or ports[0][0], ports[0][1][1])
+    return b

@@ -36,7 +36,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino._pyopenvino.op import _PagedAttentionExtension
 
-from pa_ref import is_absent
+from pa_ref import normalize_inputs
 
 __all__ = ["run_builtin", "Unsupported", "BUILTIN_BLOCK_SIZE"]
 
@@ -64,30 +64,11 @@ def _i32(x):
     return np.require(x, dtype=np.int32, requirements="C")
 
 
-def run_builtin(
-    query,
-    key,
-    value,
-    key_cache,
-    value_cache,
-    past_lens,
-    subsequence_begins,
-    block_indices,
-    block_indices_begins,
-    scale=None,
-    sliding_window=None,
-    alibi_slopes=None,
-    rotated_block_indices=None,
-    rotation_deltas=None,
-    rotation_trig_lut=None,
-    score_aggregation_window=None,
-    *,
-    raw_score_window=False,
-    native_r_deltas=False,
-    threads=None,
-):
-    """Run the call through the built-in op. Inputs are numpy arrays (None/empty = absent); the
-    caches are copied, never modified. Returns float32 arrays (output, scores, key_cache_after,
+def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=None, **named):
+    """Run the call through the built-in op. ``inputs``: the 9..16 inputs in SPEC order (the fields
+    of ``pa_ref.Call``), positional or by name; numpy arrays (None/empty = absent). They are checked
+    and normalised by ``pa_ref.normalize_inputs`` (ValueError for a malformed call). The caches are
+    copied, never modified. Returns float32 arrays (output, scores, key_cache_after,
     value_cache_after).
 
     raw_score_window=True passes score_aggregation_window to the plugin as given (must already be
@@ -95,57 +76,41 @@ def run_builtin(
     native_r_deltas=True passes [R] rotation_deltas to the plugin as a rank-1 tensor instead of
     reshaping it to [R,1].
     threads: INFERENCE_NUM_THREADS for the compiled model (models/gen.py uses 1 for reproducibility)."""
-    for name, a in (("query", query), ("key", key), ("value", value),
-                    ("key_cache", key_cache), ("value_cache", value_cache)):
-        if np.asarray(a).dtype != np.float32:
+    x = normalize_inputs(*inputs, **named)
+    c = x.call
+    for name in ("query", "key", "value", "key_cache", "value_cache"):
+        if np.asarray(getattr(c, name)).dtype != np.float32:
             raise Unsupported(f"{name}: only f32 data is supported by the oracle")
-    q, k, v = _f32(query), _f32(key), _f32(value)
-    kc = np.array(key_cache, dtype=np.float32, order="C", copy=True)
-    vc = np.array(value_cache, dtype=np.float32, order="C", copy=True)
-    NB, Hkv, BS, D = kc.shape
+    q, k, v = _f32(c.query), _f32(c.key), _f32(c.value)
+    kc = np.array(c.key_cache, dtype=np.float32, order="C", copy=True)
+    vc = np.array(c.value_cache, dtype=np.float32, order="C", copy=True)
+    Hkv, BS, D, H, B = x.Hkv, x.BS, x.D, x.H, x.B
     if BS != BUILTIN_BLOCK_SIZE:
         raise Unsupported(f"block size {BS}: the CPU plugin only runs block size 32")
-    T = q.shape[0]
-    H = q.shape[1] // D
-    past = _i32(past_lens).reshape(-1)
-    sb = _i32(subsequence_begins).reshape(-1)
-    bi = _i32(block_indices).reshape(-1)
-    bib = _i32(block_indices_begins).reshape(-1)
-    B = past.shape[0]
-    n = (sb[1:] - sb[:-1]).astype(np.int64)
+    past, sb, bi, bib = (_i32(a) for a in (x.past, x.sb, x.bi, x.bib))
 
-    scale_a = np.array(0.0 if is_absent(scale) else float(np.asarray(scale).reshape(-1)[0]),
-                       dtype=np.float32)
-    sw_a = np.array(0 if is_absent(sliding_window) else int(np.asarray(sliding_window).reshape(-1)[0]),
-                    dtype=np.int32)
-    alibi_a = np.zeros([0], np.float32) if is_absent(alibi_slopes) else _f32(alibi_slopes).reshape(-1)
+    scale_a = np.array(x.scale, dtype=np.float32)  # 0 when absent: the plugin reads it as 1/sqrt(D)
+    sw_a = np.array(x.sliding_window, dtype=np.int32)
+    alibi_a = np.zeros([0], np.float32) if x.alibi is None else _f32(c.alibi_slopes).reshape(-1)
     if alibi_a.size and sw_a > 0:
         raise Unsupported("ALiBi together with a sliding window: the CPU plugin drops ALiBi")
-    max_ctx = np.array(int((past.astype(np.int64) + n).max()) if B else 0, dtype=np.int32)
+    max_ctx = np.array(int((x.past + x.n).max()) if B else 0, dtype=np.int32)
 
     if raw_score_window:
-        saw_a = _i32(score_aggregation_window).reshape(-1)
+        saw_a = _i32(c.score_aggregation_window).reshape(-1)
     else:
-        if is_absent(score_aggregation_window):
-            w = np.ones(B, np.int64)
-        else:
-            w0 = np.asarray(score_aggregation_window).astype(np.int64).reshape(-1)
-            w = np.full(B, w0[0]) if w0.shape[0] == 1 else w0.copy()
-            if w.shape[0] != B:
-                raise ValueError("score_aggregation_window must be a scalar or [B]")
-        w = np.where(w < 0, n, w)
-        saw_a = _i32(w)
+        # [B] (the plugin rejects a scalar); w < 0 -> n_s (same meaning; a negative value crashes
+        # the plugin for n_s > 32)
+        saw_a = _i32(np.where(x.score_window < 0, x.n, x.score_window))
 
-    if is_absent(rotated_block_indices):
+    if x.rotated_blocks is None:
         rbi_a = np.zeros([0], np.int32)
         rd_a = np.zeros([0, 1], np.int32)
         lut_a = np.zeros([0, D], np.float32)
     else:
-        rbi_a = _i32(rotated_block_indices).reshape(-1)
-        rd_a = _i32(rotation_deltas)
-        if rd_a.ndim == 1 and not native_r_deltas:
-            rd_a = np.ascontiguousarray(rd_a.reshape(-1, 1))
-        lut_a = _f32(rotation_trig_lut)
+        rbi_a = _i32(x.rotated_blocks)
+        rd_a = _i32(c.rotation_deltas if native_r_deltas else x.rotation_deltas)
+        lut_a = _f32(c.rotation_trig_lut)
 
     feeds = [q, k, v, kc, vc, past, sb, bi, bib, scale_a, sw_a, alibi_a, max_ctx, saw_a,
              rbi_a, rd_a, lut_a]

@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pa_ref import round_to
-
-INPUT_NAMES = [
-    "query", "key", "value", "key_cache", "value_cache", "past_lens", "subsequence_begins",
-    "block_indices", "block_indices_begins", "scale", "sliding_window", "alibi_slopes",
-    "rotated_block_indices", "rotation_deltas", "rotation_trig_lut", "score_aggregation_window",
-]
+from pa_ref import INPUT_NAMES, round_to
 
 
 def rope_lut(M, D, base=10000.0):

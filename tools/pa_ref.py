@@ -20,9 +20,16 @@ Conventions
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
 import numpy as np
 
 __all__ = [
+    "Call",
+    "INPUT_NAMES",
+    "Inputs",
+    "normalize_inputs",
     "paged_attention_ref",
     "round_to",
     "bf16_bits_to_f32",
@@ -83,52 +90,81 @@ def is_absent(x) -> bool:
     return x is None or np.asarray(x).size == 0
 
 
-# ----------------------------------------------------------------------------- the op
-def paged_attention_ref(
-    query,
-    key,
-    value,
-    key_cache,
-    value_cache,
-    past_lens,
-    subsequence_begins,
-    block_indices,
-    block_indices_begins,
-    scale=None,
-    sliding_window=None,
-    alibi_slopes=None,
-    rotated_block_indices=None,
-    rotation_deltas=None,
-    rotation_trig_lut=None,
-    score_aggregation_window=None,
-    *,
-    cache_dtype=None,
-):
-    """float64 reference of PagedAttention per SPEC.md. See the module docstring for conventions.
+# ----------------------------------------------------------------------------- the inputs
+class Call(NamedTuple):
+    """The 16 inputs of the op in SPEC order. Optional inputs (9..15) default to None (absent)."""
 
-    Returns (output [T, H*D], scores [sum(past_lens)+T], key_cache_after, value_cache_after)."""
-    q = np.asarray(query, dtype=np.float64)
-    k = np.asarray(key, dtype=np.float64)
-    v = np.asarray(value, dtype=np.float64)
-    kc = np.array(key_cache, dtype=np.float64, copy=True)
-    vc = np.array(value_cache, dtype=np.float64, copy=True)
-    past = np.asarray(past_lens, dtype=np.int64).reshape(-1)
-    sb = np.asarray(subsequence_begins, dtype=np.int64).reshape(-1)
-    bi = np.asarray(block_indices, dtype=np.int64).reshape(-1)
-    bib = np.asarray(block_indices_begins, dtype=np.int64).reshape(-1)
+    query: Any
+    key: Any
+    value: Any
+    key_cache: Any
+    value_cache: Any
+    past_lens: Any
+    subsequence_begins: Any
+    block_indices: Any
+    block_indices_begins: Any
+    scale: Any = None
+    sliding_window: Any = None
+    alibi_slopes: Any = None
+    rotated_block_indices: Any = None
+    rotation_deltas: Any = None
+    rotation_trig_lut: Any = None
+    score_aggregation_window: Any = None
 
-    if kc.ndim != 4 or vc.shape != kc.shape:
-        raise ValueError(f"bad cache shapes {kc.shape} {vc.shape}")
-    NB, Hkv, BS, D = kc.shape
-    if q.ndim != 2 or q.shape[1] % D:
+
+INPUT_NAMES = list(Call._fields)
+
+
+@dataclass
+class Inputs:
+    """One call's inputs checked against SPEC.md and normalised; shared by ``paged_attention_ref``
+    and ``ov_builtin.run_builtin``. Float data is left as given (``call``): each consumer converts
+    it to its own precision."""
+
+    call: Call
+    NB: int
+    Hkv: int
+    BS: int
+    D: int
+    T: int
+    H: int
+    B: int
+    past: np.ndarray  # int64 [B]
+    sb: np.ndarray  # int64 [B+1]
+    bi: np.ndarray  # int64 [len(block_indices)]
+    bib: np.ndarray  # int64 [B+1]
+    n: np.ndarray  # int64 [B]: new tokens per sequence
+    scale: float  # as given; 0.0 when absent (0 means 1/sqrt(D))
+    sliding_window: int  # 0 when absent
+    alibi: np.ndarray | None  # float64 [H], None when absent
+    score_window: np.ndarray  # int64 [B]: absent -> 1, a scalar or [1] broadcast, w < 0 kept
+    rotated_blocks: np.ndarray | None  # int64 [R], None when absent
+    rotation_deltas: np.ndarray | None  # int64 [R, 1] or [R, BS] ([R] reshaped to [R, 1])
+
+    @property
+    def G(self) -> int:
+        return self.H // self.Hkv
+
+
+def normalize_inputs(*inputs, **named) -> Inputs:
+    """Check one call's inputs (positional in SPEC order and/or by ``Call`` field name) against
+    SPEC.md and normalise the optional ones. Raises ValueError for a malformed call."""
+    c = Call(*inputs, **named)
+    kshape = np.shape(c.key_cache)
+    if len(kshape) != 4 or np.shape(c.value_cache) != kshape:
+        raise ValueError(f"bad cache shapes {kshape} {np.shape(c.value_cache)}")
+    NB, Hkv, BS, D = kshape
+    qshape = np.shape(c.query)
+    if len(qshape) != 2 or qshape[1] % D:
         raise ValueError("query.dim1 must be a multiple of D")
-    T = q.shape[0]
-    H = q.shape[1] // D
+    T = qshape[0]
+    H = qshape[1] // D
     if H % Hkv:
         raise ValueError("H must be a multiple of Hkv")
-    G = H // Hkv
-    if k.shape != (T, Hkv * D) or v.shape != (T, Hkv * D):
+    if np.shape(c.key) != (T, Hkv * D) or np.shape(c.value) != (T, Hkv * D):
         raise ValueError(f"key/value must be [{T}, {Hkv * D}]")
+    past, sb, bi, bib = (np.asarray(a, dtype=np.int64).reshape(-1) for a in
+                         (c.past_lens, c.subsequence_begins, c.block_indices, c.block_indices_begins))
     B = past.shape[0]
     if sb.shape[0] != B + 1 or bib.shape[0] != B + 1:
         raise ValueError("B mismatch between past_lens, subsequence_begins, block_indices_begins")
@@ -139,66 +175,82 @@ def paged_attention_ref(
     if np.any(past < 0):
         raise ValueError("negative past_lens")
 
-    # ---- optional inputs
-    if is_absent(scale):
-        sc = 0.0
-    else:
-        sc = float(np.asarray(scale, dtype=np.float64).reshape(-1)[0])
-    if sc == 0.0:
-        sc = 1.0 / np.sqrt(D)
-    if is_absent(sliding_window):
-        sw = 0
-    else:
-        sw = int(np.asarray(sliding_window).reshape(-1)[0])
-    if is_absent(alibi_slopes):
-        alibi = None
-    else:
-        alibi = np.asarray(alibi_slopes, dtype=np.float64).reshape(-1)
+    scale = 0.0 if is_absent(c.scale) else float(np.asarray(c.scale, dtype=np.float64).reshape(-1)[0])
+    sw = 0 if is_absent(c.sliding_window) else int(np.asarray(c.sliding_window).reshape(-1)[0])
+    alibi = None
+    if not is_absent(c.alibi_slopes):
+        alibi = np.asarray(c.alibi_slopes, dtype=np.float64).reshape(-1)
         if alibi.shape[0] != H:
             raise ValueError(f"alibi_slopes must have {H} values")
-    if is_absent(score_aggregation_window):
+    if is_absent(c.score_aggregation_window):
         saw = np.ones(B, dtype=np.int64)
     else:
-        w = np.asarray(score_aggregation_window, dtype=np.int64).reshape(-1)
-        if w.shape[0] == 1 and np.asarray(score_aggregation_window).ndim == 0:
+        w = np.asarray(c.score_aggregation_window, dtype=np.int64).reshape(-1)
+        if w.shape[0] == 1:  # a scalar, or a [1] tensor treated as one: broadcast to all sequences
             saw = np.full(B, int(w[0]), dtype=np.int64)
         elif w.shape[0] == B:
             saw = w
-        elif w.shape[0] == 1:  # a [1] tensor: treat as a scalar broadcast to all sequences
-            saw = np.full(B, int(w[0]), dtype=np.int64)
         else:
             raise ValueError("score_aggregation_window must be a scalar or [B]")
 
-    # ---- 1. rotation of the key cache (before insertion)
-    if not is_absent(rotated_block_indices):
-        rbi = np.asarray(rotated_block_indices, dtype=np.int64).reshape(-1)
+    rbi = deltas = None
+    if not is_absent(c.rotated_block_indices):
+        rbi = np.asarray(c.rotated_block_indices, dtype=np.int64).reshape(-1)
         R = rbi.shape[0]
-        if is_absent(rotation_deltas) or is_absent(rotation_trig_lut):
+        if is_absent(c.rotation_deltas) or is_absent(c.rotation_trig_lut):
             raise ValueError("rotation needs rotation_deltas and rotation_trig_lut")
-        deltas = np.asarray(rotation_deltas, dtype=np.int64)
+        deltas = np.asarray(c.rotation_deltas, dtype=np.int64)
         if deltas.ndim == 1:
             deltas = deltas.reshape(R, 1)
-        if deltas.shape[0] != R or deltas.shape[1] not in (1, BS):
+        if deltas.ndim != 2 or deltas.shape[0] != R or deltas.shape[1] not in (1, BS):
             raise ValueError(f"rotation_deltas must be [R, BS], [R, 1] or [R], got {deltas.shape}")
-        lut = np.asarray(rotation_trig_lut, dtype=np.float64)
-        M = lut.shape[0]
-        if lut.ndim != 2 or lut.shape[1] != D or D % 2:
+        lshape = np.shape(c.rotation_trig_lut)
+        if len(lshape) != 2 or lshape[1] != D or D % 2:
             raise ValueError("rotation_trig_lut must be [M, D] with even D")
+        if np.any((rbi < 0) | (rbi >= NB)):
+            raise ValueError("rotated block id out of range")
+        if np.any((deltas < 0) | (deltas >= lshape[0])):
+            raise ValueError("rotation delta out of range")
+
+    return Inputs(call=c, NB=NB, Hkv=Hkv, BS=BS, D=D, T=T, H=H, B=B, past=past, sb=sb, bi=bi,
+                  bib=bib, n=np.diff(sb), scale=scale, sliding_window=sw, alibi=alibi,
+                  score_window=saw, rotated_blocks=rbi, rotation_deltas=deltas)
+
+
+# ----------------------------------------------------------------------------- the op
+def paged_attention_ref(*inputs, cache_dtype=None, **named):
+    """float64 reference of PagedAttention per SPEC.md. ``inputs``: the 9..16 inputs in SPEC order
+    (the fields of ``Call``), positional or by name. See the module docstring for conventions.
+
+    Returns (output [T, H*D], scores [sum(past_lens)+T], key_cache_after, value_cache_after)."""
+    x = normalize_inputs(*inputs, **named)
+    c = x.call
+    q = np.asarray(c.query, dtype=np.float64)
+    k = np.asarray(c.key, dtype=np.float64)
+    v = np.asarray(c.value, dtype=np.float64)
+    kc = np.array(c.key_cache, dtype=np.float64, copy=True)
+    vc = np.array(c.value_cache, dtype=np.float64, copy=True)
+    past, sb, bi, bib = x.past, x.sb, x.bi, x.bib
+    NB, Hkv, BS, D, T, H, G, B = x.NB, x.Hkv, x.BS, x.D, x.T, x.H, x.G, x.B
+    sc = x.scale if x.scale != 0.0 else 1.0 / np.sqrt(D)
+    sw = x.sliding_window
+    alibi = x.alibi
+    saw = x.score_window
+
+    # ---- 1. rotation of the key cache (before insertion)
+    if x.rotated_blocks is not None:
+        deltas = x.rotation_deltas
+        lut = np.asarray(c.rotation_trig_lut, dtype=np.float64)
         half = D // 2
-        for r in range(R):
-            b = int(rbi[r])
-            if not 0 <= b < NB:
-                raise ValueError("rotated block id out of range")
+        for r, b in enumerate(x.rotated_blocks):
             for t in range(BS):
                 d = int(deltas[r, t if deltas.shape[1] == BS else 0])
-                if not 0 <= d < M:
-                    raise ValueError("rotation delta out of range")
                 cos = lut[d, :half]
                 sin = lut[d, half:]
-                x = kc[b, :, t, :half].copy()
-                y = kc[b, :, t, half:].copy()
-                kc[b, :, t, :half] = round_to(x * cos - y * sin, cache_dtype)
-                kc[b, :, t, half:] = round_to(x * sin + y * cos, cache_dtype)
+                x0 = kc[b, :, t, :half].copy()
+                y0 = kc[b, :, t, half:].copy()
+                kc[b, :, t, :half] = round_to(x0 * cos - y0 * sin, cache_dtype)
+                kc[b, :, t, half:] = round_to(x0 * sin + y0 * cos, cache_dtype)
 
     # ---- 2. insertion
     def slot_of(s, p):

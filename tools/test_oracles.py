@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pa_cases import call_args, make_call  # noqa: E402
 from pa_ref import (  # noqa: E402
-    bf16_bits_to_f32, cache_compare_mask, f32_to_bf16_bits, paged_attention_ref,
+    bf16_bits_to_f32, cache_compare_mask, f32_to_bf16_bits, normalize_inputs, paged_attention_ref,
 )
 
 try:
@@ -271,6 +271,36 @@ def test_cache_rounding_f16():
     np.testing.assert_array_equal(kc, kc.astype(np.float16).astype(np.float64))
     _, _, kc2, _ = paged_attention_ref(*call_args(call))
     assert np.abs(kc - kc2).max() > 0  # rotation results were rounded
+
+
+def test_normalize_inputs_forms_shared_by_both_oracles():
+    """The input normalisation pa_ref and ov_builtin share: absent optionals, the score window's
+    scalar / [1] / [B] forms, [R] rotation deltas as [R, 1], inputs by name."""
+    rng = np.random.default_rng(5)
+    call = make_call(rng, **BASE, seqs=[(40, 7), (0, 9), (3, 2)], rotation="R")
+    x = normalize_inputs(*call_args(call)[:9])
+    assert (x.scale, x.sliding_window, x.alibi, x.rotated_blocks) == (0.0, 0, None, None)
+    np.testing.assert_array_equal(x.score_window, [1, 1, 1])
+    np.testing.assert_array_equal(x.n, [7, 9, 2])
+    for w, want in ((np.int32(-1), [-1] * 3), (np.array([3], np.int32), [3] * 3),
+                    (np.array([2, 0, -4], np.int32), [2, 0, -4]), (np.zeros(0, np.int32), [1] * 3)):
+        np.testing.assert_array_equal(normalize_inputs(**dict(call, score_aggregation_window=w)).score_window,
+                                      want)
+    x = normalize_inputs(**call)
+    assert x.rotation_deltas.shape == (len(call["rotated_block_indices"]), 1)
+    with pytest.raises(ValueError, match="scalar or"):
+        normalize_inputs(**dict(call, score_aggregation_window=np.ones(2, np.int32)))
+
+
+def test_reference_rejects_a_minus_one_block_a_token_reaches():
+    """SPEC: -1 pads only slots no token reaches; the reference must not read block -1 (the
+    last block, by numpy's negative indexing)."""
+    rng = np.random.default_rng(6)
+    call = make_call(rng, **BASE, seqs=[(40, 7)])
+    call["block_indices"] = call["block_indices"].copy()
+    call["block_indices"][1] = -1
+    with pytest.raises(ValueError, match="block id -1 out of range"):
+        paged_attention_ref(*call_args(call))
 
 
 def main():

@@ -137,6 +137,11 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
     }
     let present = k.present;
     let get = |i: usize| -> Option<&PartialInput> { inputs.get(i).filter(|_| present[i]) };
+    // An optional input with a dynamic dimension may still be empty ("not provided") at run
+    // time, so its dimensions can contradict the others only once they are known: e.g. the
+    // seed's example IR declares rotation_trig_lut as [?, 128] with head_size 16 and feeds it
+    // empty. Concrete calls have static shapes, so validation checks everything.
+    let sure = |i: usize| get(i).filter(|inp| inp.shape.is_static());
 
     // Ranks and element types, straight from the table.
     for (i, inp) in inputs.iter().enumerate() {
@@ -309,7 +314,7 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         }
     }
     // ALiBi: one slope per query head.
-    if let Some(inp) = get(ALIBI_SLOPES) {
+    if let Some(inp) = sure(ALIBI_SLOPES) {
         if let (Some(n), Some(h)) = (inp.shape.dim(0), k.h) {
             if n != h {
                 return Err(PaError::shape(
@@ -321,11 +326,14 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
-    // Rotation: all three inputs together.
+    // Rotation: only when rotated_block_indices is non-empty (SPEC), and then all three inputs
+    // together. Deltas and a LUT next to an empty block list (a model that rotates on some
+    // steps only) are not an error: there is nothing to rotate.
     let rot = [ROTATED_BLOCK_INDICES, ROTATION_DELTAS, ROTATION_TRIG_LUT];
-    let rot_given = rot.iter().filter(|&&i| get(i).is_some()).count();
-    if rot_given > 0 {
-        if rot_given < 3 {
+    let rot_given = rot.iter().filter(|&&i| sure(i).is_some()).count();
+    let rot_absent = rot.iter().filter(|&&i| get(i).is_none()).count();
+    if sure(ROTATED_BLOCK_INDICES).is_some() && rot_absent > 0 {
+        {
             let missing: Vec<&str> = rot
                 .iter()
                 .filter(|&&i| get(i).is_none())
@@ -333,6 +341,8 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
                 .collect();
             return Err(PaError::shape("rotated_block_indices", format!("rotation needs rotated_block_indices, rotation_deltas and rotation_trig_lut together; missing: {}", missing.join(", "))));
         }
+    }
+    if rot_given == 3 {
         k.r = inputs[ROTATED_BLOCK_INDICES].shape.dim(0);
         let rd = &inputs[ROTATION_DELTAS].shape;
         unify(&mut k.r, rd.dim(0), "rotation_deltas", |v, known| {

@@ -349,10 +349,17 @@ fn check_output(
             found: o.data.len(),
         });
     }
+    if o.shape != shape {
+        let detail = format!(
+            "`{name}` has shape {:?}, but the call produces {shape:?}",
+            o.shape
+        );
+        return Err(PaError::shape(name, detail));
+    }
     Ok(())
 }
 
-/// Checks the output buffers against the plan: element type of the query, exact sizes.
+/// Checks the output buffers against the plan: element type of the query, exact shapes.
 pub fn check_outputs(plan: &Plan, outputs: &PaOutputs<'_>) -> Result<()> {
     let [o, s] = plan.output_shapes();
     check_output("output", &outputs.output, &o, plan.query_type)?;

@@ -1,0 +1,194 @@
+// The op class: converts between OpenVINO's types and the C ABI's, nothing else. Every rule of
+// the op (shapes, types, values) is checked by the Rust library, whose messages are passed on.
+#include "paged_attention_op.hpp"
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include <openvino/core/except.hpp>
+
+#include "paged_attention.h"
+
+namespace paged_attention {
+namespace {
+
+// No C ABI element type has this code, so the Rust side reports the input as having an
+// unsupported element type; we add OpenVINO's name of the type to the message.
+constexpr int32_t kUnsupportedElem = 1000;
+
+int32_t elem_code(const ov::element::Type& t) {
+    switch (t) {
+    case ov::element::dynamic:
+        return PA_ELEM_DYNAMIC;
+    case ov::element::f32:
+        return PA_ELEM_F32;
+    case ov::element::f16:
+        return PA_ELEM_F16;
+    case ov::element::bf16:
+        return PA_ELEM_BF16;
+    case ov::element::i32:
+        return PA_ELEM_I32;
+    default:
+        return kUnsupportedElem;
+    }
+}
+
+ov::element::Type elem_type(int32_t code) {
+    switch (code) {
+    case PA_ELEM_F32:
+        return ov::element::f32;
+    case PA_ELEM_F16:
+        return ov::element::f16;
+    case PA_ELEM_BF16:
+        return ov::element::bf16;
+    case PA_ELEM_I32:
+        return ov::element::i32;
+    default:
+        return ov::element::dynamic;
+    }
+}
+
+// The calling thread's last message from the library (pa_last_error_message is per thread).
+std::string last_error(pa_status status) {
+    std::string msg(pa_last_error_message(nullptr, 0), '\0');
+    if (!msg.empty()) {
+        pa_last_error_message(msg.data(), msg.size() + 1);
+    }
+    return std::string(pa_status_name(status)) + ": " + msg;
+}
+
+// Names the OpenVINO element types of the inputs that the C ABI cannot describe, if any.
+std::string unsupported_types(const std::vector<ov::element::Type>& types) {
+    std::string s;
+    for (size_t i = 0; i < types.size(); ++i) {
+        if (elem_code(types[i]) == kUnsupportedElem) {
+            s += " (input " + std::to_string(i) + " has OpenVINO element type " + types[i].get_type_name() + ")";
+        }
+    }
+    return s;
+}
+
+ov::PartialShape to_ov(const pa_partial_shape& s) {
+    if (s.rank < 0) {
+        return ov::PartialShape::dynamic();
+    }
+    std::vector<ov::Dimension> dims;
+    for (int32_t i = 0; i < s.rank; ++i) {
+        dims.emplace_back(s.dims[i] < 0 ? ov::Dimension::dynamic() : ov::Dimension(s.dims[i]));
+    }
+    return ov::PartialShape(dims);
+}
+
+}  // namespace
+
+PagedAttention::PagedAttention(const ov::OutputVector& args) : ov::op::Op(args) {
+    constructor_validate_and_infer_types();
+}
+
+void PagedAttention::validate_and_infer_types() {
+    // Keep the node in the precision its inputs are declared with: without this, the CPU plugin
+    // under INFERENCE_PRECISION_HINT=f16 inserts Converts around it and evaluate() writes the
+    // caches into converted copies. `precise_0` is ov::DisableFP16Compression's key.
+    get_rt_info()["precise_0"] = true;
+
+    const size_t n = get_input_size();
+    std::vector<pa_partial_shape> in(n);
+    std::vector<ov::element::Type> types(n);
+    for (size_t i = 0; i < n; ++i) {
+        types[i] = get_input_element_type(i);
+        const ov::PartialShape& ps = get_input_partial_shape(i);
+        pa_partial_shape& s = in[i];
+        s = pa_partial_shape{};
+        s.elem_type = elem_code(types[i]);
+        if (ps.rank().is_dynamic()) {
+            s.rank = -1;
+            continue;
+        }
+        NODE_VALIDATION_CHECK(this,
+                              ps.size() <= PA_MAX_RANK,
+                              "Input ",
+                              i,
+                              " has rank ",
+                              ps.size(),
+                              "; the op takes ranks up to 4");
+        s.rank = static_cast<int32_t>(ps.size());
+        for (size_t d = 0; d < ps.size(); ++d) {
+            s.dims[d] = ps[d].is_static() ? ps[d].get_length() : -1;
+        }
+    }
+    std::array<pa_partial_shape, PA_NUM_OUTPUTS> out{};
+    const pa_status st = pa_infer_shapes(in.data(), n, out.data());
+    NODE_VALIDATION_CHECK(this, st == PA_STATUS_OK, last_error(st), unsupported_types(types));
+    for (size_t i = 0; i < out.size(); ++i) {
+        set_output_type(i, elem_type(out[i].elem_type), to_ov(out[i]));
+    }
+}
+
+std::shared_ptr<ov::Node> PagedAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    return std::make_shared<PagedAttention>(new_args);
+}
+
+bool PagedAttention::visit_attributes(ov::AttributeVisitor&) {
+    return true;
+}
+
+bool PagedAttention::has_evaluate() const {
+    return true;
+}
+
+namespace {
+
+// Describes `t` for the C ABI. `t` is a copy of the caller's handle: same buffer, so writes
+// through the returned pointer land in the caller's memory.
+pa_tensor describe(ov::Tensor& t, size_t index, const char* what) {
+    const ov::Shape& shape = t.get_shape();
+    OPENVINO_ASSERT(shape.size() <= PA_MAX_RANK, "PagedAttention: ", what, " ", index, " has rank ", shape.size());
+    OPENVINO_ASSERT(t.get_size() == 0 || t.is_continuous(),
+                    "PagedAttention: ",
+                    what,
+                    " ",
+                    index,
+                    " is not a dense tensor");
+    pa_tensor d{};
+    d.elem_type = elem_code(t.get_element_type());
+    d.rank = static_cast<int32_t>(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) {
+        d.dims[i] = static_cast<int64_t>(shape[i]);
+    }
+    d.data = t.get_size() == 0 ? nullptr : t.data();
+    return d;
+}
+
+}  // namespace
+
+bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    OPENVINO_ASSERT(outputs.size() == PA_NUM_OUTPUTS, "PagedAttention: expected 2 outputs, got ", outputs.size());
+    // Copies of the handles (not of the data): ov::Tensor::data() is const on a const tensor,
+    // and inputs 3 and 4 are written in place.
+    std::vector<ov::Tensor> in_tensors(inputs.begin(), inputs.end());
+    std::vector<pa_tensor> in(in_tensors.size());
+    std::vector<ov::element::Type> types(in_tensors.size());
+    for (size_t i = 0; i < in_tensors.size(); ++i) {
+        in[i] = describe(in_tensors[i], i, "input");
+        types[i] = in_tensors[i].get_element_type();
+    }
+    std::array<pa_partial_shape, PA_NUM_OUTPUTS> shapes{};
+    pa_status st = pa_validate(in.data(), in.size(), shapes.data());
+    if (st != PA_STATUS_OK) {
+        OPENVINO_THROW("PagedAttention: ", last_error(st), unsupported_types(types));
+    }
+    // The plugin hands over outputs of shape [0] (output 1 is fully dynamic): size them first.
+    std::array<pa_tensor, PA_NUM_OUTPUTS> out{};
+    for (size_t i = 0; i < PA_NUM_OUTPUTS; ++i) {
+        outputs[i].set_shape(to_ov(shapes[i]).to_shape());
+        out[i] = describe(outputs[i], i, "output");
+    }
+    st = pa_execute(in.data(), in.size(), out.data(), out.size());
+    if (st != PA_STATUS_OK) {
+        OPENVINO_THROW("PagedAttention: ", last_error(st));
+    }
+    return true;
+}
+
+}  // namespace paged_attention

@@ -1,0 +1,581 @@
+//! Continuous batching over a [`BlockManager`]: each [`Scheduler::schedule`] call picks the
+//! sequences and token chunks of one op call and returns the op's inputs for it.
+//!
+//! Policy, per step:
+//! 1. (optional) score-based eviction of running sequences over their block budget;
+//! 2. running sequences, most important first (priority descending, then arrival), each gets
+//!    its next chunk (a decode token, or the next piece of its prompt) within the step's token
+//!    budget; when blocks run out, the least important running sequence not yet scheduled is
+//!    preempted (freed, and later recomputed from its tokens), possibly the sequence itself;
+//! 3. if nothing was preempted, waiting requests are admitted in the same order while the
+//!    token budget, `max_seqs` and free blocks last (prefix-cache hits cost no blocks); a
+//!    request that does not fit stops admission (no overtaking).
+
+use super::eviction::{EvictionPolicy, RotationInputs};
+use super::manager::{BlockCopy, BlockManager, ManagerConfig, SeqId};
+use crate::error::{PaError, Result};
+use std::collections::HashMap;
+
+/// Configuration of a [`Scheduler`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub prefix_caching: bool,
+    /// Token rows per op call (`T` at most).
+    pub max_batched_tokens: usize,
+    /// Sequences per op call (`B` at most).
+    pub max_seqs: usize,
+    /// Evict blocks of running sequences that exceed `budget` blocks.
+    pub eviction: Option<EvictionPolicy>,
+}
+
+/// A generation request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub id: SeqId,
+    /// Prompt token ids, at least one.
+    pub prompt: Vec<u32>,
+    /// The request finishes after this many generated tokens (at least one).
+    pub max_new_tokens: usize,
+    /// Larger is more important; the least important running sequence is preempted first.
+    pub priority: i32,
+}
+
+/// One sequence of a step, in batch order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub id: SeqId,
+    /// Tokens already cached (`past_lens` entry).
+    pub past_len: usize,
+    /// Token rows of this sequence in the step.
+    pub num_tokens: usize,
+    /// Whether the chunk ends at the sequence's last known token, so the caller samples a new
+    /// token from its last output row (and passes it to [`Scheduler::complete_step`]).
+    pub emits: bool,
+}
+
+/// One op call: the op's block and offset inputs, the token packing, and the cache work
+/// (copies, rotation) to do before the call.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Step {
+    pub seqs: Vec<ScheduledSeq>,
+    /// `past_lens`, `[B]`.
+    pub past_lens: Vec<i32>,
+    /// `subsequence_begins`, `[B+1]`.
+    pub subsequence_begins: Vec<i32>,
+    /// `block_indices`, `[N]`.
+    pub block_indices: Vec<i32>,
+    /// `block_indices_begins`, `[B+1]`.
+    pub block_indices_begins: Vec<i32>,
+    /// Token id of each packed row, `[T]`.
+    pub token_ids: Vec<u32>,
+    /// Batch index (into `seqs`) of each packed row, `[T]`.
+    pub token_seq: Vec<i32>,
+    /// Logical position of each packed row in its sequence, `[T]`.
+    pub token_pos: Vec<i32>,
+    /// Block copies to perform on both caches before the op call, in order.
+    pub copies: Vec<BlockCopy>,
+    /// Rotation inputs for this op call (after an eviction).
+    pub rotation: Option<RotationInputs>,
+    /// Sequences preempted in this step (back to waiting, recomputed later).
+    pub preempted: Vec<SeqId>,
+    /// Blocks evicted in this step, over all sequences.
+    pub evicted_blocks: usize,
+}
+
+impl Step {
+    /// `T`.
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+    /// Length of the op's `scores` output: `sum(past_lens) + T`.
+    pub fn scores_len(&self) -> usize {
+        self.past_lens.iter().map(|&p| p as usize).sum::<usize>() + self.num_tokens()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    req: Request,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens of `tokens` already fed to the op (cached or evicted).
+    processed: usize,
+    generated: usize,
+    arrival: u64,
+}
+
+/// Continuous-batching scheduler owning its [`BlockManager`].
+#[derive(Clone, Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    mgr: BlockManager,
+    entries: HashMap<SeqId, Entry>,
+    waiting: Vec<SeqId>,
+    running: Vec<SeqId>,
+    arrivals: u64,
+    /// Sequences of the step handed out and not completed yet.
+    in_flight: Option<Vec<ScheduledSeq>>,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Result<Scheduler> {
+        if cfg.max_batched_tokens == 0 || cfg.max_seqs == 0 {
+            return Err(PaError::InvalidArgument {
+                detail: "max_batched_tokens and max_seqs must be positive".into(),
+            });
+        }
+        let mgr = BlockManager::new(ManagerConfig {
+            num_blocks: cfg.num_blocks,
+            block_size: cfg.block_size,
+            prefix_caching: cfg.prefix_caching,
+        })?;
+        Ok(Scheduler {
+            cfg,
+            mgr,
+            entries: HashMap::new(),
+            waiting: Vec::new(),
+            running: Vec::new(),
+            arrivals: 0,
+            in_flight: None,
+            preemptions: 0,
+        })
+    }
+
+    pub fn config(&self) -> SchedulerConfig {
+        self.cfg
+    }
+    pub fn manager(&self) -> &BlockManager {
+        &self.mgr
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    /// No request waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// Preemptions since creation.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+    /// Prompt and generated tokens of a live request.
+    pub fn tokens(&self, id: SeqId) -> Result<&[u32]> {
+        Ok(&self.entry(id)?.tokens)
+    }
+
+    fn entry(&self, id: SeqId) -> Result<&Entry> {
+        self.entries.get(&id).ok_or(PaError::UnknownSequence { id })
+    }
+
+    /// Queues a request. Rejects an empty prompt, zero `max_new_tokens`, a duplicate id, and
+    /// (without eviction) a request that could not fit in the whole pool even alone.
+    pub fn add_request(&mut self, req: Request) -> Result<()> {
+        if req.prompt.is_empty() || req.max_new_tokens == 0 {
+            return Err(PaError::InvalidArgument {
+                detail: format!(
+                    "request {} needs a prompt and max_new_tokens >= 1, got {} and {}",
+                    req.id,
+                    req.prompt.len(),
+                    req.max_new_tokens
+                ),
+            });
+        }
+        if self.entries.contains_key(&req.id) {
+            return Err(PaError::InvalidState {
+                detail: format!("request {} already exists", req.id),
+            });
+        }
+        let need = (req.prompt.len() + req.max_new_tokens).div_ceil(self.cfg.block_size);
+        if self.cfg.eviction.is_none() && need > self.cfg.num_blocks {
+            return Err(PaError::OutOfBlocks {
+                detail: format!(
+                    "request {} may need {need} blocks, the pool has {}",
+                    req.id, self.cfg.num_blocks
+                ),
+            });
+        }
+        let id = req.id;
+        self.entries.insert(
+            id,
+            Entry {
+                tokens: req.prompt.clone(),
+                req,
+                processed: 0,
+                generated: 0,
+                arrival: self.arrivals,
+            },
+        );
+        self.arrivals += 1;
+        self.waiting.push(id);
+        Ok(())
+    }
+
+    /// Sort key: most important first.
+    fn rank(&self, id: SeqId) -> (i32, u64) {
+        let e = &self.entries[&id];
+        (-e.req.priority, e.arrival)
+    }
+
+    fn preempt(&mut self, id: SeqId) -> Result<()> {
+        self.mgr.free(id)?;
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.processed = 0;
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.push(id);
+        self.preemptions += 1;
+        Ok(())
+    }
+
+    /// Plans the next op call. Errors if the previous step was not completed.
+    pub fn schedule(&mut self) -> Result<Step> {
+        if self.in_flight.is_some() {
+            return Err(PaError::InvalidState {
+                detail: "schedule() called before complete_step() of the previous step".into(),
+            });
+        }
+        let mut step = Step::default();
+        if let Some(policy) = self.cfg.eviction {
+            for id in self.running.clone() {
+                match self.mgr.evict(id, policy) {
+                    Ok(ev) => {
+                        step.evicted_blocks += ev.evicted.len();
+                        step.copies.extend(ev.copies);
+                    }
+                    Err(PaError::OutOfBlocks { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut order = self.running.clone();
+        order.sort_by_key(|&id| self.rank(id));
+        let mut chunks: Vec<(SeqId, usize, usize)> = Vec::new(); // (id, past_len, n)
+        let mut idx = 0;
+        while idx < order.len() && budget > 0 {
+            let id = order[idx];
+            let e = self.entry(id)?;
+            let n = (e.tokens.len() - e.processed).min(budget);
+            let need = self.mgr.blocks_needed(id, n)?;
+            while need > self.mgr.available_blocks() && order.len() > idx + 1 {
+                let victim = order.pop().unwrap_or(id);
+                self.preempt(victim)?;
+                step.preempted.push(victim);
+            }
+            if need > self.mgr.available_blocks() {
+                order.pop();
+                self.preempt(id)?;
+                step.preempted.push(id);
+                break;
+            }
+            let e = self.entry(id)?;
+            let toks = e.tokens[e.processed..e.processed + n].to_vec();
+            let a = self.mgr.append(id, &toks)?;
+            step.copies.extend(a.copies);
+            chunks.push((id, a.past_len, n));
+            budget -= n;
+            idx += 1;
+        }
+
+        if step.preempted.is_empty() {
+            let mut waiting = std::mem::take(&mut self.waiting);
+            waiting.sort_by_key(|&id| self.rank(id));
+            self.waiting = waiting;
+            while budget > 0 && self.running.len() < self.cfg.max_seqs && !self.waiting.is_empty() {
+                let id = self.waiting[0];
+                let tokens = self.entry(id)?.tokens.clone();
+                let cached = self.mgr.add_sequence(id, &tokens)?;
+                let n = (tokens.len() - cached).min(budget);
+                if self.mgr.blocks_needed(id, n)? > self.mgr.available_blocks() {
+                    self.mgr.free(id)?;
+                    break;
+                }
+                let a = self.mgr.append(id, &tokens[cached..cached + n])?;
+                step.copies.extend(a.copies);
+                if let Some(e) = self.entries.get_mut(&id) {
+                    e.processed = cached;
+                }
+                chunks.push((id, a.past_len, n));
+                budget -= n;
+                self.waiting.remove(0);
+                self.running.push(id);
+            }
+        }
+
+        let ids: Vec<SeqId> = chunks.iter().map(|c| c.0).collect();
+        let (bi, bib) = self.mgr.block_inputs(&ids)?;
+        step.block_indices = bi;
+        step.block_indices_begins = bib;
+        step.subsequence_begins.push(0);
+        for (b, &(id, past, n)) in chunks.iter().enumerate() {
+            let e = self
+                .entries
+                .get_mut(&id)
+                .ok_or(PaError::UnknownSequence { id })?;
+            step.token_ids
+                .extend_from_slice(&e.tokens[e.processed..e.processed + n]);
+            e.processed += n;
+            let emits = e.processed == e.tokens.len();
+            step.token_seq.extend(std::iter::repeat(b as i32).take(n));
+            step.token_pos.extend((past..past + n).map(|p| p as i32));
+            step.past_lens.push(past as i32);
+            step.subsequence_begins.push(step.token_ids.len() as i32);
+            step.seqs.push(ScheduledSeq {
+                id,
+                past_len: past,
+                num_tokens: n,
+                emits,
+            });
+        }
+        step.rotation = self.mgr.take_rotation();
+        self.in_flight = Some(step.seqs.clone());
+        Ok(step)
+    }
+
+    /// Adds the op's `scores` output of a step (`step.scores_len()` values) to the per-block
+    /// accumulators that eviction ranks by. Call between `schedule` and `complete_step`.
+    pub fn accumulate_scores(&mut self, step: &Step, scores: &[f32]) -> Result<()> {
+        if scores.len() != step.scores_len() {
+            return Err(PaError::InvalidArgument {
+                detail: format!(
+                    "the step has {} scores, {} were given",
+                    step.scores_len(),
+                    scores.len()
+                ),
+            });
+        }
+        let mut off = 0;
+        for s in &step.seqs {
+            let n = s.past_len + s.num_tokens;
+            self.mgr.accumulate_scores(s.id, &scores[off..off + n])?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// Finishes the step handed out by [`schedule`](Self::schedule): `sampled` holds one new
+    /// token for every scheduled sequence with `emits` set (and no other). Returns the requests
+    /// that finished (reached `max_new_tokens`); their blocks are freed.
+    pub fn complete_step(&mut self, sampled: &[(SeqId, u32)]) -> Result<Vec<SeqId>> {
+        let seqs = self
+            .in_flight
+            .as_ref()
+            .ok_or_else(|| PaError::InvalidState {
+                detail: "complete_step() without a scheduled step".into(),
+            })?;
+        let emitting: Vec<SeqId> = seqs.iter().filter(|s| s.emits).map(|s| s.id).collect();
+        let mut given: Vec<SeqId> = sampled.iter().map(|s| s.0).collect();
+        given.sort_unstable();
+        let mut want = emitting.clone();
+        want.sort_unstable();
+        if given != want {
+            return Err(PaError::InvalidArgument {
+                detail: format!(
+                    "complete_step needs one token for each emitting sequence {want:?}, got \
+                     {given:?}"
+                ),
+            });
+        }
+        self.in_flight = None;
+        self.mgr.mark_computed();
+        let mut finished = Vec::new();
+        for &(id, tok) in sampled {
+            let e = self
+                .entries
+                .get_mut(&id)
+                .ok_or(PaError::UnknownSequence { id })?;
+            e.tokens.push(tok);
+            e.generated += 1;
+            if e.generated >= e.req.max_new_tokens {
+                finished.push(id);
+            }
+        }
+        for &id in &finished {
+            self.mgr.free(id)?;
+            self.entries.remove(&id);
+            self.running.retain(|&r| r != id);
+        }
+        Ok(finished)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(num_blocks: usize, max_batched_tokens: usize) -> Scheduler {
+        Scheduler::new(SchedulerConfig {
+            num_blocks,
+            block_size: 4,
+            prefix_caching: true,
+            max_batched_tokens,
+            max_seqs: 8,
+            eviction: None,
+        })
+        .unwrap()
+    }
+
+    fn req(id: SeqId, prompt_len: u32, max_new: usize, priority: i32) -> Request {
+        Request {
+            id,
+            prompt: (0..prompt_len).map(|t| t + 1000 * id as u32).collect(),
+            max_new_tokens: max_new,
+            priority,
+        }
+    }
+
+    fn sample(step: &Step) -> Vec<(SeqId, u32)> {
+        step.seqs
+            .iter()
+            .filter(|s| s.emits)
+            .map(|s| (s.id, 7))
+            .collect()
+    }
+
+    #[test]
+    fn chunked_prefill_respects_the_token_budget_then_decodes() {
+        let mut s = sched(16, 4);
+        s.add_request(req(1, 10, 2, 0)).unwrap();
+        let mut chunks = vec![];
+        loop {
+            let st = s.schedule().unwrap();
+            assert!(st.num_tokens() <= 4);
+            chunks.push((st.past_lens.clone(), st.num_tokens(), st.seqs[0].emits));
+            if s.complete_step(&sample(&st)).unwrap() == vec![1] {
+                break;
+            }
+        }
+        let want = vec![
+            (vec![0], 4, false),
+            (vec![4], 4, false),
+            (vec![8], 2, true),
+            (vec![10], 1, true),
+        ];
+        assert_eq!(chunks, want);
+        assert!(s.is_idle());
+        assert_eq!(s.manager().available_blocks(), 16);
+    }
+
+    #[test]
+    fn step_inputs_describe_the_packed_batch() {
+        let mut s = sched(16, 64);
+        s.add_request(req(1, 5, 3, 0)).unwrap();
+        s.add_request(req(2, 3, 3, 0)).unwrap();
+        let st = s.schedule().unwrap();
+        assert_eq!(st.past_lens, vec![0, 0]);
+        assert_eq!(st.subsequence_begins, vec![0, 5, 8]);
+        assert_eq!(st.block_indices_begins, vec![0, 2, 3]);
+        assert_eq!(st.token_seq, vec![0, 0, 0, 0, 0, 1, 1, 1]);
+        assert_eq!(st.token_pos, vec![0, 1, 2, 3, 4, 0, 1, 2]);
+        assert_eq!(&st.token_ids[5..], &[2000, 2001, 2002]);
+        assert_eq!(st.scores_len(), 8);
+        s.complete_step(&[(1, 50), (2, 60)]).unwrap();
+        let st = s.schedule().unwrap();
+        assert_eq!(st.past_lens, vec![5, 3]);
+        assert_eq!(
+            st.token_ids,
+            vec![50, 60],
+            "decode feeds the sampled tokens"
+        );
+        assert_eq!(st.scores_len(), 10);
+    }
+
+    #[test]
+    fn admission_stops_when_blocks_run_out() {
+        let mut s = sched(4, 64);
+        s.add_request(req(1, 8, 4, 0)).unwrap(); // 2 blocks
+        s.add_request(req(2, 8, 4, 0)).unwrap(); // 2 blocks
+        s.add_request(req(3, 2, 4, 0)).unwrap(); // would need 1
+        let st = s.schedule().unwrap();
+        let ids: Vec<_> = st.seqs.iter().map(|q| q.id).collect();
+        assert_eq!(ids, vec![1, 2]);
+        assert_eq!(s.num_waiting(), 1);
+    }
+
+    #[test]
+    fn out_of_blocks_preempts_the_lowest_priority_sequence_and_recomputes_it_later() {
+        let mut s = sched(4, 64);
+        s.add_request(req(1, 7, 6, 5)).unwrap();
+        s.add_request(req(2, 7, 6, 0)).unwrap();
+        let st = s.schedule().unwrap(); // both prefilled, 2 blocks each, pool full
+        s.complete_step(&sample(&st)).unwrap();
+        // Decode: seq 1 fills its block 1 (8 tokens), fine. Next decode needs a block.
+        let st = s.schedule().unwrap();
+        assert!(st.preempted.is_empty());
+        s.complete_step(&sample(&st)).unwrap();
+        let st = s.schedule().unwrap();
+        assert_eq!(st.preempted, vec![2], "priority 0 loses its blocks");
+        assert_eq!(st.seqs.len(), 1);
+        assert_eq!(s.num_waiting(), 1);
+        s.complete_step(&sample(&st)).unwrap();
+        // Run to completion: seq 2 is readmitted and recomputes prompt + generated tokens,
+        // except its first block, still in the prefix cache.
+        let mut recomputed = false;
+        let mut preempted_done = false;
+        for _ in 0..50 {
+            if s.is_idle() {
+                break;
+            }
+            let st = s.schedule().unwrap();
+            if let Some(q) = st.seqs.iter().find(|q| q.id == 2) {
+                if !preempted_done {
+                    assert_eq!(q.past_len, 4, "readmitted with its first block cached");
+                    assert_eq!(q.num_tokens, 5, "prompt 7 + 2 generated - 4 cached");
+                    recomputed = true;
+                    preempted_done = true;
+                }
+            }
+            s.complete_step(&sample(&st)).unwrap();
+            s.manager().check_invariants().unwrap();
+        }
+        assert!(recomputed);
+        assert!(s.is_idle());
+        assert!(s.preemptions() >= 1);
+    }
+
+    #[test]
+    fn complete_step_requires_exactly_the_emitting_sequences() {
+        let mut s = sched(8, 64);
+        s.add_request(req(1, 3, 2, 0)).unwrap();
+        assert!(s.complete_step(&[]).is_err(), "nothing scheduled yet");
+        let st = s.schedule().unwrap();
+        assert!(s.schedule().is_err(), "previous step not completed");
+        assert!(s.complete_step(&[]).is_err());
+        assert!(s.complete_step(&[(1, 1), (2, 1)]).is_err());
+        s.complete_step(&sample(&st)).unwrap();
+    }
+
+    #[test]
+    fn a_request_larger_than_the_pool_is_rejected() {
+        let mut s = sched(2, 64);
+        assert!(matches!(
+            s.add_request(req(1, 8, 1, 0)),
+            Err(PaError::OutOfBlocks { .. })
+        ));
+        assert!(s.add_request(req(1, 0, 1, 0)).is_err());
+    }
+
+    #[test]
+    fn a_repeated_prompt_is_admitted_from_the_prefix_cache() {
+        let mut s = sched(16, 64);
+        s.add_request(req(1, 9, 1, 0)).unwrap();
+        let st = s.schedule().unwrap();
+        s.complete_step(&sample(&st)).unwrap();
+        let mut r = req(1, 9, 1, 0);
+        r.id = 2;
+        s.add_request(r).unwrap();
+        let st = s.schedule().unwrap();
+        assert_eq!(st.past_lens, vec![8], "two cached blocks reused");
+        assert_eq!(st.num_tokens(), 1);
+    }
+}

@@ -1,0 +1,10 @@
+//! Test-only helpers shared by the integration tests.
+//!
+//! - `call`: owned tensors and a whole op call (inputs + output buffers) that tests can mutate
+//!   freely, run through the Rust API, and snapshot byte for byte.
+//! - `ref64`: a float64 reference of the op written from SPEC.md, and the seeded random case
+//!   generator. It shares no code with the crate's kernels.
+#![allow(dead_code)]
+
+pub mod call;
+pub mod ref64;

@@ -1,0 +1,8 @@
+"""Puts tools/ on sys.path: the tests use the project's float64 reference (tools/pa_ref.py), the
+OpenVINO built-in op oracle (tools/ov_builtin.py) and the IR writer (tools/ir_writer.py)."""
+import sys
+from pathlib import Path
+
+TOOLS = str(Path(__file__).resolve().parents[2] / "tools")
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)

@@ -1,0 +1,286 @@
+"""The library as an OpenVINO extension, in the real runtime (openvino 2026.4.1, CPU plugin).
+
+Needs the release cdylib built with the `openvino` feature:
+    cargo build --release --features openvino
+(path from $PA_EXTENSION_LIB, default target/release/libpaged_attention.so). A missing library or
+a missing OpenVINO fails these tests; nothing is skipped.
+
+Every model is tools/ir_writer.py's `paged_attention_ir` (Parameters -> PagedAttention -> 2
+Results). Each call is compared with the float64 reference (tools/pa_ref.py) and, for f32 and block
+32, with OpenVINO's built-in PagedAttentionExtension (tools/ov_builtin.py) on the same inputs
+(conftest.py puts tools/ on sys.path). Caches are compared on slots
+that hold tokens and on blocks no sequence references (SPEC.md, "Slots that hold no token").
+Every input tensor is set explicitly on every request (OPENVINO.md: plugin bug with default
+tensors), from buffers kept alive as long as the request.
+"""
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import openvino as ov  # (a missing openvino fails here, it is not skipped)
+import pytest
+
+from ir_writer import paged_attention_ir, pa_port_dims
+from ov_builtin import run_builtin
+from pa_ref import paged_attention_ref
+
+
+def reference(inputs):
+    """float64 reference of one call (inputs in SPEC order). Values written into an f16 cache are
+    not rounded (cache_dtype=None): the CPU plugin runs the op on an f32 copy of an f16 cache unless
+    it runs f16 natively, and test_f16_cache_... rounds the expected cache itself."""
+    return paged_attention_ref(*inputs)
+
+
+def builtin(inputs):
+    """OpenVINO's built-in op on the same call (f32, block 32), in its own Core."""
+    return run_builtin(*inputs)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention.so"))
+TOL = 2e-6  # f32: |ours - other| <= TOL * max(1, |other|)
+
+
+@pytest.fixture(scope="module")
+def core():
+    if not EXT_LIB.is_file():
+        pytest.fail(f"{EXT_LIB} not found: build it with `cargo build --release --features openvino` "
+                    "(or set PA_EXTENSION_LIB)")
+    c = ov.Core()
+    c.add_extension(str(EXT_LIB))
+    return c
+
+
+# ---------------------------------------------------------------------------- cases
+
+def make_case(rng, *, H=4, Hkv=2, D=16, BS=32, past=(0,), new=(1,), spare_blocks=2, scale=None,
+              sliding_window=None, alibi=False, rotation=None, window=None, n_inputs=None,
+              cache_dtype=np.float32, extra_tokens=0):
+    """The 16 inputs (trimmed to the last given one, or `n_inputs`) for sequences with `past[s]`
+    cached and `new[s]` new tokens. Blocks are a random permutation with `spare_blocks`
+    unreferenced ones and a -1 pad after each sequence's list; each sequence gets blocks for
+    `extra_tokens` more tokens (for later steps). rotation: None, or the form of
+    rotation_deltas ("per_token" [R,BS], "per_block" [R,1], "flat" [R])."""
+    B = len(past)
+    need = [-(-(p + n + extra_tokens) // BS) for p, n in zip(past, new)]
+    NB = sum(need) + spare_blocks
+    perm = rng.permutation(NB).astype(np.int32)
+    bi, bib, used = [], [0], 0
+    for c in need:
+        bi += list(perm[used:used + c]) + [-1]
+        used += c
+        bib.append(len(bi))
+    T = sum(new)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inputs = [
+        f(T, H * D), f(T, Hkv * D), f(T, Hkv * D),
+        f(NB, Hkv, BS, D).astype(cache_dtype), f(NB, Hkv, BS, D).astype(cache_dtype),
+        np.array(past, np.int32), np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+        np.array(bi, np.int32), np.array(bib, np.int32),
+        np.array(0.0 if scale is None else scale, np.float32),
+        np.array(0 if sliding_window is None else sliding_window, np.int32),
+        (rng.uniform(-0.5, 0.0, H).astype(np.float32) if alibi else np.zeros(0, np.float32)),
+        np.zeros(0, np.int32), np.zeros((0, 0), np.int32), np.zeros((0, D), np.float32),
+        np.array(window if window is not None else [1] * B, np.int32),
+    ]
+    if rotation:
+        R, M = 3, 8
+        inputs[12] = rng.choice(NB, R, replace=False).astype(np.int32)
+        shape = {"per_token": (R, BS), "per_block": (R, 1), "flat": (R,)}[rotation]
+        inputs[13] = rng.integers(0, M, shape).astype(np.int32)
+        ang = rng.uniform(-np.pi, np.pi, (M, D // 2))
+        inputs[14] = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    if window is None:
+        inputs[15] = np.zeros(0, np.int32)
+    last = n_inputs or max(i + 1 for i, a in enumerate(inputs) if i < 9 or a.size)
+    return inputs[:last]
+
+
+def checked_slots(inputs):
+    """[NB, BS] mask of cache slots a test may compare: slots holding a token after the call, and
+    every slot of blocks no sequence references."""
+    NB, _, BS, _ = inputs[3].shape
+    past, sb, bi, bib = (np.asarray(inputs[i]).reshape(-1) for i in range(5, 9))
+    mask = np.ones((NB, BS), bool)
+    for s in range(len(past)):
+        L = past[s] + sb[s + 1] - sb[s]
+        for slot_block in bi[bib[s]:bib[s + 1]]:
+            if slot_block >= 0:
+                mask[slot_block] = False
+        for p in range(L):
+            mask[bi[bib[s] + p // BS], p % BS] = True
+    return mask
+
+
+def compile_ext(core, tmp_path, inputs, config=None):
+    """A model whose Parameters have the element types of `inputs` and dynamic T, NB, B, ...
+    (rotation_deltas dynamic in every dimension)."""
+    types = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
+    NB, Hkv, BS, D = inputs[3].shape
+    H = inputs[0].shape[1] // D
+    ports = [(types[np.asarray(a).dtype], pa_port_dims(i, np.shape(a), H, Hkv, D, BS))
+             for i, a in enumerate(inputs)]
+    if len(inputs) > 13:
+        ports[13] = ("i32", [-1] * np.asarray(inputs[13]).ndim)
+    xml = paged_attention_ir(ports).write(tmp_path / "pa.xml")
+    return core.compile_model(core.read_model(xml), "CPU", config or {})
+
+
+class Runner:
+    """One infer request of a compiled model; sets every input on every call, sharing the
+    caller's arrays (so cache writes land in them), and keeps them alive with the request."""
+
+    def __init__(self, compiled):
+        self.req = compiled.create_infer_request()
+        self.alive = []
+
+    def __call__(self, inputs):
+        tensors = [ov.Tensor(a, shared_memory=True) for a in inputs]
+        self.alive.append((inputs, tensors))
+        for i, t in enumerate(tensors):
+            self.req.set_input_tensor(i, t)
+        self.req.infer()
+        return (np.array(self.req.get_output_tensor(0).data, copy=True),
+                np.array(self.req.get_output_tensor(1).data, copy=True))
+
+
+def max_err(ours, other):
+    ours, other = np.asarray(ours, np.float64), np.asarray(other, np.float64)
+    assert ours.shape == other.shape, f"shape {ours.shape}, expected {other.shape}"
+    return float(np.max(np.abs(ours - other) / np.maximum(1.0, np.abs(other)), initial=0.0))
+
+
+def assert_close(what, ours, other):
+    e = max_err(ours, other)
+    assert e <= TOL, f"{what}: max error {e:.3g} > {TOL} (scaled by max(1, |expected|))"
+    return e
+
+
+def assert_call_matches(what, before, after, out, scores, expected):
+    """`after` are the inputs after our call (caches written in place), `before` a copy taken
+    before; `expected` = (output, scores, key_cache, value_cache)."""
+    m = checked_slots(before)
+    errs = [assert_close(f"{what} output", out, expected[0]),
+            assert_close(f"{what} scores", scores, expected[1])]
+    for name, i, exp in (("key_cache", 3, expected[2]), ("value_cache", 4, expected[3])):
+        errs.append(assert_close(f"{what} {name}", after[i].transpose(0, 2, 1, 3)[m],
+                                 np.asarray(exp).transpose(0, 2, 1, 3)[m]))
+    return max(errs)
+
+
+CASES = {
+    "decode": dict(past=(37, 5, 64), new=(1, 1, 1)),
+    "prefill": dict(past=(0,), new=(45,)),
+    "mixed": dict(past=(0, 40, 7), new=(33, 1, 9)),
+    "gqa_4_to_1": dict(H=8, Hkv=2, past=(20, 3), new=(2, 30)),
+    "mha_seed_shapes": dict(H=8, Hkv=8, D=16, past=(10,), new=(3,)),
+    "sliding_window": dict(past=(50, 0), new=(3, 40), sliding_window=7),
+    "alibi": dict(past=(33, 0), new=(2, 20), alibi=True),
+    "explicit_scale": dict(past=(12,), new=(4,), scale=0.3),
+    "rotation_per_token": dict(past=(40, 20), new=(2, 1), rotation="per_token"),
+    "rotation_per_block": dict(past=(40, 20), new=(2, 1), rotation="per_block"),
+    "rotation_flat": dict(past=(40, 20), new=(2, 1), rotation="flat"),
+    "window_absent_9_inputs": dict(past=(5, 8), new=(6, 2), n_inputs=9),
+    "window_absent_empty": dict(past=(5, 8), new=(6, 2)),
+    "window_scalar": dict(past=(5, 8), new=(6, 2), window=3),
+    "window_per_seq_all_forms": dict(past=(5, 8, 2, 0), new=(6, 2, 3, 40), window=[3, 0, -1, 35]),
+    "window_larger_than_new": dict(past=(5,), new=(4,), window=[10]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_float64_reference_and_builtin_op(core, tmp_path, name):
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    inputs = make_case(rng, **CASES[name])
+    before = [a.copy() for a in inputs]
+    out, scores = Runner(compile_ext(core, tmp_path, inputs))(inputs)
+    e64 = assert_call_matches(f"{name} vs float64", before, inputs, out, scores, reference(before))
+    eov = assert_call_matches(f"{name} vs built-in", before, inputs, out, scores, builtin(before))
+    print(f"{name}: max scaled error vs float64 {e64:.3g}, vs built-in op {eov:.3g}")
+
+
+def test_bad_block_id_raises_our_message_and_next_call_works(core, tmp_path):
+    rng = np.random.default_rng(1)
+    good = make_case(rng, past=(3,), new=(2,))
+    run = Runner(compile_ext(core, tmp_path, good))
+    bad = [a.copy() for a in good]
+    bad[7][0] = bad[3].shape[0] + 5
+    bad_before = [a.copy() for a in bad]
+    with pytest.raises(RuntimeError, match=r"PA_STATUS_VALUE: block_indices\[0\] = \d+ is outside"):
+        run(bad)
+    assert all(np.array_equal(a, b) for a, b in zip(bad, bad_before)), "a rejected call wrote into a buffer"
+    before = [a.copy() for a in good]
+    out, scores = run(good)
+    assert_call_matches("good call after a bad one", before, good, out, scores, reference(before))
+
+
+def test_five_decode_steps_feed_caches_back(core, tmp_path):
+    rng = np.random.default_rng(2)
+    inputs = make_case(rng, past=(30, 31), new=(1, 1), spare_blocks=1, extra_tokens=4)
+    run = Runner(compile_ext(core, tmp_path, inputs))
+    ref_caches = [inputs[3].copy(), inputs[4].copy()]
+    for step in range(5):
+        past = inputs[5] + step
+        step_in = list(inputs)
+        step_in[0], step_in[1], step_in[2] = (rng.standard_normal(a.shape).astype(np.float32) for a in inputs[:3])
+        step_in[5] = past.astype(np.int32)
+        ref_in = [a.copy() for a in step_in]
+        ref_in[3], ref_in[4] = ref_caches
+        exp = reference(ref_in)
+        out, scores = run(step_in)  # writes into inputs[3], inputs[4]: the same arrays every step
+        assert_close(f"step {step} output", out, exp[0])
+        assert_close(f"step {step} scores", scores, exp[1])
+        ref_caches = [exp[2], exp[3]]
+        m = checked_slots(ref_in)
+        for i in (3, 4):
+            assert_close(f"step {step} cache {i}", inputs[i].transpose(0, 2, 1, 3)[m],
+                         ref_caches[i - 3].transpose(0, 2, 1, 3)[m])
+
+
+def test_repeated_calls_with_different_token_counts(core, tmp_path):
+    rng = np.random.default_rng(3)
+    first = make_case(rng, past=(0,), new=(1,))
+    compiled = compile_ext(core, tmp_path, first)
+    run = Runner(compiled)
+    for past, new in [((0,), (1,)), ((10, 4), (7, 1)), ((0,), (50,)), ((63, 1, 2), (1, 1, 1)), ((5,), (3,))]:
+        inputs = make_case(rng, past=past, new=new)
+        before = [a.copy() for a in inputs]
+        out, scores = run(inputs)
+        assert_call_matches(f"past {past} new {new}", before, inputs, out, scores, reference(before))
+
+
+@pytest.mark.parametrize("hint", [None, "f32", "bf16", "f16"])
+def test_f32_model_caches_in_place_under_precision_hints(core, tmp_path, hint):
+    rng = np.random.default_rng(4)
+    inputs = make_case(rng, past=(20, 3), new=(3, 5))
+    config = {} if hint is None else {"INFERENCE_PRECISION_HINT": hint}
+    before = [a.copy() for a in inputs]
+    out, scores = Runner(compile_ext(core, tmp_path, inputs, config))(inputs)
+    assert out.dtype == np.float32
+    assert_call_matches(f"hint {hint}", before, inputs, out, scores, reference(before))
+
+
+def test_f16_cache_in_place_exactly_where_the_plugin_runs_f16(core, tmp_path):
+    """OpenVINO's CPU plugin converts every f16 Parameter to f32 unless the model is compiled
+    with INFERENCE_PRECISION_HINT=f16 on a CPU with native f16 ('FP16' in the device's
+    OPTIMIZATION_CAPABILITIES): only then can an f16 cache be written in place. This asserts that
+    documented behaviour on the machine at hand (and the outputs in both cases)."""
+    rng = np.random.default_rng(5)
+    inputs = make_case(rng, past=(20, 3), new=(3, 5), cache_dtype=np.float16)
+    before = [a.copy() for a in inputs]
+    out, scores = Runner(compile_ext(core, tmp_path, inputs, {"INFERENCE_PRECISION_HINT": "f16"}))(inputs)
+    native_f16 = "FP16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    exp = reference(before)
+    if native_f16:
+        m = checked_slots(before)
+        for i in (3, 4):
+            # Inserted rows are exact f16 copies of f32 inputs: compare with the rounded values.
+            np.testing.assert_array_equal(inputs[i].transpose(0, 2, 1, 3)[m],
+                                          exp[i - 1].astype(np.float16).transpose(0, 2, 1, 3)[m])
+    else:
+        assert all(np.array_equal(inputs[i], before[i]) for i in (3, 4)), \
+            "f16 caches were written in place on a CPU without native f16: update docs/openvino.md"
+        assert_close("f16-cache output", out, exp[0])
+        assert_close("f16-cache scores", scores, exp[1])
