@@ -210,42 +210,52 @@ fn run_item<M: Micro, Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
-    let (si, kvh, chunk) = (it.seq as usize, it.kvh as usize, it.chunk as usize);
+    let (si, chunk) = (it.seq as usize, it.chunk as usize);
+    let (kvh0, kvh1) = (it.kvh0 as usize, it.kvh1 as usize);
     let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
     let t0 = it.qt as usize * lay.qtok;
     let nt = lay.qtok.min(sp.n - t0);
+    // Rows of one KV head (tokens x G); the item's rows are those of kvh0..kvh1 in order.
     let rows = nt * g;
+    let all_rows = rows * (kvh1 - kvh0);
     let (k0, k1) = lay.chunk_range(chunk, sp.ctx());
     let pos0 = sp.past + t0;
     let pos_max = pos0 + nt - 1;
     let lo = k0.max(window_start(plan, pos0));
     let hi = k1.min(pos_max + 1);
-    sc.ensure(rows, d, bs);
-    let Scratch { q, acc, s, kf, m: mrow, l: lrow } = sc;
-    load_q(plan, ctx.query, sp, kvh, t0, nt, q);
-    let q = &q[..rows * d];
-    let acc = &mut acc[..rows * d];
-    acc.fill(0.0);
-    mrow[..rows].fill(f32::NEG_INFINITY);
-    lrow[..rows].fill(0.0);
+    sc.ensure(all_rows, d, bs);
+    let Scratch { q: qbuf, acc: accbuf, s, kf, m: mbuf, l: lbuf } = sc;
+    for kvh in kvh0..kvh1 {
+        let r0 = (kvh - kvh0) * rows;
+        load_q(plan, ctx.query, sp, kvh, t0, nt, &mut qbuf[r0 * d..]);
+    }
+    accbuf[..all_rows * d].fill(0.0);
+    mbuf[..all_rows].fill(f32::NEG_INFINITY);
+    lbuf[..all_rows].fill(0.0);
     // Widen f16/bf16 tiles once when many rows reuse them; few rows widen as they load.
     let widen = C::TYPE != ElemType::F32 && rows > 8;
     // Score rows of this item: tokens at or after `first_score` (in-sequence index).
     let first_score = sp.n - sp.score_tokens;
-    let tile_at = |j0: usize, j1: usize| {
+    let tile_at = |j0: usize, j1: usize, kvh: usize| {
         let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
         let off = cache_row(plan, phys, kvh, j0 % bs);
         (&ctx.kc[off..off + (j1 - j0) * d], &ctx.vc[off..off + (j1 - j0) * d])
     };
     // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: the
-    // next tile's lines are requested a slice at a time between the steps of this tile, which
-    // keeps a steady number of loads in flight (one burst per tile would stall the core).
-    let mut pf = tiles(lo, hi, bs);
+    // next (tile, KV head) lines are requested a slice at a time between the steps of this one,
+    // which keeps a steady number of loads in flight (one burst per tile would stall the core).
+    let steps = || tiles(lo, hi, bs).flat_map(|(j0, j1)| (kvh0..kvh1).map(move |kvh| (j0, j1, kvh)));
+    let mut pf = steps();
     pf.next();
-    for (j0, j1) in tiles(lo, hi, bs) {
+    for (j0, j1, kvh) in steps() {
         let n = j1 - j0;
-        let (kt, vt) = tile_at(j0, j1);
-        let (kn, vn) = pf.next().map_or((&[][..], &[][..]), |(a, b)| tile_at(a, b));
+        let r0 = (kvh - kvh0) * rows;
+        let q = &qbuf[r0 * d..(r0 + rows) * d];
+        let acc = &mut accbuf[r0 * d..(r0 + rows) * d];
+        let mrow = &mut mbuf[r0..r0 + rows];
+        let lrow = &mut lbuf[r0..r0 + rows];
+        let (kt, vt) = tile_at(j0, j1, kvh);
+        let (kn, vn) = pf.next().map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
         let st = &mut s[..rows * n];
         let (kq, vq) = if widen {
             m.widen(kt, &mut kf[..n * d]);
@@ -253,14 +263,14 @@ fn run_item<M: Micro, Q: Float, C: Float>(
         } else {
             (Some(kt), Some(vt))
         };
-        let steps = n.div_ceil(QK_STEP);
+        let nsteps = n.div_ceil(QK_STEP);
         for (i, a) in (0..n).step_by(QK_STEP).enumerate() {
             let b = (a + QK_STEP).min(n);
             match kq {
                 Some(kt) => m.qk(q, rows, &kt[a * d..b * d], b - a, d, &mut st[a..], n),
                 None => m.qk(q, rows, &kf[a * d..b * d], b - a, d, &mut st[a..], n),
             }
-            prefetch_part(kn, i, steps);
+            prefetch_part(kn, i, nsteps);
         }
         mask_tile(plan, st, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
@@ -268,7 +278,7 @@ fn run_item<M: Micro, Q: Float, C: Float>(
                 for gi in 0..g {
                     let r = (ti - t0) * g + gi;
                     let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
-                    // SAFETY: stash row (token, head) belongs to this item's KV head and query
+                    // SAFETY: stash row (token, head) belongs to this item's KV heads and query
                     // tile, and keys j0..j1 to this item's chunk: no other item writes there.
                     let dst = unsafe { sw.part(row + j0, n) };
                     dst.copy_from_slice(&st[r * n..(r + 1) * n]);
@@ -296,24 +306,27 @@ fn run_item<M: Micro, Q: Float, C: Float>(
         if widen {
             m.widen(vt, &mut kf[..n * d]);
         }
-        let steps = n.div_ceil(PV_STEP);
+        let nsteps = n.div_ceil(PV_STEP);
         for (i, a) in (0..n).step_by(PV_STEP).enumerate() {
             let b = (a + PV_STEP).min(n);
             match vq {
                 Some(vt) => m.pv(&st[a..], n, rows, &vt[a * d..b * d], b - a, d, acc),
                 None => m.pv(&st[a..], n, rows, &kf[a * d..b * d], b - a, d, acc),
             }
-            prefetch_part(vn, i, steps);
+            prefetch_part(vn, i, nsteps);
         }
     }
-    for r in 0..rows {
-        let (ti, gi) = (r / g, r % g);
-        let base = lay.part_base + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2) + chunk * (d + 2);
-        // SAFETY: slot (row, chunk) is written by this item only (one item per KV head, query
-        // tile and chunk).
-        let slot = unsafe { pw.part(base, d + 2) };
-        slot[0] = mrow[r];
-        slot[1] = lrow[r];
-        slot[2..].copy_from_slice(&acc[r * d..(r + 1) * d]);
+    for kvh in kvh0..kvh1 {
+        for r in 0..rows {
+            let (ti, gi) = (r / g, r % g);
+            let ri = (kvh - kvh0) * rows + r;
+            let base = lay.part_base + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2) + chunk * (d + 2);
+            // SAFETY: slot (row, chunk) is written by this item only (one item per KV head,
+            // query tile and chunk).
+            let slot = unsafe { pw.part(base, d + 2) };
+            slot[0] = mbuf[ri];
+            slot[1] = lbuf[ri];
+            slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
+        }
     }
 }

@@ -6,8 +6,9 @@
 //!   behave exactly as in the reference).
 //! - `partition`: cuts attention into work items (sequence, KV head, query tile, key chunk).
 //!   Decode-like sequences (all new tokens fit in one query tile) get their context split into
-//!   chunks (flash-decoding); prefill sequences get query tiles of about 32 rows (tokens x the G
-//!   query heads of a KV head) over the whole visible key range. The cut depends only on the
+//!   chunks (flash-decoding), one item per chunk covering every KV head (a block stores its
+//!   heads contiguously, so the item streams whole blocks); prefill sequences get query tiles of
+//!   about 32 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
 //!   plan, never on the thread count, so results are bit-identical for any number of threads.
 //! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
 //!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.

@@ -41,11 +41,14 @@ impl SeqLayout {
     }
 }
 
-/// One work item: one query tile of one KV head of one sequence, over one key chunk.
+/// One work item: one query tile of KV heads `kvh0..kvh1` of one sequence, over one key chunk.
+/// Decode-like items take every KV head: a cache block holds its heads contiguously
+/// (`[Hkv, BS, D]`), so visiting them in order streams the whole block from memory.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Item {
     pub seq: u32,
-    pub kvh: u32,
+    pub kvh0: u32,
+    pub kvh1: u32,
     pub qt: u32,
     pub chunk: u32,
 }
@@ -91,12 +94,14 @@ impl Partition {
             });
             part_len += sp.n * h * nchunks * (d + 2);
             stash_len += sp.score_tokens * h * sp.ctx();
-            for kvh in 0..plan.hkv {
+            let heads_per_item = if nqt == 1 { plan.hkv } else { 1 };
+            for kvh0 in (0..plan.hkv).step_by(heads_per_item) {
                 for qt in 0..nqt {
                     for chunk in 0..nchunks {
                         items.push(Item {
                             seq: s as u32,
-                            kvh: kvh as u32,
+                            kvh0: kvh0 as u32,
+                            kvh1: (kvh0 + heads_per_item) as u32,
                             qt: qt as u32,
                             chunk: chunk as u32,
                         });
