@@ -55,7 +55,12 @@ impl<C: Float> Call<C> {
             bib.push(bib.last().unwrap() + n as i32);
             begins.push(begins.last().unwrap() + s.1 as i32);
         }
-        let cache = |seed| noise(nb * HKV * BS * D, seed).into_iter().map(C::from_f32).collect();
+        let cache = |seed| {
+            noise(nb * HKV * BS * D, seed)
+                .into_iter()
+                .map(C::from_f32)
+                .collect()
+        };
         Call {
             t,
             q: noise(t * H * D, 1),

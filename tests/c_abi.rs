@@ -298,7 +298,10 @@ fn execute_through_the_c_abi_matches_the_rust_api_bit_for_bit() {
         let case = sample_case(10 + seed as u64, qt, ct);
         // pa_execute runs the fast kernels, pa_execute_reference the scalar twin: each must
         // match its own Rust entry point bit for bit (the two differ within tolerance only).
-        for (name, runner) in [("pa_execute", Runner::Execute), ("pa_execute_reference", Runner::Reference)] {
+        for (name, runner) in [
+            ("pa_execute", Runner::Execute),
+            ("pa_execute_reference", Runner::Reference),
+        ] {
             let mut rust = case.to_call();
             rust.run(runner).unwrap();
             let mut call = case.to_call();

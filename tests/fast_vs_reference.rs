@@ -152,7 +152,15 @@ fn make(rng: &mut Rng, sp: &Spec, qt: ElemType, ct: ElemType) -> Case {
     let vc = rv(rng, nb * hkv * bs * d, 1.0);
     let rot = sp.rotation.then(|| {
         let r = 1 + rng.below(3);
-        let rbi: Vec<i32> = (0..r).map(|_| bi.iter().filter(|&&b| b >= 0).nth(rng.below(need.iter().sum())).copied().unwrap()).collect();
+        let rbi: Vec<i32> = (0..r)
+            .map(|_| {
+                bi.iter()
+                    .filter(|&&b| b >= 0)
+                    .nth(rng.below(need.iter().sum()))
+                    .copied()
+                    .unwrap()
+            })
+            .collect();
         let m = 5;
         let cols = if rng.below(2) == 0 { 1 } else { bs };
         let deltas: Vec<i32> = (0..r * cols).map(|_| rng.below(m) as i32).collect();
@@ -199,7 +207,10 @@ struct Result_ {
     vc: Buf,
 }
 
-fn run(c: &Case, f: &dyn Fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> paged_attention::error::Result<()>) -> Result_ {
+fn run(
+    c: &Case,
+    f: &dyn Fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> paged_attention::error::Result<()>,
+) -> Result_ {
     let (h, hkv, d, bs, nb) = (c.h, c.hkv, c.d, c.bs, c.nb);
     let t = *c.begins.last().unwrap() as usize;
     let scores_len = c.past.iter().map(|&p| p as usize).sum::<usize>() + t;
@@ -210,7 +221,16 @@ fn run(c: &Case, f: &dyn Fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> paged_atte
     let scale_buf = c.scale.as_ref().map(|s| Buf::from_f32(c.qt, s));
     let alibi_buf = c.alibi.as_ref().map(|a| Buf::from_f32(c.qt, a));
     let win = c.window.map(|w| vec![w]);
-    let lut_buf = c.rot.as_ref().map(|r| Buf::from_f32(if c.qt == ElemType::F16 { ElemType::F16 } else { ElemType::F32 }, &r.3));
+    let lut_buf = c.rot.as_ref().map(|r| {
+        Buf::from_f32(
+            if c.qt == ElemType::F16 {
+                ElemType::F16
+            } else {
+                ElemType::F32
+            },
+            &r.3,
+        )
+    });
     {
         let mut inputs = PaInputs {
             query: c.q.t(&[t, h * d]),
@@ -227,7 +247,11 @@ fn run(c: &Case, f: &dyn Fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> paged_atte
             alibi_slopes: alibi_buf.as_ref().map(|a| a.t(&[h])),
             rotated_block_indices: c.rot.as_ref().map(|r| Tensor::new(&[r.0.len()], &r.0)),
             rotation_deltas: c.rot.as_ref().map(|r| Tensor::new(&[r.0.len(), r.2], &r.1)),
-            rotation_trig_lut: c.rot.as_ref().zip(lut_buf.as_ref()).map(|(r, l)| l.t(&[r.4, d])),
+            rotation_trig_lut: c
+                .rot
+                .as_ref()
+                .zip(lut_buf.as_ref())
+                .map(|(r, l)| l.t(&[r.4, d])),
             score_aggregation_window: c.saw.as_ref().map(|w| {
                 if w.len() == 1 {
                     Tensor::scalar(w)
@@ -242,7 +266,12 @@ fn run(c: &Case, f: &dyn Fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> paged_atte
         };
         f(&mut inputs, &mut outputs).unwrap_or_else(|e| panic!("{}: {e}", c.name));
     }
-    Result_ { out, scores, kc, vc }
+    Result_ {
+        out,
+        scores,
+        kc,
+        vc,
+    }
 }
 
 fn ulp(t: ElemType, x: f32) -> f32 {
@@ -259,15 +288,31 @@ fn compare(c: &Case, what: &str, got: &Result_, want: &Result_) {
     let (go, wo) = (got.out.f32s(), want.out.f32s());
     for (i, (&a, &b)) in go.iter().zip(&wo).enumerate() {
         let tol = 2e-6 * b.abs().max(1.0) + ulp(c.qt, b);
-        assert!((a - b).abs() <= tol, "{what} {}: output[{i}] = {a}, reference {b} (tol {tol})", c.name);
+        assert!(
+            (a - b).abs() <= tol,
+            "{what} {}: output[{i}] = {a}, reference {b} (tol {tol})",
+            c.name
+        );
     }
     let (gs, ws) = (got.scores.f32s(), want.scores.f32s());
     for (i, (&a, &b)) in gs.iter().zip(&ws).enumerate() {
         let tol = 1e-5 * b.abs().max(1.0) + ulp(c.qt, b);
-        assert!((a - b).abs() <= tol, "{what} {}: scores[{i}] = {a}, reference {b} (tol {tol})", c.name);
+        assert!(
+            (a - b).abs() <= tol,
+            "{what} {}: scores[{i}] = {a}, reference {b} (tol {tol})",
+            c.name
+        );
     }
-    assert!(got.kc.bits() == want.kc.bits(), "{what} {}: key_cache differs from the reference", c.name);
-    assert!(got.vc.bits() == want.vc.bits(), "{what} {}: value_cache differs from the reference", c.name);
+    assert!(
+        got.kc.bits() == want.kc.bits(),
+        "{what} {}: key_cache differs from the reference",
+        c.name
+    );
+    assert!(
+        got.vc.bits() == want.vc.bits(),
+        "{what} {}: value_cache differs from the reference",
+        c.name
+    );
 }
 
 const TYPES: [ElemType; 3] = [ElemType::F32, ElemType::F16, ElemType::BF16];
@@ -295,17 +340,31 @@ fn check_spec(rng: &mut Rng, sp: &Spec, types: &[(ElemType, ElemType)]) {
 }
 
 fn all_types() -> Vec<(ElemType, ElemType)> {
-    TYPES.iter().flat_map(|&q| TYPES.iter().map(move |&c| (q, c))).collect()
+    TYPES
+        .iter()
+        .flat_map(|&q| TYPES.iter().map(move |&c| (q, c)))
+        .collect()
 }
 
 fn base(seqs: &[(usize, usize)]) -> Spec {
-    Spec { seqs: seqs.to_vec(), h: 8, hkv: 2, d: 64, bs: 16, ..Default::default() }
+    Spec {
+        seqs: seqs.to_vec(),
+        h: 8,
+        hkv: 2,
+        d: 64,
+        bs: 16,
+        ..Default::default()
+    }
 }
 
 #[test]
 fn fast_matches_reference_on_decode_for_all_dtype_pairs() {
     let mut rng = Rng(1);
-    check_spec(&mut rng, &base(&[(700, 1), (33, 1), (0, 1), (16, 1)]), &all_types());
+    check_spec(
+        &mut rng,
+        &base(&[(700, 1), (33, 1), (0, 1), (16, 1)]),
+        &all_types(),
+    );
 }
 
 #[test]
@@ -318,15 +377,30 @@ fn fast_matches_reference_on_prefill_for_all_dtype_pairs() {
 #[test]
 fn fast_matches_reference_on_mixed_batches_with_empty_sequences() {
     let mut rng = Rng(3);
-    check_spec(&mut rng, &base(&[(100, 40), (5, 0), (300, 1), (0, 0), (0, 3), (64, 9)]), &all_types());
+    check_spec(
+        &mut rng,
+        &base(&[(100, 40), (5, 0), (300, 1), (0, 0), (0, 3), (64, 9)]),
+        &all_types(),
+    );
 }
 
 #[test]
 fn fast_matches_reference_for_gqa_group_sizes() {
     let mut rng = Rng(4);
     for (h, hkv) in [(4, 4), (8, 2), (16, 2), (3, 3), (12, 4)] {
-        let sp = Spec { h, hkv, ..base(&[(90, 1), (20, 25)]) };
-        check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F32), (ElemType::F32, ElemType::F16)]);
+        let sp = Spec {
+            h,
+            hkv,
+            ..base(&[(90, 1), (20, 25)])
+        };
+        check_spec(
+            &mut rng,
+            &sp,
+            &[
+                (ElemType::F32, ElemType::F32),
+                (ElemType::F32, ElemType::F16),
+            ],
+        );
     }
 }
 
@@ -335,8 +409,19 @@ fn fast_matches_reference_for_block_and_head_sizes() {
     let mut rng = Rng(5);
     for bs in [1, 16, 32, 48] {
         for d in [16, 64, 80, 128, 256, 7, 1] {
-            let sp = Spec { bs, d, ..base(&[(50, 1), (10, 20)]) };
-            check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F32), (ElemType::BF16, ElemType::F16)]);
+            let sp = Spec {
+                bs,
+                d,
+                ..base(&[(50, 1), (10, 20)])
+            };
+            check_spec(
+                &mut rng,
+                &sp,
+                &[
+                    (ElemType::F32, ElemType::F32),
+                    (ElemType::BF16, ElemType::F16),
+                ],
+            );
         }
     }
 }
@@ -352,7 +437,13 @@ fn fast_matches_reference_with_window_alibi_scale_rotation() {
         (0, false, false, true),
         (1, false, false, false),
     ] {
-        let sp = Spec { window, alibi, scale, rotation, ..base(&[(90, 1), (30, 37), (0, 12)]) };
+        let sp = Spec {
+            window,
+            alibi,
+            scale,
+            rotation,
+            ..base(&[(90, 1), (30, 37), (0, 12)])
+        };
         check_spec(&mut rng, &sp, &all_types());
     }
 }
@@ -366,15 +457,35 @@ fn fast_matches_reference_for_score_windows() {
             sp.seqs.truncate(3);
         }
         sp.saw = Some(saw);
-        check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F32), (ElemType::F16, ElemType::BF16)]);
+        check_spec(
+            &mut rng,
+            &sp,
+            &[
+                (ElemType::F32, ElemType::F32),
+                (ElemType::F16, ElemType::BF16),
+            ],
+        );
     }
 }
 
 #[test]
 fn fast_matches_reference_on_long_decode_split_into_chunks() {
     let mut rng = Rng(8);
-    let sp = Spec { h: 8, hkv: 1, d: 32, bs: 32, ..base(&[(5000, 1), (1100, 2)]) };
-    check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F32), (ElemType::F32, ElemType::BF16)]);
+    let sp = Spec {
+        h: 8,
+        hkv: 1,
+        d: 32,
+        bs: 32,
+        ..base(&[(5000, 1), (1100, 2)])
+    };
+    check_spec(
+        &mut rng,
+        &sp,
+        &[
+            (ElemType::F32, ElemType::F32),
+            (ElemType::F32, ElemType::BF16),
+        ],
+    );
     let sp = Spec { window: 1500, ..sp };
     check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F16)]);
 }
@@ -382,19 +493,47 @@ fn fast_matches_reference_on_long_decode_split_into_chunks() {
 #[test]
 fn fast_results_do_not_depend_on_thread_count() {
     let mut rng = Rng(9);
-    let sp = Spec { h: 8, hkv: 2, d: 64, bs: 32, alibi: true, saw: Some(vec![-1]), ..base(&[(2000, 1), (300, 70), (40, 1), (0, 33)]) };
-    for (qt, ct) in [(ElemType::F32, ElemType::F32), (ElemType::F16, ElemType::BF16)] {
+    let sp = Spec {
+        h: 8,
+        hkv: 2,
+        d: 64,
+        bs: 32,
+        alibi: true,
+        saw: Some(vec![-1]),
+        ..base(&[(2000, 1), (300, 70), (40, 1), (0, 33)])
+    };
+    for (qt, ct) in [
+        (ElemType::F32, ElemType::F32),
+        (ElemType::F16, ElemType::BF16),
+    ] {
         let c = make(&mut rng, &sp, qt, ct);
         for simd in levels() {
-            let opts = FastOptions { simd, scores: ScoresMode::Auto };
-            let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+            let opts = FastOptions {
+                simd,
+                scores: ScoresMode::Auto,
+            };
+            let pool = |n| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build()
+                    .unwrap()
+            };
             let a = pool(1).install(|| run(&c, &|i, o| execute_with(opts, i, o)));
             let b = pool(2).install(|| run(&c, &|i, o| execute_with(opts, i, o)));
             let e = pool(3).install(|| run(&c, &|i, o| execute_with(opts, i, o)));
             for r in [&b, &e] {
-                assert!(a.out.bits() == r.out.bits(), "{simd:?}: output differs between thread counts");
-                assert!(a.scores.bits() == r.scores.bits(), "{simd:?}: scores differ between thread counts");
-                assert!(a.kc.bits() == r.kc.bits() && a.vc.bits() == r.vc.bits(), "{simd:?}: caches differ");
+                assert!(
+                    a.out.bits() == r.out.bits(),
+                    "{simd:?}: output differs between thread counts"
+                );
+                assert!(
+                    a.scores.bits() == r.scores.bits(),
+                    "{simd:?}: scores differ between thread counts"
+                );
+                assert!(
+                    a.kc.bits() == r.kc.bits() && a.vc.bits() == r.vc.bits(),
+                    "{simd:?}: caches differ"
+                );
             }
         }
     }

@@ -72,7 +72,15 @@ pub(crate) fn tiles(lo: usize, hi: usize, bs: usize) -> impl Iterator<Item = (us
 
 /// Fills `q[..nt*G*D]` with the scaled f32 query rows of tokens `t0..t0+nt` of `sp`, heads of
 /// KV head `kvh` (row `ti*G + g`).
-pub(crate) fn load_q<Q: Float>(plan: &Plan, query: &[Q], sp: &SeqPlan, kvh: usize, t0: usize, nt: usize, q: &mut [f32]) {
+pub(crate) fn load_q<Q: Float>(
+    plan: &Plan,
+    query: &[Q],
+    sp: &SeqPlan,
+    kvh: usize,
+    t0: usize,
+    nt: usize,
+    q: &mut [f32],
+) {
     let (h, d, g) = (plan.h, plan.d, plan.g);
     for ti in 0..nt {
         let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
@@ -85,7 +93,15 @@ pub(crate) fn load_q<Q: Float>(plan: &Plan, query: &[Q], sp: &SeqPlan, kvh: usiz
 
 /// Adds ALiBi and masks (causal, window) to the logit tile `s` (`rows x n`, row `r` at
 /// position `pos0 + r/G`, query head `kvh*G + r%G`), for keys `j0..j0+n`.
-pub(crate) fn mask_tile(plan: &Plan, s: &mut [f32], rows: usize, n: usize, kvh: usize, pos0: usize, j0: usize) {
+pub(crate) fn mask_tile(
+    plan: &Plan,
+    s: &mut [f32],
+    rows: usize,
+    n: usize,
+    kvh: usize,
+    pos0: usize,
+    j0: usize,
+) {
     let g = plan.g;
     let pos_max = pos0 + (rows - 1) / g;
     let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
@@ -163,7 +179,9 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
             for head in 0..h {
                 let base = lay.part_base + ((token - sp.begin) * h + head) * nc * (d + 2);
                 let slots = &partials[base..base + nc * (d + 2)];
-                let mx = (0..nc).map(|c| slots[c * (d + 2)]).fold(f32::NEG_INFINITY, f32::max);
+                let mx = (0..nc)
+                    .map(|c| slots[c * (d + 2)])
+                    .fold(f32::NEG_INFINITY, f32::max);
                 let orow = &mut o[head * d..(head + 1) * d];
                 if nc == 1 {
                     let l = slots[1];
@@ -224,7 +242,14 @@ fn run_item<M: Micro, Q: Float, C: Float>(
     let lo = k0.max(window_start(plan, pos0));
     let hi = k1.min(pos_max + 1);
     sc.ensure(all_rows, d, bs);
-    let Scratch { q: qbuf, acc: accbuf, s, kf, m: mbuf, l: lbuf } = sc;
+    let Scratch {
+        q: qbuf,
+        acc: accbuf,
+        s,
+        kf,
+        m: mbuf,
+        l: lbuf,
+    } = sc;
     for kvh in kvh0..kvh1 {
         let r0 = (kvh - kvh0) * rows;
         load_q(plan, ctx.query, sp, kvh, t0, nt, &mut qbuf[r0 * d..]);
@@ -239,12 +264,16 @@ fn run_item<M: Micro, Q: Float, C: Float>(
     let tile_at = |j0: usize, j1: usize, kvh: usize| {
         let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
         let off = cache_row(plan, phys, kvh, j0 % bs);
-        (&ctx.kc[off..off + (j1 - j0) * d], &ctx.vc[off..off + (j1 - j0) * d])
+        (
+            &ctx.kc[off..off + (j1 - j0) * d],
+            &ctx.vc[off..off + (j1 - j0) * d],
+        )
     };
     // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: the
     // next (tile, KV head) lines are requested a slice at a time between the steps of this one,
     // which keeps a steady number of loads in flight (one burst per tile would stall the core).
-    let steps = || tiles(lo, hi, bs).flat_map(|(j0, j1)| (kvh0..kvh1).map(move |kvh| (j0, j1, kvh)));
+    let steps =
+        || tiles(lo, hi, bs).flat_map(|(j0, j1)| (kvh0..kvh1).map(move |kvh| (j0, j1, kvh)));
     let mut pf = steps();
     pf.next();
     for (j0, j1, kvh) in steps() {
@@ -255,7 +284,9 @@ fn run_item<M: Micro, Q: Float, C: Float>(
         let mrow = &mut mbuf[r0..r0 + rows];
         let lrow = &mut lbuf[r0..r0 + rows];
         let (kt, vt) = tile_at(j0, j1, kvh);
-        let (kn, vn) = pf.next().map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
+        let (kn, vn) = pf
+            .next()
+            .map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
         let st = &mut s[..rows * n];
         let (kq, vq) = if widen {
             m.widen(kt, &mut kf[..n * d]);
@@ -320,7 +351,9 @@ fn run_item<M: Micro, Q: Float, C: Float>(
         for r in 0..rows {
             let (ti, gi) = (r / g, r % g);
             let ri = (kvh - kvh0) * rows + r;
-            let base = lay.part_base + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2) + chunk * (d + 2);
+            let base = lay.part_base
+                + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2)
+                + chunk * (d + 2);
             // SAFETY: slot (row, chunk) is written by this item only (one item per KV head,
             // query tile and chunk).
             let slot = unsafe { pw.part(base, d + 2) };

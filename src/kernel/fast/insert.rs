@@ -17,7 +17,12 @@ pub fn insert<Q: Float, C: Float>(plan: &Plan, src: &[Q], cache: &mut [C], block
         for sp in &plan.seqs {
             for i in 0..sp.n {
                 let pos = sp.past + i;
-                let dst = cache_row(plan, block_of(block_indices, sp.block_begin, bs, pos), head, pos % bs);
+                let dst = cache_row(
+                    plan,
+                    block_of(block_indices, sp.block_begin, bs, pos),
+                    head,
+                    pos % bs,
+                );
                 // SAFETY: the row includes `head`, so rows written by different tasks are
                 // disjoint; this task holds one row at a time.
                 let row = unsafe { w.part(dst, d) };
@@ -33,7 +38,9 @@ fn copy_row<Q: Float, C: Float>(src: &[Q], dst: &mut [C]) {
     if Q::TYPE == C::TYPE {
         // SAFETY: one Float impl per element type, so equal TYPEs mean Q and C are the same
         // type; both slices hold dst.len() elements.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr() as *const C, dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr() as *const C, dst.as_mut_ptr(), dst.len())
+        };
     } else {
         for (o, v) in dst.iter_mut().zip(src) {
             *o = C::from_f32(v.to_f32());

@@ -167,38 +167,72 @@ fn run_typed<M: Micro, Q: Float, C: Float>(
     outputs: &mut PaOutputs<'_>,
     opts: FastOptions,
 ) -> Result<()> {
-    let block_indices = inputs.block_indices.as_i32().ok_or_else(|| missing("block_indices"))?;
+    let block_indices = inputs
+        .block_indices
+        .as_i32()
+        .ok_or_else(|| missing("block_indices"))?;
     if let Some(rot) = &plan.rotation {
-        let rbi = inputs.rotated_block_indices.as_ref().and_then(|t| t.as_i32());
+        let rbi = inputs
+            .rotated_block_indices
+            .as_ref()
+            .and_then(|t| t.as_i32());
         let rd = inputs.rotation_deltas.as_ref().and_then(|t| t.as_i32());
         let lut = inputs.rotation_trig_lut.as_ref();
         let (rbi, rd, lut) = match (rbi, rd, lut) {
             (Some(a), Some(b), Some(c)) => (a, b, c),
             _ => return Err(missing("rotation inputs")),
         };
-        let kc = inputs.key_cache.as_float_mut::<C>().ok_or_else(|| missing("key_cache"))?;
+        let kc = inputs
+            .key_cache
+            .as_float_mut::<C>()
+            .ok_or_else(|| missing("key_cache"))?;
         rotate::rotate(plan, rot.delta_cols, kc, rbi, rd, lut);
     }
     let key = inputs.key.as_float::<Q>().ok_or_else(|| missing("key"))?;
-    let value = inputs.value.as_float::<Q>().ok_or_else(|| missing("value"))?;
+    let value = inputs
+        .value
+        .as_float::<Q>()
+        .ok_or_else(|| missing("value"))?;
     {
-        let kc = inputs.key_cache.as_float_mut::<C>().ok_or_else(|| missing("key_cache"))?;
+        let kc = inputs
+            .key_cache
+            .as_float_mut::<C>()
+            .ok_or_else(|| missing("key_cache"))?;
         insert::insert(plan, key, kc, block_indices);
     }
     {
-        let vc = inputs.value_cache.as_float_mut::<C>().ok_or_else(|| missing("value_cache"))?;
+        let vc = inputs
+            .value_cache
+            .as_float_mut::<C>()
+            .ok_or_else(|| missing("value_cache"))?;
         insert::insert(plan, value, vc, block_indices);
     }
-    let query = inputs.query.as_float::<Q>().ok_or_else(|| missing("query"))?;
+    let query = inputs
+        .query
+        .as_float::<Q>()
+        .ok_or_else(|| missing("query"))?;
     let kc = inputs.key_cache.as_ref();
     let vc = inputs.value_cache.as_ref();
     let kc = kc.as_float::<C>().ok_or_else(|| missing("key_cache"))?;
     let vc = vc.as_float::<C>().ok_or_else(|| missing("value_cache"))?;
-    let out = outputs.output.as_float_mut::<Q>().ok_or_else(|| missing("output"))?;
-    let scores_out = outputs.scores.as_float_mut::<Q>().ok_or_else(|| missing("scores"))?;
+    let out = outputs
+        .output
+        .as_float_mut::<Q>()
+        .ok_or_else(|| missing("output"))?;
+    let scores_out = outputs
+        .scores
+        .as_float_mut::<Q>()
+        .ok_or_else(|| missing("scores"))?;
 
     let part = partition::Partition::new(plan, opts.scores);
-    let ctx = attention::Ctx { plan, part: &part, query, kc, vc, block_indices };
+    let ctx = attention::Ctx {
+        plan,
+        part: &part,
+        query,
+        kc,
+        vc,
+        block_indices,
+    };
     let (stats, stash) = attention::attention(m, &ctx, out);
     match stash {
         Some(stash) => scores::from_stash(m, &ctx, &stats, &stash, scores_out),

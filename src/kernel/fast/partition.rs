@@ -111,6 +111,12 @@ impl Partition {
         }
         let budget = 8 * plan.t * h * d + STASH_EXTRA;
         let stash_len = (mode == ScoresMode::Auto && stash_len <= budget).then_some(stash_len);
-        Partition { seqs, items, part_len, stash_len, seq_of_token }
+        Partition {
+            seqs,
+            items,
+            part_len,
+            stash_len,
+            seq_of_token,
+        }
     }
 }

@@ -11,7 +11,14 @@ use crate::tensor::Tensor;
 use rayon::prelude::*;
 
 /// Safe for any plan: rows are disjoint by construction and every slice access is checked.
-pub fn rotate<C: Float>(plan: &Plan, delta_cols: usize, kc: &mut [C], rbi: &[i32], rd: &[i32], lut: &Tensor<'_>) {
+pub fn rotate<C: Float>(
+    plan: &Plan,
+    delta_cols: usize,
+    kc: &mut [C],
+    rbi: &[i32],
+    rd: &[i32],
+    lut: &Tensor<'_>,
+) {
     let (d, bs) = (plan.d, plan.bs);
     let half = d / 2;
     let lut = match lut.as_float::<f32>() {

@@ -75,7 +75,12 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
             for head in 0..h {
                 let st = stats[(sp.begin + i) * h + head];
                 let row = lay.stash_base + ((i - first) * h + head) * sp.ctx();
-                m.add_exp_scaled(&mut acc[lo - j0..hi - j0], &stash[row + lo..row + hi], st.max, 1.0 / st.sum);
+                m.add_exp_scaled(
+                    &mut acc[lo - j0..hi - j0],
+                    &stash[row + lo..row + hi],
+                    st.max,
+                    1.0 / st.sum,
+                );
             }
         }
     });
@@ -119,7 +124,12 @@ pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(
                         for r in 0..rows {
                             let token = sp.begin + t0 + r / g;
                             let stt = stats[token * h + kvh * g + r % g];
-                            m.add_exp_scaled(&mut acc[a0 - j0..a1 - j0], &t[r * n..(r + 1) * n], stt.max, 1.0 / stt.sum);
+                            m.add_exp_scaled(
+                                &mut acc[a0 - j0..a1 - j0],
+                                &t[r * n..(r + 1) * n],
+                                stt.max,
+                                1.0 / stt.sum,
+                            );
                         }
                     }
                 }

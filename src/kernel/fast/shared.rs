@@ -18,7 +18,11 @@ unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
 
 impl<'a, T> SharedMut<'a, T> {
     pub(crate) fn new(s: &'a mut [T]) -> Self {
-        SharedMut { ptr: s.as_mut_ptr(), len: s.len(), _borrow: PhantomData }
+        SharedMut {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+            _borrow: PhantomData,
+        }
     }
 
     /// `len` elements from `off`.
@@ -27,7 +31,10 @@ impl<'a, T> SharedMut<'a, T> {
     /// No two live slices obtained from this `SharedMut` may overlap.
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn part(&self, off: usize, len: usize) -> &mut [T] {
-        assert!(off <= self.len && len <= self.len - off, "SharedMut::part out of range");
+        assert!(
+            off <= self.len && len <= self.len - off,
+            "SharedMut::part out of range"
+        );
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
     }

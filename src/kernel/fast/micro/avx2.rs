@@ -39,10 +39,28 @@ impl Avx2 {
 
 #[cfg(not(target_arch = "x86_64"))]
 impl Micro for Avx2 {
-    fn qk<C: Float>(self, _: &[f32], _: usize, _: &[C], _: usize, _: usize, _: &mut [f32], _: usize) {
+    fn qk<C: Float>(
+        self,
+        _: &[f32],
+        _: usize,
+        _: &[C],
+        _: usize,
+        _: usize,
+        _: &mut [f32],
+        _: usize,
+    ) {
         unreachable!("Avx2 is never built off x86_64")
     }
-    fn pv<C: Float>(self, _: &[f32], _: usize, _: usize, _: &[C], _: usize, _: usize, _: &mut [f32]) {
+    fn pv<C: Float>(
+        self,
+        _: &[f32],
+        _: usize,
+        _: usize,
+        _: &[C],
+        _: usize,
+        _: usize,
+        _: &mut [f32],
+    ) {
         unreachable!("Avx2 is never built off x86_64")
     }
     fn exp_sub_sum(self, _: &mut [f32], _: f32) -> f32 {
@@ -61,14 +79,32 @@ impl Micro for Avx2 {
 
 #[cfg(target_arch = "x86_64")]
 impl Micro for Avx2 {
-    fn qk<C: Float>(self, q: &[f32], rows: usize, k: &[C], n: usize, d: usize, s: &mut [f32], lds: usize) {
+    fn qk<C: Float>(
+        self,
+        q: &[f32],
+        rows: usize,
+        k: &[C],
+        n: usize,
+        d: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
         assert!(q.len() >= rows * d && k.len() >= n * d);
         assert!(rows == 0 || n == 0 || s.len() >= (rows - 1) * lds + n);
         // SAFETY: `self` proves the features; the asserts above bound every access.
         unsafe { qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), lds) }
     }
 
-    fn pv<C: Float>(self, p: &[f32], ldp: usize, rows: usize, v: &[C], n: usize, d: usize, acc: &mut [f32]) {
+    fn pv<C: Float>(
+        self,
+        p: &[f32],
+        ldp: usize,
+        rows: usize,
+        v: &[C],
+        n: usize,
+        d: usize,
+        acc: &mut [f32],
+    ) {
         assert!(v.len() >= n * d && acc.len() >= rows * d);
         assert!(rows == 0 || n == 0 || p.len() >= (rows - 1) * ldp + n);
         // SAFETY: `self` proves the features; the asserts above bound every access.
@@ -125,12 +161,23 @@ unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     let ab = _mm256_hadd_ps(a, b);
     let cd = _mm256_hadd_ps(c, d);
     let abcd = _mm256_hadd_ps(ab, cd);
-    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps::<1>(abcd))
+    _mm_add_ps(
+        _mm256_castps256_ps128(abcd),
+        _mm256_extractf128_ps::<1>(abcd),
+    )
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk<C: Float>(q: *const f32, rows: usize, k: *const C, n: usize, d: usize, s: *mut f32, lds: usize) {
+unsafe fn qk<C: Float>(
+    q: *const f32,
+    rows: usize,
+    k: *const C,
+    n: usize,
+    d: usize,
+    s: *mut f32,
+    lds: usize,
+) {
     let mut r = 0;
     while r < rows {
         let rr = (rows - r).min(4);
@@ -166,7 +213,13 @@ unsafe fn qk<C: Float>(q: *const f32, rows: usize, k: *const C, n: usize, d: usi
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_block<C: Float, const R: usize, const K: usize>(q: *const f32, k: *const C, d: usize, s: *mut f32, lds: usize) {
+unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
+    q: *const f32,
+    k: *const C,
+    d: usize,
+    s: *mut f32,
+    lds: usize,
+) {
     let z = _mm256_setzero_ps();
     let mut acc = [[z; K]; R];
     let d8 = d & !7;
@@ -206,7 +259,15 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(q: *const f32, k: *
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv<C: Float>(p: *const f32, ldp: usize, rows: usize, v: *const C, n: usize, d: usize, acc: *mut f32) {
+unsafe fn pv<C: Float>(
+    p: *const f32,
+    ldp: usize,
+    rows: usize,
+    v: *const C,
+    n: usize,
+    d: usize,
+    acc: *mut f32,
+) {
     let mut r = 0;
     while r < rows {
         let rr = (rows - r).min(6);
@@ -240,7 +301,15 @@ unsafe fn pv<C: Float>(p: *const f32, ldp: usize, rows: usize, v: *const C, n: u
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_rows<C: Float, const DV: usize>(rr: usize, p: *const f32, ldp: usize, v: *const C, n: usize, d: usize, acc: *mut f32) {
+unsafe fn pv_rows<C: Float, const DV: usize>(
+    rr: usize,
+    p: *const f32,
+    ldp: usize,
+    v: *const C,
+    n: usize,
+    d: usize,
+    acc: *mut f32,
+) {
     // SAFETY: forwarded from `pv`.
     unsafe {
         match rr {
@@ -258,7 +327,14 @@ unsafe fn pv_rows<C: Float, const DV: usize>(rr: usize, p: *const f32, ldp: usiz
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(p: *const f32, ldp: usize, v: *const C, n: usize, d: usize, acc: *mut f32) {
+unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(
+    p: *const f32,
+    ldp: usize,
+    v: *const C,
+    n: usize,
+    d: usize,
+    acc: *mut f32,
+) {
     let z = _mm256_setzero_ps();
     let mut a = [[z; DV]; R];
     for (r, ar) in a.iter_mut().enumerate() {
@@ -309,9 +385,16 @@ unsafe fn exp8(x: __m256) -> __m256 {
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.166_579_6e-2));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.166_666_65));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0)));
+    y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(x, x),
+        _mm256_add_ps(x, _mm256_set1_ps(1.0)),
+    );
     // 2^fx: fx is in -126..=127 after the clamps, a normal exponent.
-    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(fx),
+        _mm256_set1_epi32(127),
+    ));
     let r = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     _mm256_andnot_ps(under, r)
 }
@@ -358,7 +441,10 @@ unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
         let mut buf = [0f32; 8];
         // SAFETY: n - j < 8 elements remain; the padding is -inf, whose exp is 0.
         unsafe {
-            let e = exp8(_mm256_sub_ps(load_partial(p.add(j), n - j, f32::NEG_INFINITY), mv));
+            let e = exp8(_mm256_sub_ps(
+                load_partial(p.add(j), n - j, f32::NEG_INFINITY),
+                mv,
+            ));
             _mm256_storeu_ps(buf.as_mut_ptr(), e);
             std::ptr::copy_nonoverlapping(buf.as_ptr(), p.add(j), n - j);
             sum = _mm256_add_ps(sum, e);
@@ -378,7 +464,10 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
         // SAFETY: j + 8 <= n <= s.len() (checked by the caller).
         unsafe {
             let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(j)), mv));
-            _mm256_storeu_ps(dp.add(j), _mm256_fmadd_ps(e, cv, _mm256_loadu_ps(dp.add(j))));
+            _mm256_storeu_ps(
+                dp.add(j),
+                _mm256_fmadd_ps(e, cv, _mm256_loadu_ps(dp.add(j))),
+            );
         }
         j += 8;
     }
@@ -386,7 +475,10 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
         let mut buf = [0f32; 8];
         // SAFETY: n - j < 8 elements remain in both slices.
         unsafe {
-            let e = exp8(_mm256_sub_ps(load_partial(sp.add(j), n - j, f32::NEG_INFINITY), mv));
+            let e = exp8(_mm256_sub_ps(
+                load_partial(sp.add(j), n - j, f32::NEG_INFINITY),
+                mv,
+            ));
             let r = _mm256_fmadd_ps(e, cv, load_partial(dp.add(j), n - j, 0.0));
             _mm256_storeu_ps(buf.as_mut_ptr(), r);
             std::ptr::copy_nonoverlapping(buf.as_ptr(), dp.add(j), n - j);

@@ -16,9 +16,27 @@ use crate::dtype::Float;
 /// supports the instructions it uses.
 pub(crate) trait Micro: Copy + Send + Sync {
     /// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
-    fn qk<C: Float>(self, q: &[f32], rows: usize, k: &[C], n: usize, d: usize, s: &mut [f32], lds: usize);
+    fn qk<C: Float>(
+        self,
+        q: &[f32],
+        rows: usize,
+        k: &[C],
+        n: usize,
+        d: usize,
+        s: &mut [f32],
+        lds: usize,
+    );
     /// `acc[r*d..][..d] += sum_j p[r*ldp + j] * v[j*d..][..d]` for `r < rows`.
-    fn pv<C: Float>(self, p: &[f32], ldp: usize, rows: usize, v: &[C], n: usize, d: usize, acc: &mut [f32]);
+    fn pv<C: Float>(
+        self,
+        p: &[f32],
+        ldp: usize,
+        rows: usize,
+        v: &[C],
+        n: usize,
+        d: usize,
+        acc: &mut [f32],
+    );
     /// `s[j] = exp(s[j] - m)` in place; returns the sum (in a fixed order).
     fn exp_sub_sum(self, s: &mut [f32], m: f32) -> f32;
     /// `dst[j] += exp(s[j] - m) * c`.

@@ -7,7 +7,16 @@ use crate::dtype::Float;
 pub(crate) struct Scalar;
 
 impl Micro for Scalar {
-    fn qk<C: Float>(self, q: &[f32], rows: usize, k: &[C], n: usize, d: usize, s: &mut [f32], lds: usize) {
+    fn qk<C: Float>(
+        self,
+        q: &[f32],
+        rows: usize,
+        k: &[C],
+        n: usize,
+        d: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
         for r in 0..rows {
             let qr = &q[r * d..(r + 1) * d];
             for j in 0..n {
@@ -21,7 +30,16 @@ impl Micro for Scalar {
         }
     }
 
-    fn pv<C: Float>(self, p: &[f32], ldp: usize, rows: usize, v: &[C], n: usize, d: usize, acc: &mut [f32]) {
+    fn pv<C: Float>(
+        self,
+        p: &[f32],
+        ldp: usize,
+        rows: usize,
+        v: &[C],
+        n: usize,
+        d: usize,
+        acc: &mut [f32],
+    ) {
         for r in 0..rows {
             let a = &mut acc[r * d..(r + 1) * d];
             for j in 0..n {
