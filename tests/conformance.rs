@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use paged_attention::ir::case::{find_cases, Actual, Case, OvEnv};
+use paged_attention::ir::case::{find_cases, Case, OvEnv};
 use paged_attention::ir::Model;
 
 const MIN_CASES: usize = 30;

@@ -316,7 +316,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         d,
         bs,
         nb,
-        g: if hkv == 0 { 0 } else { h / hkv },
+        g: h.checked_div(hkv).unwrap_or(0),
         query_type: k.query_type.unwrap_or(ElemType::F32),
         cache_type: k.cache_type.unwrap_or(ElemType::F32),
         scale,
