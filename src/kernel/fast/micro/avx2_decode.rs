@@ -302,7 +302,9 @@ unsafe fn dec_softmax_pv<C: Float>(
 ) {
     // Weights of up to 4 rows for WK keys, key-major (`wt[j*4 + i]`), so the PV loop reads the
     // 4 weights of a key from one pointer.
-    let mut wt = [0f32; 4 * WK];
+    // Uninitialised: `transpose_weights` writes every entry the PV loop reads.
+    let mut wt = std::mem::MaybeUninit::<[f32; 4 * WK]>::uninit();
+    let wt = wt.as_mut_ptr() as *mut f32;
     let mut r0 = 0;
     while r0 < rows {
         let rr = (rows - r0).min(4);
@@ -336,9 +338,9 @@ unsafe fn dec_softmax_pv<C: Float>(
             // SAFETY (block): rows r0..r0+rr of s (keys j0..j0+kc), `wt` (4*WK floats), value
             // rows j0..j0+kc and accumulator rows r0..r0+rr, all inside the checked ranges.
             unsafe {
-                transpose_weights(s.add(r0 * n + j0), n, rr, kc, wt.as_mut_ptr());
+                transpose_weights(s.add(r0 * n + j0), n, rr, kc, wt);
                 let (vp, ap) = (v.add(j0 * d), acc.add(r0 * d));
-                pv_cols::<C>(rr, wt.as_ptr(), kc, vp, d, ap, &sc, pf);
+                pv_cols::<C>(rr, wt, kc, vp, d, ap, &sc, pf);
             }
             // The correction applies once per tile.
             sc = [1.0; 4];
