@@ -156,8 +156,9 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
 ) -> (Vec<SoftmaxStats>, Option<Vec<f32>>) {
     let plan = ctx.plan;
     let (h, d) = (plan.h, plan.d);
-    let mut partials = vec![0f32; ctx.part.part_len];
-    let mut stash = ctx.part.stash_len.map(|n| vec![0f32; n]);
+    // Every slot and every stash entry a later step reads is written by an item first.
+    let mut partials = super::pool::take(ctx.part.part_len);
+    let mut stash = ctx.part.stash_len.map(super::pool::take);
     {
         let pw = SharedMut::new(&mut partials);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
@@ -174,6 +175,7 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
     }
     let mut stats = vec![SoftmaxStats::default(); plan.t * h];
     if plan.t == 0 {
+        super::pool::give(partials);
         return (stats, stash);
     }
     out.par_chunks_mut(h * d)
@@ -222,6 +224,7 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
                 st[head] = SoftmaxStats { max: mx, sum: l };
             }
         });
+    super::pool::give(partials);
     (stats, stash)
 }
 

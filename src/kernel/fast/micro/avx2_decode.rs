@@ -50,6 +50,7 @@ use super::avx2::{exp_sub_sum, load8, load_partial};
 
 /// Prefetch cursor over one slice: `per` cache lines per [`Pf::tick`] until its end.
 #[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
 struct Pf {
     p: usize,
     end: usize,
@@ -156,18 +157,18 @@ unsafe fn dec_qk<C: Float>(
             unsafe {
                 let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * n + j));
                 match (rr, kk) {
-                    (4, 3) => qk_blk::<C, 4, 3>(qp, kp, d, sp, n, pf),
-                    (4, 2) => qk_blk::<C, 4, 2>(qp, kp, d, sp, n, pf),
-                    (4, _) => qk_blk::<C, 4, 1>(qp, kp, d, sp, n, pf),
-                    (3, 3) => qk_blk::<C, 3, 3>(qp, kp, d, sp, n, pf),
-                    (3, 2) => qk_blk::<C, 3, 2>(qp, kp, d, sp, n, pf),
-                    (3, _) => qk_blk::<C, 3, 1>(qp, kp, d, sp, n, pf),
-                    (2, 3) => qk_blk::<C, 2, 3>(qp, kp, d, sp, n, pf),
-                    (2, 2) => qk_blk::<C, 2, 2>(qp, kp, d, sp, n, pf),
-                    (2, _) => qk_blk::<C, 2, 1>(qp, kp, d, sp, n, pf),
-                    (_, 3) => qk_blk::<C, 1, 3>(qp, kp, d, sp, n, pf),
-                    (_, 2) => qk_blk::<C, 1, 2>(qp, kp, d, sp, n, pf),
-                    (_, _) => qk_blk::<C, 1, 1>(qp, kp, d, sp, n, pf),
+                    (4, 3) => *pf = qk_blk::<C, 4, 3>(qp, kp, d, sp, n, *pf),
+                    (4, 2) => *pf = qk_blk::<C, 4, 2>(qp, kp, d, sp, n, *pf),
+                    (4, _) => *pf = qk_blk::<C, 4, 1>(qp, kp, d, sp, n, *pf),
+                    (3, 3) => *pf = qk_blk::<C, 3, 3>(qp, kp, d, sp, n, *pf),
+                    (3, 2) => *pf = qk_blk::<C, 3, 2>(qp, kp, d, sp, n, *pf),
+                    (3, _) => *pf = qk_blk::<C, 3, 1>(qp, kp, d, sp, n, *pf),
+                    (2, 3) => *pf = qk_blk::<C, 2, 3>(qp, kp, d, sp, n, *pf),
+                    (2, 2) => *pf = qk_blk::<C, 2, 2>(qp, kp, d, sp, n, *pf),
+                    (2, _) => *pf = qk_blk::<C, 2, 1>(qp, kp, d, sp, n, *pf),
+                    (_, 3) => *pf = qk_blk::<C, 1, 3>(qp, kp, d, sp, n, *pf),
+                    (_, 2) => *pf = qk_blk::<C, 1, 2>(qp, kp, d, sp, n, *pf),
+                    (_, _) => *pf = qk_blk::<C, 1, 1>(qp, kp, d, sp, n, *pf),
                 }
             }
             j += kk;
@@ -187,8 +188,8 @@ unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
     d: usize,
     s: *mut f32,
     lds: usize,
-    pf: &mut Pf,
-) {
+    mut pf: Pf,
+) -> Pf {
     let z = _mm256_setzero_ps();
     let mut acc = [[z; K]; R];
     let d8 = d & !7;
@@ -229,6 +230,7 @@ unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
             unsafe { *s.add(r * lds + kk) = t };
         }
     }
+    pf
 }
 
 /// `out[i] = sum of the 8 lanes of v[i]` for 12 vectors, by a tree of horizontal adds.
@@ -462,10 +464,10 @@ unsafe fn pv_rows<C: Float, const DV: usize>(
     // SAFETY: forwarded from `pv_cols`.
     unsafe {
         match rr {
-            4 => pv_blk::<C, 4, DV>(wt, kc, v, d, acc, sc, pf),
-            3 => pv_blk::<C, 3, DV>(wt, kc, v, d, acc, sc, pf),
-            2 => pv_blk::<C, 2, DV>(wt, kc, v, d, acc, sc, pf),
-            _ => pv_blk::<C, 1, DV>(wt, kc, v, d, acc, sc, pf),
+            4 => *pf = pv_blk::<C, 4, DV>(wt, kc, v, d, acc, sc, *pf),
+            3 => *pf = pv_blk::<C, 3, DV>(wt, kc, v, d, acc, sc, *pf),
+            2 => *pf = pv_blk::<C, 2, DV>(wt, kc, v, d, acc, sc, *pf),
+            _ => *pf = pv_blk::<C, 1, DV>(wt, kc, v, d, acc, sc, *pf),
         }
     }
 }
@@ -482,8 +484,8 @@ unsafe fn pv_blk<C: Float, const R: usize, const DV: usize>(
     d: usize,
     acc: *mut f32,
     sc: &[f32; 4],
-    pf: &mut Pf,
-) {
+    mut pf: Pf,
+) -> Pf {
     let z = _mm256_setzero_ps();
     let mut a = [[z; DV]; R];
     for (r, ar) in a.iter_mut().enumerate() {
@@ -519,4 +521,5 @@ unsafe fn pv_blk<C: Float, const R: usize, const DV: usize>(
             unsafe { _mm256_storeu_ps(acc.add(r * d + dv * 8), *x) };
         }
     }
+    pf
 }
