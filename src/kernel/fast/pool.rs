@@ -5,9 +5,10 @@
 
 use std::sync::Mutex;
 
-/// Buffers kept between calls: at most this many, each at most this many f32.
-const KEEP: usize = 4;
-const KEEP_MAX_LEN: usize = 1 << 24;
+/// Buffers kept between calls: at most this many, each at most this many f32 (16 MiB), so at
+/// most 32 MiB stays allocated between calls.
+const KEEP: usize = 2;
+const KEEP_MAX_LEN: usize = 1 << 22;
 
 static FREE: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
