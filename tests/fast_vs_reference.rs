@@ -538,3 +538,59 @@ fn fast_results_do_not_depend_on_thread_count() {
         }
     }
 }
+
+#[test]
+fn fast_decode_tiles_match_reference_for_every_group_size_head_size_and_block_size() {
+    // Decode items run their own loops: rows of 1..8 query heads per KV head (and several new
+    // tokens), head sizes that leave 24/16/8/single-column remainders, blocks of 1 key up to
+    // more keys than one staging pass of weights (64), contexts at chunk edges.
+    let mut rng = Rng(10);
+    for (h, hkv) in [(1, 1), (2, 1), (6, 2), (5, 1), (7, 1), (16, 2), (24, 8)] {
+        for (d, bs) in [(1, 1), (7, 3), (24, 16), (40, 80), (56, 32), (136, 5)] {
+            let sp = Spec {
+                h,
+                hkv,
+                d,
+                bs,
+                ..base(&[
+                    (0, 1),
+                    (1, 1),
+                    (bs * 9 - 1, 1),
+                    (bs * 9, 2),
+                    (257, 3),
+                    (3 * bs + 1, 4),
+                ])
+            };
+            check_spec(
+                &mut rng,
+                &sp,
+                &[
+                    (ElemType::F32, ElemType::F32),
+                    (ElemType::F32, ElemType::F16),
+                    (ElemType::BF16, ElemType::BF16),
+                ],
+            );
+        }
+    }
+}
+
+#[test]
+fn fast_decode_matches_reference_across_chunk_edges() {
+    let mut rng = Rng(11);
+    for ctx in [255, 256, 257, 511, 4096, 4097, 16 * 256 + 33] {
+        let sp = Spec {
+            h: 8,
+            hkv: 2,
+            d: 32,
+            bs: 32,
+            ..base(&[(ctx - 1, 1), (ctx, 1)])
+        };
+        check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F32)]);
+        let sp = Spec {
+            window: 300,
+            alibi: true,
+            ..sp
+        };
+        check_spec(&mut rng, &sp, &[(ElemType::F16, ElemType::F16)]);
+    }
+}

@@ -156,17 +156,26 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
 ) -> (Vec<SoftmaxStats>, Option<Vec<f32>>) {
     let plan = ctx.plan;
     let (h, d) = (plan.h, plan.d);
-    let mut partials = vec![0f32; ctx.part.part_len];
-    let mut stash = ctx.part.stash_len.map(|n| vec![0f32; n]);
+    // Every slot and every stash entry a later step reads is written by an item first.
+    let mut partials = super::pool::take(ctx.part.part_len);
+    let mut stash = ctx.part.stash_len.map(super::pool::take);
     {
         let pw = SharedMut::new(&mut partials);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
         ctx.part.items.par_iter().with_max_len(1).for_each(|it| {
-            SCRATCH.with(|s| run_item(m, ctx, it, &pw, sw.as_ref(), &mut s.borrow_mut()))
+            SCRATCH.with(|s| {
+                let s = &mut s.borrow_mut();
+                if is_decode(ctx, it) {
+                    super::decode::run_decode_item(m, ctx, it, &pw, sw.as_ref(), s)
+                } else {
+                    run_item(m, ctx, it, &pw, sw.as_ref(), s)
+                }
+            })
         });
     }
     let mut stats = vec![SoftmaxStats::default(); plan.t * h];
     if plan.t == 0 {
+        super::pool::give(partials);
         return (stats, stash);
     }
     out.par_chunks_mut(h * d)
@@ -215,7 +224,18 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
                 st[head] = SoftmaxStats { max: mx, sum: l };
             }
         });
+    super::pool::give(partials);
     (stats, stash)
+}
+
+/// Whether `it` is a decode item (its sequence's new tokens fit in one query tile; the
+/// partition then gives it every KV head and cuts the keys into chunks).
+fn is_decode<Q, C>(ctx: &Ctx<'_, Q, C>, it: &Item) -> bool {
+    let (sp, lay) = (
+        &ctx.plan.seqs[it.seq as usize],
+        &ctx.part.seqs[it.seq as usize],
+    );
+    sp.n <= lay.qtok
 }
 
 fn run_item<M: Micro, Q: Float, C: Float>(

@@ -12,8 +12,11 @@
 //!   plan, never on the thread count, so results are bit-identical for any number of threads.
 //! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
 //!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.
+//! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
+//!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
+//! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `micro`: the inner loops, AVX2+FMA+F16C when detected at run time, else scalar.
 //!
 //! SIMD levels: `avx2` (AVX2 + FMA + F16C) and `scalar`. There is no AVX-512 path: the
@@ -23,9 +26,11 @@
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
 mod attention;
+mod decode;
 pub mod insert;
 pub(crate) mod micro;
 mod partition;
+mod pool;
 pub mod rotate;
 mod scores;
 mod shared;
@@ -235,7 +240,10 @@ fn run_typed<M: Micro, Q: Float, C: Float>(
     };
     let (stats, stash) = attention::attention(m, &ctx, out);
     match stash {
-        Some(stash) => scores::from_stash(m, &ctx, &stats, &stash, scores_out),
+        Some(stash) => {
+            scores::from_stash(m, &ctx, &stats, &stash, scores_out);
+            pool::give(stash);
+        }
         None => scores::recompute(m, &ctx, &stats, scores_out),
     }
     Ok(())

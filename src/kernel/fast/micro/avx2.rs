@@ -138,7 +138,7 @@ impl Micro for Avx2 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8<C: Float>(p: *const C) -> __m256 {
+pub(super) unsafe fn load8<C: Float>(p: *const C) -> __m256 {
     // SAFETY (all arms): the caller guarantees 8 readable elements of type `C` at `p`;
     // `C::TYPE` names that type, so the reinterpretation reads exactly those bytes.
     unsafe {
@@ -157,7 +157,7 @@ unsafe fn load8<C: Float>(p: *const C) -> __m256 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+pub(super) unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     let ab = _mm256_hadd_ps(a, b);
     let cd = _mm256_hadd_ps(c, d);
     let abcd = _mm256_hadd_ps(ab, cd);
@@ -369,7 +369,7 @@ unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn exp8(x: __m256) -> __m256 {
+pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.33654));
     let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
     let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654));
@@ -403,7 +403,7 @@ unsafe fn exp8(x: __m256) -> __m256 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_partial(p: *const f32, len: usize, fill: f32) -> __m256 {
+pub(super) unsafe fn load_partial(p: *const f32, len: usize, fill: f32) -> __m256 {
     let mut buf = [fill; 8];
     // SAFETY: the caller guarantees `len` readable floats at `p`; `buf` holds 8 >= len.
     unsafe {
@@ -422,7 +422,7 @@ unsafe fn hsum(v: __m256) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
+pub(super) unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
     let mv = _mm256_set1_ps(m);
     let mut sum = _mm256_setzero_ps();
     let n = s.len();

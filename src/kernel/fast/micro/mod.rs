@@ -3,18 +3,22 @@
 //!
 //! - `scalar`: plain loops; the fast path's own twin, and what runs without AVX2.
 //! - `avx2`: AVX2 + FMA + F16C (`std::arch`), chosen only after runtime detection.
+//! - `avx2_decode`, `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per
+//!   KV head), which also keep the next tile's cache lines coming while they compute.
 //!
 //! All arithmetic is f32: f16/bf16 cache rows are widened as they are loaded, because summing
 //! in half precision would lose the small softmax weights of long contexts.
 
 pub(crate) mod avx2;
+pub(crate) mod avx2_decode;
 pub(crate) mod scalar;
+pub(crate) mod scalar_decode;
 
 use crate::dtype::Float;
 
 /// The inner loops of a tile. Implementors are zero-sized tokens; holding one proves the CPU
 /// supports the instructions it uses.
-pub(crate) trait Micro: Copy + Send + Sync {
+pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     /// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
     fn qk<C: Float>(
         self,
@@ -45,4 +49,43 @@ pub(crate) trait Micro: Copy + Send + Sync {
     fn scale(self, x: &mut [f32], c: f32);
     /// `dst[j] = src[j]` widened to f32.
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]);
+}
+
+/// The loops of a decode tile: the few rows of one KV head (tokens x G query heads) against the
+/// keys of one cache block. Each also asks the CPU to start loading `pf` (the next tile's keys
+/// or values), a few cache lines per inner step, so memory reads overlap the arithmetic without
+/// bursts of requests that would fill the miss queues and stall the loads being computed on.
+/// `pf` is only a hint: it never changes a result.
+pub(crate) trait DecodeMicro: Copy {
+    /// `s[r*n + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
+    #[allow(clippy::too_many_arguments)]
+    fn dec_qk<C: Float>(
+        self,
+        q: &[f32],
+        rows: usize,
+        k: &[C],
+        n: usize,
+        d: usize,
+        s: &mut [f32],
+        pf: &[C],
+    );
+    /// One online-softmax step over a tile of `n` keys for rows `r < rows` (logits `s[r*n..][..n]`,
+    /// `-inf` = masked; running max `m[r]`, sum `l[r]`, accumulator `acc[r*d..][..d]`). A row
+    /// with every logit masked is left as it was. Otherwise, when the tile's max exceeds `m[r]`,
+    /// `l[r]` and the accumulator are first scaled by `exp(m[r] - max)` (if `m[r]` was finite)
+    /// and `m[r]` raised; then `s` becomes the weights `exp(s - m[r])`, their sum (in a fixed
+    /// order) is added to `l[r]` and `sum_j s[r*n + j] * v[j*d..][..d]` to the accumulator.
+    #[allow(clippy::too_many_arguments)]
+    fn dec_softmax_pv<C: Float>(
+        self,
+        s: &mut [f32],
+        rows: usize,
+        n: usize,
+        v: &[C],
+        d: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        acc: &mut [f32],
+        pf: &[C],
+    );
 }

@@ -1,0 +1,116 @@
+//! Step 3 for decode items (a query tile of every KV head of a sequence, over one key chunk):
+//! the [`DecodeMicro`] loops, one (cache block, KV head) tile at a time in storage order, so
+//! each item streams whole `[Hkv, BS, D]` blocks. While tile `i` computes, the loops request
+//! tile `i + 1`'s keys (during QK) and values (during PV) a few cache lines per step: blocks are
+//! scattered, so the hardware prefetchers cannot guess them. Writes the same `[m, l, acc]` slots
+//! as `attention::run_item`, which the shared merge combines.
+
+use super::attention::{load_q, mask_tile, tiles, Ctx, Scratch};
+use super::micro::Micro;
+use super::partition::Item;
+use super::shared::SharedMut;
+use crate::dtype::Float;
+use crate::kernel::reference::{cache_row, window_start};
+
+/// Runs one decode item.
+pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    pw: &SharedMut<'_, f32>,
+    sw: Option<&SharedMut<'_, f32>>,
+    sc: &mut Scratch,
+) {
+    let plan = ctx.plan;
+    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let (si, chunk) = (it.seq as usize, it.chunk as usize);
+    let (kvh0, kvh1) = (it.kvh0 as usize, it.kvh1 as usize);
+    let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
+    let t0 = it.qt as usize * lay.qtok;
+    let nt = lay.qtok.min(sp.n - t0);
+    // Rows of one KV head (tokens x G); the item's rows are those of kvh0..kvh1 in order.
+    let rows = nt * g;
+    let all_rows = rows * (kvh1 - kvh0);
+    let (k0, k1) = lay.chunk_range(chunk, sp.ctx());
+    let pos0 = sp.past + t0;
+    let lo = k0.max(window_start(plan, pos0));
+    let hi = k1.min(pos0 + nt);
+    sc.ensure(all_rows, d, bs);
+    let Scratch {
+        q: qbuf,
+        acc: accbuf,
+        s,
+        m: mbuf,
+        l: lbuf,
+        ..
+    } = sc;
+    for kvh in kvh0..kvh1 {
+        let r0 = (kvh - kvh0) * rows;
+        load_q(plan, ctx.query, sp, kvh, t0, nt, &mut qbuf[r0 * d..]);
+    }
+    accbuf[..all_rows * d].fill(0.0);
+    mbuf[..all_rows].fill(f32::NEG_INFINITY);
+    lbuf[..all_rows].fill(0.0);
+    let first_score = sp.n - sp.score_tokens;
+    let tile_at = |j0: usize, j1: usize, kvh: usize| {
+        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
+        let off = cache_row(plan, phys, kvh, j0 % bs);
+        (
+            &ctx.kc[off..off + (j1 - j0) * d],
+            &ctx.vc[off..off + (j1 - j0) * d],
+        )
+    };
+    let steps =
+        || tiles(lo, hi, bs).flat_map(|(j0, j1)| (kvh0..kvh1).map(move |kvh| (j0, j1, kvh)));
+    let mut ahead = steps();
+    ahead.next();
+    for (j0, j1, kvh) in steps() {
+        let n = j1 - j0;
+        let r0 = (kvh - kvh0) * rows;
+        let (kt, vt) = tile_at(j0, j1, kvh);
+        let (kn, vn) = ahead
+            .next()
+            .map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
+        let st = &mut s[..rows * n];
+        m.dec_qk(&qbuf[r0 * d..(r0 + rows) * d], rows, kt, n, d, st, kn);
+        mask_tile(plan, st, rows, n, kvh, pos0, j0);
+        if let Some(sw) = sw {
+            for ti in first_score.max(t0)..t0 + nt {
+                for gi in 0..g {
+                    let r = (ti - t0) * g + gi;
+                    let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
+                    // SAFETY: stash row (token, head) belongs to this item's KV heads and query
+                    // tile, and keys j0..j1 to this item's chunk: no other item writes there.
+                    let dst = unsafe { sw.part(row + j0, n) };
+                    dst.copy_from_slice(&st[r * n..(r + 1) * n]);
+                }
+            }
+        }
+        m.dec_softmax_pv(
+            st,
+            rows,
+            n,
+            vt,
+            d,
+            &mut mbuf[r0..r0 + rows],
+            &mut lbuf[r0..r0 + rows],
+            &mut accbuf[r0 * d..(r0 + rows) * d],
+            vn,
+        );
+    }
+    for kvh in kvh0..kvh1 {
+        for r in 0..rows {
+            let (ti, gi) = (r / g, r % g);
+            let ri = (kvh - kvh0) * rows + r;
+            let base = lay.part_base
+                + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2)
+                + chunk * (d + 2);
+            // SAFETY: slot (row, chunk) is written by this item only (one item per query tile
+            // and chunk, covering every KV head).
+            let slot = unsafe { pw.part(base, d + 2) };
+            slot[0] = mbuf[ri];
+            slot[1] = lbuf[ri];
+            slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
+        }
+    }
+}
