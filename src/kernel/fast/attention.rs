@@ -6,7 +6,7 @@
 //! online softmax (running max `m`, sum `l`, accumulator `acc`). An item writes `[m, l, acc]`
 //! per row into its own slot; the merge combines the slots of each row in chunk order.
 
-use super::micro::Micro;
+use super::micro::{Micro, TileMicro};
 use super::partition::{Item, Partition};
 use super::shared::SharedMut;
 use crate::dtype::{ElemType, Float};
@@ -149,7 +149,7 @@ fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
 
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
-pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
+pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     out: &mut [Q],
@@ -162,7 +162,11 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
         let pw = SharedMut::new(&mut partials);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
         ctx.part.items.par_iter().with_max_len(1).for_each(|it| {
-            SCRATCH.with(|s| run_item(m, ctx, it, &pw, sw.as_ref(), &mut s.borrow_mut()))
+            if ctx.part.seqs[it.seq as usize].prefill {
+                super::prefill::run_item(m, ctx, it, &pw, sw.as_ref())
+            } else {
+                SCRATCH.with(|s| run_item(m, ctx, it, &pw, sw.as_ref(), &mut s.borrow_mut()))
+            }
         });
     }
     let mut stats = vec![SoftmaxStats::default(); plan.t * h];

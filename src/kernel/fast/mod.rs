@@ -8,10 +8,11 @@
 //!   Decode-like sequences (all new tokens fit in one query tile) get their context split into
 //!   chunks (flash-decoding), one item per chunk covering every KV head (a block stores its
 //!   heads contiguously, so the item streams whole blocks); prefill sequences get query tiles of
-//!   about 32 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
+//!   about 64 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
 //!   plan, never on the thread count, so results are bit-identical for any number of threads.
 //! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
 //!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.
+//! - `prefill`: runs the items of prefill sequences (transposed logits, `TileMicro` loops).
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
 //! - `micro`: the inner loops, AVX2+FMA+F16C when detected at run time, else scalar.
@@ -26,6 +27,7 @@ mod attention;
 pub mod insert;
 pub(crate) mod micro;
 mod partition;
+mod prefill;
 pub mod rotate;
 mod scores;
 mod shared;
@@ -35,7 +37,7 @@ use crate::error::{PaError, Result};
 use crate::op::{PaInputs, PaOutputs, Plan};
 use micro::avx2::Avx2;
 use micro::scalar::Scalar;
-use micro::Micro;
+use micro::TileMicro;
 use std::sync::OnceLock;
 
 /// Instruction set the fast kernels use.
@@ -124,7 +126,7 @@ pub fn run(
     }
 }
 
-fn run_micro<M: Micro>(
+fn run_micro<M: TileMicro>(
     m: M,
     plan: &Plan,
     inputs: &mut PaInputs<'_>,
@@ -160,7 +162,7 @@ fn missing(what: &str) -> PaError {
     }
 }
 
-fn run_typed<M: Micro, Q: Float, C: Float>(
+fn run_typed<M: TileMicro, Q: Float, C: Float>(
     m: M,
     plan: &Plan,
     inputs: &mut PaInputs<'_>,

@@ -369,7 +369,7 @@ unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn exp8(x: __m256) -> __m256 {
+pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.33654));
     let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
     let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654));

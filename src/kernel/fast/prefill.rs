@@ -1,0 +1,211 @@
+//! Step 3 for prefill items (sequences with several query tiles): one query tile of one KV head
+//! over all its visible keys, with the logits kept transposed (`st[key][row]`).
+//!
+//! Per key tile (the keys of one cache block): the K block is widened once to f32 (f32 caches
+//! are read in place), `qk_t` fills the logits against the item's `[D][rows]` query panel,
+//! masks are applied, `softmax_t` does the online-softmax step for all rows at once (lane-wise,
+//! no horizontal sums), and `pv_t` folds the correction factor and the weighted V block into
+//! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
+//! same as the generic item path's; only the inner loops differ.
+
+use super::attention::{tiles, Ctx};
+use super::micro::TileMicro;
+use super::partition::Item;
+use super::shared::SharedMut;
+use crate::dtype::Float;
+use crate::kernel::reference::{cache_row, window_start};
+use crate::op::Plan;
+use std::any::TypeId;
+use std::cell::RefCell;
+
+/// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
+#[derive(Default)]
+struct Scratch {
+    qt: Vec<f32>,
+    acc: Vec<f32>,
+    st: Vec<f32>,
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    c: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `v[..n]` starting at a 64-byte boundary (the buffer keeps 16 spare floats for that), so
+/// panel rows do not straddle cache lines more than they must.
+fn aligned(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n + 16 {
+        v.resize(n + 16, 0.0);
+    }
+    let off = v.as_ptr().align_offset(64).min(16);
+    &mut v[off..off + n]
+}
+
+/// The elements as f32 when `C` is f32 (the cache is then read in place, not widened).
+fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
+    if TypeId::of::<C>() == TypeId::of::<f32>() {
+        // SAFETY: C is f32 (same TypeId), so the slice is reinterpreted as its own type.
+        Some(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })
+    } else {
+        None
+    }
+}
+
+/// Adds ALiBi and masks (causal, window) to the transposed logit tile `st[jj*ldt + r]`
+/// (row `r` at position `pos0 + r/G`, query head `kvh*G + r%G`), for keys `j0..j0+n`.
+#[allow(clippy::too_many_arguments)]
+fn mask_tile_t(
+    plan: &Plan,
+    st: &mut [f32],
+    ldt: usize,
+    rows: usize,
+    n: usize,
+    kvh: usize,
+    pos0: usize,
+    j0: usize,
+) {
+    let g = plan.g;
+    let pos_max = pos0 + (rows - 1) / g;
+    let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
+    if full && plan.alibi.is_none() {
+        return;
+    }
+    for r in 0..rows {
+        let pos = pos0 + r / g;
+        let wlo = window_start(plan, pos);
+        let slope = plan.alibi.as_ref().map(|a| a[kvh * g + r % g]);
+        for jj in 0..n {
+            let j = j0 + jj;
+            let v = &mut st[jj * ldt + r];
+            if j > pos || j < wlo {
+                *v = f32::NEG_INFINITY;
+            } else if let Some(sl) = slope {
+                *v += sl * (j as f32 - pos as f32);
+            }
+        }
+    }
+}
+
+/// Runs one prefill item (one KV head, one query tile, all visible keys) and writes its rows'
+/// `[m, l, acc]` into their partial-result slots (chunk 0 of 1).
+pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    pw: &SharedMut<'_, f32>,
+    sw: Option<&SharedMut<'_, f32>>,
+) {
+    SCRATCH.with(|s| {
+        let sc = &mut *s.borrow_mut();
+        for kvh in it.kvh0 as usize..it.kvh1 as usize {
+            run_head(m, ctx, it, kvh, pw, sw, sc);
+        }
+    })
+}
+
+fn run_head<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    kvh: usize,
+    pw: &SharedMut<'_, f32>,
+    sw: Option<&SharedMut<'_, f32>>,
+    sc: &mut Scratch,
+) {
+    let plan = ctx.plan;
+    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let si = it.seq as usize;
+    let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
+    debug_assert!(lay.nchunks == 1, "prefill items cover all keys");
+    let t0 = it.qt as usize * lay.qtok;
+    let nt = lay.qtok.min(sp.n - t0);
+    let rows = nt * g;
+    let rows8 = rows.div_ceil(8) * 8;
+    let pos0 = sp.past + t0;
+    let pos_max = pos0 + nt - 1;
+    let lo = window_start(plan, pos0);
+    let hi = sp.ctx().min(pos_max + 1);
+    let Scratch {
+        qt,
+        acc,
+        st,
+        kf,
+        vf,
+        m: mb,
+        l: lb,
+        c: cb,
+    } = sc;
+    let qt = aligned(qt, d * rows8);
+    let acc = aligned(acc, rows * d);
+    let st = aligned(st, bs * rows8);
+    let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
+    // Query panel [D][rows8], scaled; padding rows stay 0.
+    qt.fill(0.0);
+    for ti in 0..nt {
+        let src = &ctx.query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+        for gi in 0..g {
+            let r = ti * g + gi;
+            for (x, v) in src[gi * d..(gi + 1) * d].iter().enumerate() {
+                qt[x * rows8 + r] = v.to_f32() * plan.scale;
+            }
+        }
+    }
+    acc.fill(0.0);
+    mb.fill(f32::NEG_INFINITY);
+    lb.fill(0.0);
+    let first_score = sp.n - sp.score_tokens;
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let n = j1 - j0;
+        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
+        let off = cache_row(plan, phys, kvh, j0 % bs);
+        let (kt, vt) = (&ctx.kc[off..off + n * d], &ctx.vc[off..off + n * d]);
+        let kx: &[f32] = match as_f32(kt) {
+            Some(k) => k,
+            None => {
+                let kf = aligned(kf, n * d);
+                m.widen(kt, kf);
+                kf
+            }
+        };
+        m.qk_t(qt, rows8, rows, kx, n, d, st, rows8);
+        mask_tile_t(plan, st, rows8, rows, n, kvh, pos0, j0);
+        if let Some(sw) = sw {
+            for ti in first_score.max(t0)..t0 + nt {
+                for gi in 0..g {
+                    let r = (ti - t0) * g + gi;
+                    let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
+                    // SAFETY: stash row (token, head) belongs to this item's KV head and query
+                    // tile, and keys j0..j1 to this item: no other item writes there.
+                    let dst = unsafe { sw.part(row + j0, n) };
+                    for (jj, o) in dst.iter_mut().enumerate() {
+                        *o = st[jj * rows8 + r];
+                    }
+                }
+            }
+        }
+        m.softmax_t(st, rows8, rows, n, mb, lb, cb);
+        let vx: &[f32] = match as_f32(vt) {
+            Some(v) => v,
+            None => {
+                let vf = aligned(vf, n * d);
+                m.widen(vt, vf);
+                vf
+            }
+        };
+        m.pv_t(st, rows8, rows, vx, n, d, cb, acc);
+    }
+    for r in 0..rows {
+        let (ti, gi) = (r / g, r % g);
+        let base = lay.part_base + ((t0 + ti) * h + kvh * g + gi) * (d + 2);
+        // SAFETY: slot (row, chunk 0) is written by this item only (one item per KV head and
+        // query tile).
+        let slot = unsafe { pw.part(base, d + 2) };
+        slot[0] = mb[r];
+        slot[1] = lb[r];
+        slot[2..].copy_from_slice(&acc[r * d..(r + 1) * d]);
+    }
+}
