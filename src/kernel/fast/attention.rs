@@ -160,10 +160,11 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
     let mut stash = ctx.part.stash_len.map(|n| vec![0f32; n]);
     {
         let pw = SharedMut::new(&mut partials);
+        let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
         ctx.part.items.par_iter().with_max_len(1).for_each(|it| {
             if ctx.part.seqs[it.seq as usize].prefill {
-                super::prefill::run_item(m, ctx, it, &pw, sw.as_ref())
+                super::prefill::run_item(m, ctx, it, &pw, &ow, sw.as_ref())
             } else {
                 SCRATCH.with(|s| run_item(m, ctx, it, &pw, sw.as_ref(), &mut s.borrow_mut()))
             }
@@ -180,6 +181,15 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
             let si = ctx.part.seq_of_token[token] as usize;
             let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
             let nc = lay.nchunks;
+            if lay.prefill {
+                // The item wrote the output row; only its statistics are here.
+                let base = lay.part_base + (token - sp.begin) * h * 2;
+                for (head, s) in st.iter_mut().enumerate() {
+                    let (max, sum) = (partials[base + 2 * head], partials[base + 2 * head + 1]);
+                    *s = SoftmaxStats { max, sum };
+                }
+                return;
+            }
             for head in 0..h {
                 let base = lay.part_base + ((token - sp.begin) * h + head) * nc * (d + 2);
                 let slots = &partials[base..base + nc * (d + 2)];

@@ -30,7 +30,8 @@ pub(crate) struct SeqLayout {
     /// First key of chunk 0 (block aligned) and keys per chunk (a multiple of BS).
     pub chunk0: usize,
     pub chunk_len: usize,
-    /// Offset of this sequence's first partial result (rows `[n][H]`, each `nchunks` x `D+2`).
+    /// Offset of this sequence's first partial result (rows `[n][H]`, each `nchunks` x `D+2`;
+    /// prefill sequences keep only `[m, l]` per row there and write their output directly).
     pub part_base: usize,
     /// Offset of this sequence's first stashed logit row (rows `[score_tokens][H]` x `ctx`).
     pub stash_base: usize,
@@ -102,7 +103,7 @@ impl Partition {
                 part_base: part_len,
                 stash_base: stash_len,
             });
-            part_len += sp.n * h * nchunks * (d + 2);
+            part_len += sp.n * h * if prefill { 2 } else { nchunks * (d + 2) };
             stash_len += sp.score_tokens * h * sp.ctx();
             let heads_per_item = if prefill { 1 } else { plan.hkv };
             for kvh0 in (0..plan.hkv).step_by(heads_per_item) {

@@ -90,29 +90,32 @@ fn mask_tile_t(
     }
 }
 
-/// Runs one prefill item (one KV head, one query tile, all visible keys) and writes its rows'
-/// `[m, l, acc]` into their partial-result slots (chunk 0 of 1).
+/// Runs one prefill item (one KV head, one query tile, all visible keys): writes its rows'
+/// output `acc / l` into `out` and their `[m, l]` into their partial-result slots.
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
     pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
     sw: Option<&SharedMut<'_, f32>>,
 ) {
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
-            run_head(m, ctx, it, kvh, pw, sw, sc);
+            run_head(m, ctx, it, kvh, pw, out, sw, sc);
         }
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_head<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
     kvh: usize,
     pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
     sw: Option<&SharedMut<'_, f32>>,
     sc: &mut Scratch,
 ) {
@@ -143,16 +146,17 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let acc = aligned(acc, rows * d);
     let st = aligned(st, bs * rows8);
     let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
-    // Query panel [D][rows8], scaled; padding rows stay 0.
-    qt.fill(0.0);
-    for ti in 0..nt {
-        let src = &ctx.query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
-        for gi in 0..g {
-            let r = ti * g + gi;
-            for (x, v) in src[gi * d..(gi + 1) * d].iter().enumerate() {
-                qt[x * rows8 + r] = v.to_f32() * plan.scale;
+    // Query panel [D][rows8], scaled; padding rows stay 0. Written a panel row at a time
+    // (reading the tile's query rows in parallel, all in L1), not a column at a time.
+    let qrow = |ti: usize, gi: usize| ((sp.begin + t0 + ti) * h + kvh * g + gi) * d;
+    for x in 0..d {
+        let dst = &mut qt[x * rows8..(x + 1) * rows8];
+        for ti in 0..nt {
+            for gi in 0..g {
+                dst[ti * g + gi] = ctx.query[qrow(ti, gi) + x].to_f32() * plan.scale;
             }
         }
+        dst[rows..].fill(0.0);
     }
     acc.fill(0.0);
     mb.fill(f32::NEG_INFINITY);
@@ -200,12 +204,20 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     }
     for r in 0..rows {
         let (ti, gi) = (r / g, r % g);
-        let base = lay.part_base + ((t0 + ti) * h + kvh * g + gi) * (d + 2);
-        // SAFETY: slot (row, chunk 0) is written by this item only (one item per KV head and
-        // query tile).
-        let slot = unsafe { pw.part(base, d + 2) };
+        let row = (t0 + ti) * h + kvh * g + gi;
+        // SAFETY: the [m, l] slot and the output row of (token, head) are written by this item
+        // only (one item per KV head and query tile).
+        let (slot, orow) = unsafe {
+            (
+                pw.part(lay.part_base + row * 2, 2),
+                out.part((sp.begin * h + row) * d, d),
+            )
+        };
         slot[0] = mb[r];
         slot[1] = lb[r];
-        slot[2..].copy_from_slice(&acc[r * d..(r + 1) * d]);
+        let l = lb[r];
+        for (o, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
+            *o = Q::from_f32(a / l);
+        }
     }
 }
