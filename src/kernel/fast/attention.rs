@@ -131,7 +131,7 @@ const PV_STEP: usize = 8;
 /// Asks the CPU to start loading the cache lines of part `i` of `parts` equal parts of `x`
 /// (a hint; no effect on results).
 #[inline]
-fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
+pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

@@ -8,7 +8,7 @@
 //! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
 //! same as the generic item path's; only the inner loops differ.
 
-use super::attention::{tiles, Ctx};
+use super::attention::{prefetch_part, tiles, Ctx};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::shared::SharedMut;
@@ -17,6 +17,11 @@ use crate::kernel::reference::{cache_row, window_start};
 use crate::op::Plan;
 use std::any::TypeId;
 use std::cell::RefCell;
+
+/// Rows per `qk_t` / `pv_t` call (multiples of the kernels' 16- and 6-row blocks); prefetches
+/// go between the calls.
+const QK_ROWS: usize = 16;
+const PV_ROWS: usize = 12;
 
 /// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
 #[derive(Default)]
@@ -162,11 +167,23 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     mb.fill(f32::NEG_INFINITY);
     lb.fill(0.0);
     let first_score = sp.n - sp.score_tokens;
-    for (j0, j1) in tiles(lo, hi, bs) {
-        let n = j1 - j0;
+    let tile_at = |j0: usize, j1: usize| {
         let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
         let off = cache_row(plan, phys, kvh, j0 % bs);
-        let (kt, vt) = (&ctx.kc[off..off + n * d], &ctx.vc[off..off + n * d]);
+        (
+            &ctx.kc[off..off + (j1 - j0) * d],
+            &ctx.vc[off..off + (j1 - j0) * d],
+        )
+    };
+    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: this
+    // tile's V block is requested a slice at a time between the QK row blocks, and the next
+    // tile's K block between the PV row blocks.
+    let mut next = tiles(lo, hi, bs);
+    next.next();
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let n = j1 - j0;
+        let (kt, vt) = tile_at(j0, j1);
+        let kn = next.next().map_or(&[][..], |(a, b)| tile_at(a, b).0);
         let kx: &[f32] = match as_f32(kt) {
             Some(k) => k,
             None => {
@@ -175,7 +192,12 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 kf
             }
         };
-        m.qk_t(qt, rows8, rows, kx, n, d, st, rows8);
+        let parts = rows8.div_ceil(QK_ROWS);
+        for (i, r) in (0..rows8).step_by(QK_ROWS).enumerate() {
+            let rr = QK_ROWS.min(rows8 - r);
+            m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
+            prefetch_part(vt, i, parts);
+        }
         mask_tile_t(plan, st, rows8, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             for ti in first_score.max(t0)..t0 + nt {
@@ -200,7 +222,12 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 vf
             }
         };
-        m.pv_t(st, rows8, rows, vx, n, d, cb, acc);
+        let parts = rows.div_ceil(PV_ROWS);
+        for (i, r) in (0..rows).step_by(PV_ROWS).enumerate() {
+            let rr = PV_ROWS.min(rows - r);
+            m.pv_t(&st[r..], rows8, rr, vx, n, d, &cb[r..], &mut acc[r * d..]);
+            prefetch_part(kn, i, parts);
+        }
     }
     for r in 0..rows {
         let (ti, gi) = (r / g, r % g);

@@ -255,34 +255,69 @@ unsafe fn softmax_t(
     l: *mut f32,
     c: *mut f32,
 ) {
+    let mut r = 0;
+    // Two row vectors per pass: two independent max/exp/sum chains (each row still sums its
+    // keys in order).
+    while r + 16 <= rows8 {
+        // SAFETY: rows r..r+16 <= rows8, as the caller asserted.
+        unsafe { softmax_rows::<2>(st.add(r), ldt, n, m.add(r), l.add(r), c.add(r)) };
+        r += 16;
+    }
+    if r < rows8 {
+        // SAFETY: rows r..r+8 <= rows8, as the caller asserted.
+        unsafe { softmax_rows::<1>(st.add(r), ldt, n, m.add(r), l.add(r), c.add(r)) };
+    }
+}
+
+/// [`TileMicro::softmax_t`] for `8*RV` rows.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax_rows<const RV: usize>(
+    st: *mut f32,
+    ldt: usize,
+    n: usize,
+    m: *mut f32,
+    l: *mut f32,
+    c: *mut f32,
+) {
     let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
     let z = _mm256_setzero_ps();
-    let mut r = 0;
-    while r < rows8 {
-        // SAFETY (whole block): rows r..r+8 <= rows8 of m, l, c and of every st row j < n are
-        // inside the ranges the caller asserted.
-        unsafe {
-            let mo = _mm256_loadu_ps(m.add(r));
-            let mut mt = ninf;
-            for j in 0..n {
-                mt = _mm256_max_ps(mt, _mm256_loadu_ps(st.add(j * ldt + r)));
-            }
-            let mn = _mm256_max_ps(mo, mt);
-            let msub = _mm256_blendv_ps(mn, z, _mm256_cmp_ps::<_CMP_EQ_OQ>(mn, ninf));
-            let cv = exp8(_mm256_sub_ps(mo, msub));
-            let mut sum = z;
-            for j in 0..n {
-                let p = st.add(j * ldt + r);
-                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), msub));
-                _mm256_storeu_ps(p, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            let lv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l.add(r)), cv), sum);
-            _mm256_storeu_ps(l.add(r), lv);
-            _mm256_storeu_ps(m.add(r), mn);
-            _mm256_storeu_ps(c.add(r), cv);
+    // SAFETY (whole block): lanes 0..8*RV of m, l, c and of every st row j < n are inside the
+    // ranges the caller asserted.
+    unsafe {
+        let mut mo = [z; RV];
+        let mut mt = [ninf; RV];
+        for i in 0..RV {
+            mo[i] = _mm256_loadu_ps(m.add(8 * i));
         }
-        r += 8;
+        for j in 0..n {
+            for i in 0..RV {
+                mt[i] = _mm256_max_ps(mt[i], _mm256_loadu_ps(st.add(j * ldt + 8 * i)));
+            }
+        }
+        let mut msub = [z; RV];
+        for i in 0..RV {
+            let mn = _mm256_max_ps(mo[i], mt[i]);
+            msub[i] = _mm256_blendv_ps(mn, z, _mm256_cmp_ps::<_CMP_EQ_OQ>(mn, ninf));
+            let cv = exp8(_mm256_sub_ps(mo[i], msub[i]));
+            _mm256_storeu_ps(m.add(8 * i), mn);
+            _mm256_storeu_ps(c.add(8 * i), cv);
+            mo[i] = cv;
+        }
+        let mut sum = [z; RV];
+        for j in 0..n {
+            for i in 0..RV {
+                let p = st.add(j * ldt + 8 * i);
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), msub[i]));
+                _mm256_storeu_ps(p, e);
+                sum[i] = _mm256_add_ps(sum[i], e);
+            }
+        }
+        for i in 0..RV {
+            let lv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l.add(8 * i)), mo[i]), sum[i]);
+            _mm256_storeu_ps(l.add(8 * i), lv);
+        }
     }
 }
 
