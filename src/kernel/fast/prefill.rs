@@ -8,7 +8,7 @@
 //! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
 //! same as the generic item path's; only the inner loops differ.
 
-use super::attention::{prefetch_part, tiles, Ctx};
+use super::attention::{load_q, prefetch_part, tiles, Ctx};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::shared::SharedMut;
@@ -26,6 +26,7 @@ const PV_ROWS: usize = 12;
 /// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
 #[derive(Default)]
 struct Scratch {
+    qr: Vec<f32>,
     qt: Vec<f32>,
     acc: Vec<f32>,
     st: Vec<f32>,
@@ -138,6 +139,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let lo = window_start(plan, pos0);
     let hi = sp.ctx().min(pos_max + 1);
     let Scratch {
+        qr,
         qt,
         acc,
         st,
@@ -151,18 +153,11 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let acc = aligned(acc, rows * d);
     let st = aligned(st, bs * rows8);
     let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
-    // Query panel [D][rows8], scaled; padding rows stay 0. Written a panel row at a time
-    // (reading the tile's query rows in parallel, all in L1), not a column at a time.
-    let qrow = |ti: usize, gi: usize| ((sp.begin + t0 + ti) * h + kvh * g + gi) * d;
-    for x in 0..d {
-        let dst = &mut qt[x * rows8..(x + 1) * rows8];
-        for ti in 0..nt {
-            for gi in 0..g {
-                dst[ti * g + gi] = ctx.query[qrow(ti, gi) + x].to_f32() * plan.scale;
-            }
-        }
-        dst[rows..].fill(0.0);
-    }
+    // Query panel [D][rows8], scaled; padding rows are 0: loaded row-major, then transposed.
+    let qr = aligned(qr, rows8 * d);
+    load_q(plan, ctx.query, sp, kvh, t0, nt, qr);
+    qr[rows * d..].fill(0.0);
+    m.transpose(qr, rows, d, qt, rows8);
     acc.fill(0.0);
     mb.fill(f32::NEG_INFINITY);
     lb.fill(0.0);

@@ -131,6 +131,14 @@ impl TileMicro for Avx2 {
         }
     }
 
+    fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize) {
+        let rows8 = rows.div_ceil(8) * 8;
+        assert!(ldd >= rows8 && src.len() >= rows8 * d);
+        assert!(d == 0 || dst.len() >= (d - 1) * ldd + rows8);
+        // SAFETY: `self` proves the features; the asserts above bound every access.
+        unsafe { transpose(src.as_ptr(), rows8, d, dst.as_mut_ptr(), ldd) }
+    }
+
     fn pv_t(
         self,
         pt: &[f32],
@@ -317,6 +325,55 @@ unsafe fn softmax_rows<const RV: usize>(
         for i in 0..RV {
             let lv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l.add(8 * i)), mo[i]), sum[i]);
             _mm256_storeu_ps(l.add(8 * i), lv);
+        }
+    }
+}
+
+/// 8x8 blocks of `src` (`rows8` rows of `d`) into `dst` (`d` rows of stride `ldd`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose(src: *const f32, rows8: usize, d: usize, dst: *mut f32, ldd: usize) {
+    let d8 = d & !7;
+    for r in (0..rows8).step_by(8) {
+        // SAFETY (whole block): rows r..r+8 <= rows8 of src and columns < d; dst rows x < d,
+        // lanes r..r+8 <= rows8 <= ldd; all inside the ranges the caller asserted.
+        unsafe {
+            let s = src.add(r * d);
+            for x in (0..d8).step_by(8) {
+                let l = |i: usize| _mm256_loadu_ps(s.add(i * d + x));
+                let (a0, a1, a2, a3) = (l(0), l(1), l(2), l(3));
+                let (a4, a5, a6, a7) = (l(4), l(5), l(6), l(7));
+                let t0 = _mm256_unpacklo_ps(a0, a1);
+                let t1 = _mm256_unpackhi_ps(a0, a1);
+                let t2 = _mm256_unpacklo_ps(a2, a3);
+                let t3 = _mm256_unpackhi_ps(a2, a3);
+                let t4 = _mm256_unpacklo_ps(a4, a5);
+                let t5 = _mm256_unpackhi_ps(a4, a5);
+                let t6 = _mm256_unpacklo_ps(a6, a7);
+                let t7 = _mm256_unpackhi_ps(a6, a7);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                let o = |i: usize| dst.add((x + i) * ldd + r);
+                _mm256_storeu_ps(o(0), _mm256_permute2f128_ps::<0x20>(u0, u4));
+                _mm256_storeu_ps(o(1), _mm256_permute2f128_ps::<0x20>(u1, u5));
+                _mm256_storeu_ps(o(2), _mm256_permute2f128_ps::<0x20>(u2, u6));
+                _mm256_storeu_ps(o(3), _mm256_permute2f128_ps::<0x20>(u3, u7));
+                _mm256_storeu_ps(o(4), _mm256_permute2f128_ps::<0x31>(u0, u4));
+                _mm256_storeu_ps(o(5), _mm256_permute2f128_ps::<0x31>(u1, u5));
+                _mm256_storeu_ps(o(6), _mm256_permute2f128_ps::<0x31>(u2, u6));
+                _mm256_storeu_ps(o(7), _mm256_permute2f128_ps::<0x31>(u3, u7));
+            }
+            for x in d8..d {
+                for i in 0..8 {
+                    *dst.add(x * ldd + r + i) = *s.add(i * d + x);
+                }
+            }
         }
     }
 }

@@ -85,6 +85,8 @@ pub(crate) trait TileMicro: Micro {
         l: &mut [f32],
         c: &mut [f32],
     );
+    /// `dst[x*ldd + r] = src[r*d + x]` for `r < rows8`, `x < d` (`src` holds `rows8` rows).
+    fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize);
     /// `acc[r*d + x] = acc[r*d + x]*c[r] + sum_j pt[j*ldp + r] * v[j*d + x]` for `r < rows`,
     /// `x < d` (keys summed in order).
     #[allow(clippy::too_many_arguments)]

@@ -55,6 +55,14 @@ impl TileMicro for Scalar {
         }
     }
 
+    fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize) {
+        for r in 0..rows.div_ceil(8) * 8 {
+            for x in 0..d {
+                dst[x * ldd + r] = src[r * d + x];
+            }
+        }
+    }
+
     fn pv_t(
         self,
         pt: &[f32],
