@@ -186,7 +186,11 @@ unsafe fn qk_t(
         let two = rows8 - r >= 16;
         let mut j = 0;
         while j < n {
-            let kk = (n - j).min(6);
+            // 7 or 8 keys left: 4 + 3 or 4 + 4 (a 1- or 2-key block would run on FMA latency).
+            let kk = match n - j {
+                7 | 8 => 4,
+                left => left.min(6),
+            };
             // SAFETY: rows r..r+8*RV (< rows8) of the panel, keys j..j+kk of k and the matching
             // st entries are inside the ranges `check_qk` asserted.
             unsafe {
