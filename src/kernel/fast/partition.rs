@@ -107,7 +107,9 @@ impl Partition {
             stash_len += sp.score_tokens * h * sp.ctx();
             let heads_per_item = if prefill { 1 } else { plan.hkv };
             for kvh0 in (0..plan.hkv).step_by(heads_per_item) {
-                for qt in 0..nqt {
+                // Last query tiles first: under causal masks they see the most keys, so the
+                // threads end on small items (work stealing then balances them).
+                for qt in (0..nqt).rev() {
                     for chunk in 0..nchunks {
                         items.push(Item {
                             seq: s as u32,

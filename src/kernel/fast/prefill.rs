@@ -8,7 +8,7 @@
 //! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
 //! same as the generic item path's; only the inner loops differ.
 
-use super::attention::{load_q, prefetch_part, tiles, Ctx};
+use super::attention::{prefetch_part, tiles, Ctx};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::shared::SharedMut;
@@ -155,7 +155,12 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
     // Query panel [D][rows8], scaled; padding rows are 0: loaded row-major, then transposed.
     let qr = aligned(qr, rows8 * d);
-    load_q(plan, ctx.query, sp, kvh, t0, nt, qr);
+    for ti in 0..nt {
+        let src = &ctx.query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+        let dst = &mut qr[ti * g * d..(ti + 1) * g * d];
+        m.widen(src, dst);
+        m.scale(dst, plan.scale);
+    }
     qr[rows * d..].fill(0.0);
     m.transpose(qr, rows, d, qt, rows8);
     acc.fill(0.0);
@@ -237,9 +242,10 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         };
         slot[0] = mb[r];
         slot[1] = lb[r];
-        let l = lb[r];
+        // One reciprocal per row (a multiply per element, not a divide: within 1 ulp of a / l).
+        let inv = 1.0 / lb[r];
         for (o, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-            *o = Q::from_f32(a / l);
+            *o = Q::from_f32(a * inv);
         }
     }
 }
