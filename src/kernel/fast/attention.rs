@@ -162,9 +162,10 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         let pw = SharedMut::new(&mut partials);
         let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
+        let wide = super::prefill::prewiden(m, ctx);
         ctx.part.items.par_iter().with_max_len(1).for_each(|it| {
             if ctx.part.seqs[it.seq as usize].prefill {
-                super::prefill::run_item(m, ctx, it, &pw, &ow, sw.as_ref())
+                super::prefill::run_item(m, ctx, it, &pw, &ow, sw.as_ref(), wide.as_ref())
             } else {
                 SCRATCH.with(|s| run_item(m, ctx, it, &pw, sw.as_ref(), &mut s.borrow_mut()))
             }

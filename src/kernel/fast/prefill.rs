@@ -15,6 +15,7 @@ use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{cache_row, window_start};
 use crate::op::Plan;
+use rayon::prelude::*;
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -61,6 +62,74 @@ fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
     }
 }
 
+/// f32 copies of the K and V rows of the prefill sequences (f16/bf16 caches): each row is
+/// widened once per call instead of once per query tile that reads it.
+pub(crate) struct Widened {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Per sequence, the offset of its rows (`[Hkv][ctx][D]`), `None` when not widened.
+    base: Vec<Option<usize>>,
+}
+
+impl Widened {
+    /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s`.
+    fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<(&[f32], &[f32])> {
+        self.base[s].map(|b| {
+            let o = b + kvh * n;
+            (&self.k[o..o + n], &self.v[o..o + n])
+        })
+    }
+}
+
+/// Widens the K and V rows the prefill items will read, when the cache is f16/bf16 and the
+/// copies stay within `2*T*H*D` floats each (so memory per call stays O(T*H*D)); else `None`
+/// and items widen tile by tile.
+pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+) -> Option<Widened> {
+    let plan = ctx.plan;
+    let (hkv, d, bs) = (plan.hkv, plan.d, plan.bs);
+    if TypeId::of::<C>() == TypeId::of::<f32>() {
+        return None;
+    }
+    let mut base = vec![None; plan.seqs.len()];
+    let mut len = 0;
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        if ctx.part.seqs[s].prefill {
+            base[s] = Some(len);
+            len += sp.ctx() * hkv * d;
+        }
+    }
+    if len == 0 || len > 2 * plan.t * plan.h * d {
+        return None;
+    }
+    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+    let mut tasks = Vec::new();
+    let (mut kr, mut vr) = (&mut k[..], &mut v[..]);
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        if base[s].is_some() {
+            for kvh in 0..hkv {
+                let (ka, kb) = std::mem::take(&mut kr).split_at_mut(sp.ctx() * d);
+                let (va, vb) = std::mem::take(&mut vr).split_at_mut(sp.ctx() * d);
+                (kr, vr) = (kb, vb);
+                tasks.push((s, kvh, ka, va));
+            }
+        }
+    }
+    tasks.into_par_iter().for_each(|(s, kvh, ka, va)| {
+        let sp = &plan.seqs[s];
+        for (j0, j1) in tiles(0, sp.ctx(), bs) {
+            let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
+            let off = cache_row(plan, phys, kvh, j0 % bs);
+            let n = (j1 - j0) * d;
+            m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
+            m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
+        }
+    });
+    Some(Widened { k, v, base })
+}
+
 /// Adds ALiBi and masks (causal, window) to the transposed logit tile `st[jj*ldt + r]`
 /// (row `r` at position `pos0 + r/G`, query head `kvh*G + r%G`), for keys `j0..j0+n`.
 #[allow(clippy::too_many_arguments)]
@@ -105,11 +174,12 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     pw: &SharedMut<'_, f32>,
     out: &SharedMut<'_, Q>,
     sw: Option<&SharedMut<'_, f32>>,
+    wide: Option<&Widened>,
 ) {
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
-            run_head(m, ctx, it, kvh, pw, out, sw, sc);
+            run_head(m, ctx, it, kvh, pw, out, sw, wide, sc);
         }
     })
 }
@@ -123,6 +193,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     pw: &SharedMut<'_, f32>,
     out: &SharedMut<'_, Q>,
     sw: Option<&SharedMut<'_, f32>>,
+    wide: Option<&Widened>,
     sc: &mut Scratch,
 ) {
     let plan = ctx.plan;
@@ -167,6 +238,9 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     mb.fill(f32::NEG_INFINITY);
     lb.fill(0.0);
     let first_score = sp.n - sp.score_tokens;
+    // Widened rows are contiguous per head (the hardware prefetcher follows them): the
+    // software prefetches below are for scattered cache blocks only.
+    let wide = wide.and_then(|w| w.rows(si, kvh, sp.ctx() * d));
     let tile_at = |j0: usize, j1: usize| {
         let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
         let off = cache_row(plan, phys, kvh, j0 % bs);
@@ -183,10 +257,15 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     for (j0, j1) in tiles(lo, hi, bs) {
         let n = j1 - j0;
         let (kt, vt) = tile_at(j0, j1);
-        let kn = next.next().map_or(&[][..], |(a, b)| tile_at(a, b).0);
-        let kx: &[f32] = match as_f32(kt) {
-            Some(k) => k,
-            None => {
+        let kn = match (wide, next.next()) {
+            (None, Some((a, b))) => tile_at(a, b).0,
+            _ => &[][..],
+        };
+        let vp = if wide.is_none() { vt } else { &[][..] };
+        let kx: &[f32] = match (wide, as_f32(kt)) {
+            (Some((wk, _)), _) => &wk[j0 * d..j1 * d],
+            (None, Some(k)) => k,
+            (None, None) => {
                 let kf = aligned(kf, n * d);
                 m.widen(kt, kf);
                 kf
@@ -196,7 +275,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         for (i, r) in (0..rows8).step_by(QK_ROWS).enumerate() {
             let rr = QK_ROWS.min(rows8 - r);
             m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
-            prefetch_part(vt, i, parts);
+            prefetch_part(vp, i, parts);
         }
         mask_tile_t(plan, st, rows8, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
@@ -214,9 +293,10 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             }
         }
         m.softmax_t(st, rows8, rows, n, mb, lb, cb);
-        let vx: &[f32] = match as_f32(vt) {
-            Some(v) => v,
-            None => {
+        let vx: &[f32] = match (wide, as_f32(vt)) {
+            (Some((_, wv)), _) => &wv[j0 * d..j1 * d],
+            (None, Some(v)) => v,
+            (None, None) => {
                 let vf = aligned(vf, n * d);
                 m.widen(vt, vf);
                 vf
