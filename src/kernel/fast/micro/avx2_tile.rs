@@ -11,7 +11,7 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::avx2::exp8;
+use super::avx2::exp8_clamped;
 use super::avx2::Avx2;
 use super::TileMicro;
 
@@ -281,6 +281,16 @@ unsafe fn softmax_t(
     }
 }
 
+/// `exp(x)` for `x <= 0` or `-inf` (the softmax subtracts the row max): clamped at -88, where
+/// the result is exactly 0, so no overflow clamp or underflow mask is needed.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp_nonpos(x: __m256) -> __m256 {
+    // SAFETY: same features as this function.
+    unsafe { exp8_clamped(_mm256_max_ps(x, _mm256_set1_ps(-88.0))) }
+}
+
 /// [`TileMicro::softmax_t`] for `8*RV` rows.
 #[cfg(target_arch = "x86_64")]
 #[inline]
@@ -312,7 +322,7 @@ unsafe fn softmax_rows<const RV: usize>(
         for i in 0..RV {
             let mn = _mm256_max_ps(mo[i], mt[i]);
             msub[i] = _mm256_blendv_ps(mn, z, _mm256_cmp_ps::<_CMP_EQ_OQ>(mn, ninf));
-            let cv = exp8(_mm256_sub_ps(mo[i], msub[i]));
+            let cv = exp_nonpos(_mm256_sub_ps(mo[i], msub[i]));
             _mm256_storeu_ps(m.add(8 * i), mn);
             _mm256_storeu_ps(c.add(8 * i), cv);
             mo[i] = cv;
@@ -321,7 +331,7 @@ unsafe fn softmax_rows<const RV: usize>(
         for j in 0..n {
             for i in 0..RV {
                 let p = st.add(j * ldt + 8 * i);
-                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), msub[i]));
+                let e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(p), msub[i]));
                 _mm256_storeu_ps(p, e);
                 sum[i] = _mm256_add_ps(sum[i], e);
             }
