@@ -102,6 +102,22 @@ pub(crate) fn mask_tile(
     pos0: usize,
     j0: usize,
 ) {
+    mask_tile_strided(plan, s, (n, 1), rows, n, kvh, pos0, j0)
+}
+
+/// [`mask_tile`] for a tile whose logit (row `r`, key `jj`) is `s[r*stride.0 + jj*stride.1]`
+/// (`(n, 1)` row-major, `(1, ld)` transposed).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mask_tile_strided(
+    plan: &Plan,
+    s: &mut [f32],
+    stride: (usize, usize),
+    rows: usize,
+    n: usize,
+    kvh: usize,
+    pos0: usize,
+    j0: usize,
+) {
     let g = plan.g;
     let pos_max = pos0 + (rows - 1) / g;
     let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
@@ -112,9 +128,9 @@ pub(crate) fn mask_tile(
         let pos = pos0 + r / g;
         let wlo = window_start(plan, pos);
         let slope = plan.alibi.as_ref().map(|a| a[kvh * g + r % g]);
-        let row = &mut s[r * n..(r + 1) * n];
-        for (jj, v) in row.iter_mut().enumerate() {
+        for jj in 0..n {
             let j = j0 + jj;
+            let v = &mut s[r * stride.0 + jj * stride.1];
             if j > pos || j < wlo {
                 *v = f32::NEG_INFINITY;
             } else if let Some(sl) = slope {

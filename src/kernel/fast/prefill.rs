@@ -8,13 +8,12 @@
 //! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
 //! same as the generic item path's; only the inner loops differ.
 
-use super::attention::{prefetch_part, tiles, Ctx};
+use super::attention::{mask_tile_strided, prefetch_part, tiles, Ctx};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{cache_row, window_start};
-use crate::op::Plan;
 use rayon::prelude::*;
 use std::any::TypeId;
 use std::cell::RefCell;
@@ -130,41 +129,6 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
     Some(Widened { k, v, base })
 }
 
-/// Adds ALiBi and masks (causal, window) to the transposed logit tile `st[jj*ldt + r]`
-/// (row `r` at position `pos0 + r/G`, query head `kvh*G + r%G`), for keys `j0..j0+n`.
-#[allow(clippy::too_many_arguments)]
-fn mask_tile_t(
-    plan: &Plan,
-    st: &mut [f32],
-    ldt: usize,
-    rows: usize,
-    n: usize,
-    kvh: usize,
-    pos0: usize,
-    j0: usize,
-) {
-    let g = plan.g;
-    let pos_max = pos0 + (rows - 1) / g;
-    let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
-    if full && plan.alibi.is_none() {
-        return;
-    }
-    for r in 0..rows {
-        let pos = pos0 + r / g;
-        let wlo = window_start(plan, pos);
-        let slope = plan.alibi.as_ref().map(|a| a[kvh * g + r % g]);
-        for jj in 0..n {
-            let j = j0 + jj;
-            let v = &mut st[jj * ldt + r];
-            if j > pos || j < wlo {
-                *v = f32::NEG_INFINITY;
-            } else if let Some(sl) = slope {
-                *v += sl * (j as f32 - pos as f32);
-            }
-        }
-    }
-}
-
 /// Runs one prefill item (one KV head, one query tile, all visible keys): writes its rows'
 /// output `acc / l` into `out` and their `[m, l]` into their partial-result slots.
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
@@ -277,7 +241,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
             prefetch_part(vp, i, parts);
         }
-        mask_tile_t(plan, st, rows8, rows, n, kvh, pos0, j0);
+        mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             for ti in first_score.max(t0)..t0 + nt {
                 for gi in 0..g {

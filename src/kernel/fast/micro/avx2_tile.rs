@@ -15,7 +15,8 @@ use super::avx2::exp8_clamped;
 use super::avx2::Avx2;
 use super::TileMicro;
 
-/// Checks the slice bounds every [`TileMicro`] kernel relies on.
+/// Checks the slice bounds `qk_t` relies on.
+#[allow(clippy::too_many_arguments)]
 fn check_qk(
     qt: &[f32],
     ldq: usize,
@@ -310,12 +311,12 @@ unsafe fn softmax_rows<const RV: usize>(
     unsafe {
         let mut mo = [z; RV];
         let mut mt = [ninf; RV];
-        for i in 0..RV {
-            mo[i] = _mm256_loadu_ps(m.add(8 * i));
+        for (i, x) in mo.iter_mut().enumerate() {
+            *x = _mm256_loadu_ps(m.add(8 * i));
         }
         for j in 0..n {
-            for i in 0..RV {
-                mt[i] = _mm256_max_ps(mt[i], _mm256_loadu_ps(st.add(j * ldt + 8 * i)));
+            for (i, x) in mt.iter_mut().enumerate() {
+                *x = _mm256_max_ps(*x, _mm256_loadu_ps(st.add(j * ldt + 8 * i)));
             }
         }
         let mut msub = [z; RV];
