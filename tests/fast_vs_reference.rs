@@ -594,3 +594,36 @@ fn fast_decode_matches_reference_across_chunk_edges() {
         check_spec(&mut rng, &sp, &[(ElemType::F16, ElemType::F16)]);
     }
 }
+
+/// Prefill tiles: rows not a multiple of 8 or 16 (G = 3, 5, 1), odd D and D not a multiple
+/// of 8, BS = 1 and BS not a multiple of the 6-key QK block, key tiles cut mid-block by the
+/// causal edge, and f16/bf16 caches both widened once per call (short past) and tile by tile
+/// (a past too long for the per-call copy).
+#[test]
+fn fast_matches_reference_on_prefill_tile_edges() {
+    let mut rng = Rng(10);
+    for (h, hkv, d, bs, seqs) in [
+        (6, 2, 13, 7, vec![(0, 50), (9, 23)]),
+        (5, 1, 24, 1, vec![(3, 40)]),
+        (4, 4, 9, 32, vec![(61, 70)]),
+        (8, 2, 40, 16, vec![(1500, 20)]),
+        (8, 2, 17, 8, vec![(700, 12), (0, 9)]),
+    ] {
+        let sp = Spec {
+            h,
+            hkv,
+            d,
+            bs,
+            ..base(&seqs)
+        };
+        check_spec(
+            &mut rng,
+            &sp,
+            &[
+                (ElemType::F32, ElemType::F32),
+                (ElemType::F32, ElemType::F16),
+                (ElemType::BF16, ElemType::BF16),
+            ],
+        );
+    }
+}

@@ -6,11 +6,11 @@
 //! online softmax (running max `m`, sum `l`, accumulator `acc`). An item writes `[m, l, acc]`
 //! per row into its own slot; the merge combines the slots of each row in chunk order.
 
-use super::micro::Micro;
-use super::partition::{Item, Partition};
+use super::micro::TileMicro;
+use super::partition::Partition;
 use super::shared::SharedMut;
-use crate::dtype::{ElemType, Float};
-use crate::kernel::reference::{cache_row, window_start, SoftmaxStats};
+use crate::dtype::Float;
+use crate::kernel::reference::{window_start, SoftmaxStats};
 use crate::op::{Plan, SeqPlan};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -102,6 +102,22 @@ pub(crate) fn mask_tile(
     pos0: usize,
     j0: usize,
 ) {
+    mask_tile_strided(plan, s, (n, 1), rows, n, kvh, pos0, j0)
+}
+
+/// [`mask_tile`] for a tile whose logit (row `r`, key `jj`) is `s[r*stride.0 + jj*stride.1]`
+/// (`(n, 1)` row-major, `(1, ld)` transposed).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mask_tile_strided(
+    plan: &Plan,
+    s: &mut [f32],
+    stride: (usize, usize),
+    rows: usize,
+    n: usize,
+    kvh: usize,
+    pos0: usize,
+    j0: usize,
+) {
     let g = plan.g;
     let pos_max = pos0 + (rows - 1) / g;
     let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
@@ -112,9 +128,9 @@ pub(crate) fn mask_tile(
         let pos = pos0 + r / g;
         let wlo = window_start(plan, pos);
         let slope = plan.alibi.as_ref().map(|a| a[kvh * g + r % g]);
-        let row = &mut s[r * n..(r + 1) * n];
-        for (jj, v) in row.iter_mut().enumerate() {
+        for jj in 0..n {
             let j = j0 + jj;
+            let v = &mut s[r * stride.0 + jj * stride.1];
             if j > pos || j < wlo {
                 *v = f32::NEG_INFINITY;
             } else if let Some(sl) = slope {
@@ -124,14 +140,10 @@ pub(crate) fn mask_tile(
     }
 }
 
-/// Keys per step of a tile's QK (a multiple of the AVX2 kernel's 3 keys) and PV.
-const QK_STEP: usize = 6;
-const PV_STEP: usize = 8;
-
 /// Asks the CPU to start loading the cache lines of part `i` of `parts` equal parts of `x`
 /// (a hint; no effect on results).
 #[inline]
-fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
+pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -149,7 +161,7 @@ fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
 
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
-pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
+pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     out: &mut [Q],
@@ -161,16 +173,24 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
     let mut stash = ctx.part.stash_len.map(super::pool::take);
     {
         let pw = SharedMut::new(&mut partials);
+        let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
+        let wide = super::prefill::prewiden(m, ctx);
         ctx.part.items.par_iter().with_max_len(1).for_each(|it| {
-            SCRATCH.with(|s| {
-                let s = &mut s.borrow_mut();
-                if is_decode(ctx, it) {
-                    super::decode::run_decode_item(m, ctx, it, &pw, sw.as_ref(), s)
-                } else {
-                    run_item(m, ctx, it, &pw, sw.as_ref(), s)
-                }
-            })
+            if ctx.part.seqs[it.seq as usize].prefill {
+                super::prefill::run_item(m, ctx, it, &pw, &ow, sw.as_ref(), wide.as_ref())
+            } else {
+                SCRATCH.with(|s| {
+                    super::decode::run_decode_item(
+                        m,
+                        ctx,
+                        it,
+                        &pw,
+                        sw.as_ref(),
+                        &mut s.borrow_mut(),
+                    )
+                })
+            }
         });
     }
     let mut stats = vec![SoftmaxStats::default(); plan.t * h];
@@ -185,6 +205,15 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
             let si = ctx.part.seq_of_token[token] as usize;
             let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
             let nc = lay.nchunks;
+            if lay.prefill {
+                // The item wrote the output row; only its statistics are here.
+                let base = lay.part_base + (token - sp.begin) * h * 2;
+                for (head, s) in st.iter_mut().enumerate() {
+                    let (max, sum) = (partials[base + 2 * head], partials[base + 2 * head + 1]);
+                    *s = SoftmaxStats { max, sum };
+                }
+                return;
+            }
             for head in 0..h {
                 let base = lay.part_base + ((token - sp.begin) * h + head) * nc * (d + 2);
                 let slots = &partials[base..base + nc * (d + 2)];
@@ -226,160 +255,4 @@ pub(crate) fn attention<M: Micro, Q: Float, C: Float>(
         });
     super::pool::give(partials);
     (stats, stash)
-}
-
-/// Whether `it` is a decode item (its sequence's new tokens fit in one query tile; the
-/// partition then gives it every KV head and cuts the keys into chunks).
-fn is_decode<Q, C>(ctx: &Ctx<'_, Q, C>, it: &Item) -> bool {
-    let (sp, lay) = (
-        &ctx.plan.seqs[it.seq as usize],
-        &ctx.part.seqs[it.seq as usize],
-    );
-    sp.n <= lay.qtok
-}
-
-fn run_item<M: Micro, Q: Float, C: Float>(
-    m: M,
-    ctx: &Ctx<'_, Q, C>,
-    it: &Item,
-    pw: &SharedMut<'_, f32>,
-    sw: Option<&SharedMut<'_, f32>>,
-    sc: &mut Scratch,
-) {
-    let plan = ctx.plan;
-    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
-    let (si, chunk) = (it.seq as usize, it.chunk as usize);
-    let (kvh0, kvh1) = (it.kvh0 as usize, it.kvh1 as usize);
-    let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
-    let t0 = it.qt as usize * lay.qtok;
-    let nt = lay.qtok.min(sp.n - t0);
-    // Rows of one KV head (tokens x G); the item's rows are those of kvh0..kvh1 in order.
-    let rows = nt * g;
-    let all_rows = rows * (kvh1 - kvh0);
-    let (k0, k1) = lay.chunk_range(chunk, sp.ctx());
-    let pos0 = sp.past + t0;
-    let pos_max = pos0 + nt - 1;
-    let lo = k0.max(window_start(plan, pos0));
-    let hi = k1.min(pos_max + 1);
-    sc.ensure(all_rows, d, bs);
-    let Scratch {
-        q: qbuf,
-        acc: accbuf,
-        s,
-        kf,
-        m: mbuf,
-        l: lbuf,
-    } = sc;
-    for kvh in kvh0..kvh1 {
-        let r0 = (kvh - kvh0) * rows;
-        load_q(plan, ctx.query, sp, kvh, t0, nt, &mut qbuf[r0 * d..]);
-    }
-    accbuf[..all_rows * d].fill(0.0);
-    mbuf[..all_rows].fill(f32::NEG_INFINITY);
-    lbuf[..all_rows].fill(0.0);
-    // Widen f16/bf16 tiles once when many rows reuse them; few rows widen as they load.
-    let widen = C::TYPE != ElemType::F32 && rows > 8;
-    // Score rows of this item: tokens at or after `first_score` (in-sequence index).
-    let first_score = sp.n - sp.score_tokens;
-    let tile_at = |j0: usize, j1: usize, kvh: usize| {
-        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
-        let off = cache_row(plan, phys, kvh, j0 % bs);
-        (
-            &ctx.kc[off..off + (j1 - j0) * d],
-            &ctx.vc[off..off + (j1 - j0) * d],
-        )
-    };
-    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: the
-    // next (tile, KV head) lines are requested a slice at a time between the steps of this one,
-    // which keeps a steady number of loads in flight (one burst per tile would stall the core).
-    let steps =
-        || tiles(lo, hi, bs).flat_map(|(j0, j1)| (kvh0..kvh1).map(move |kvh| (j0, j1, kvh)));
-    let mut pf = steps();
-    pf.next();
-    for (j0, j1, kvh) in steps() {
-        let n = j1 - j0;
-        let r0 = (kvh - kvh0) * rows;
-        let q = &qbuf[r0 * d..(r0 + rows) * d];
-        let acc = &mut accbuf[r0 * d..(r0 + rows) * d];
-        let mrow = &mut mbuf[r0..r0 + rows];
-        let lrow = &mut lbuf[r0..r0 + rows];
-        let (kt, vt) = tile_at(j0, j1, kvh);
-        let (kn, vn) = pf
-            .next()
-            .map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
-        let st = &mut s[..rows * n];
-        let (kq, vq) = if widen {
-            m.widen(kt, &mut kf[..n * d]);
-            (None, None)
-        } else {
-            (Some(kt), Some(vt))
-        };
-        let nsteps = n.div_ceil(QK_STEP);
-        for (i, a) in (0..n).step_by(QK_STEP).enumerate() {
-            let b = (a + QK_STEP).min(n);
-            match kq {
-                Some(kt) => m.qk(q, rows, &kt[a * d..b * d], b - a, d, &mut st[a..], n),
-                None => m.qk(q, rows, &kf[a * d..b * d], b - a, d, &mut st[a..], n),
-            }
-            prefetch_part(kn, i, nsteps);
-        }
-        mask_tile(plan, st, rows, n, kvh, pos0, j0);
-        if let Some(sw) = sw {
-            for ti in first_score.max(t0)..t0 + nt {
-                for gi in 0..g {
-                    let r = (ti - t0) * g + gi;
-                    let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
-                    // SAFETY: stash row (token, head) belongs to this item's KV heads and query
-                    // tile, and keys j0..j1 to this item's chunk: no other item writes there.
-                    let dst = unsafe { sw.part(row + j0, n) };
-                    dst.copy_from_slice(&st[r * n..(r + 1) * n]);
-                }
-            }
-        }
-        for r in 0..rows {
-            let row = &mut st[r * n..(r + 1) * n];
-            let mt = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if mt == f32::NEG_INFINITY {
-                row.fill(0.0);
-                continue;
-            }
-            let mo = mrow[r];
-            if mt > mo {
-                if mo != f32::NEG_INFINITY {
-                    let c = (mo - mt).exp();
-                    lrow[r] *= c;
-                    m.scale(&mut acc[r * d..(r + 1) * d], c);
-                }
-                mrow[r] = mt;
-            }
-            lrow[r] += m.exp_sub_sum(row, mrow[r]);
-        }
-        if widen {
-            m.widen(vt, &mut kf[..n * d]);
-        }
-        let nsteps = n.div_ceil(PV_STEP);
-        for (i, a) in (0..n).step_by(PV_STEP).enumerate() {
-            let b = (a + PV_STEP).min(n);
-            match vq {
-                Some(vt) => m.pv(&st[a..], n, rows, &vt[a * d..b * d], b - a, d, acc),
-                None => m.pv(&st[a..], n, rows, &kf[a * d..b * d], b - a, d, acc),
-            }
-            prefetch_part(vn, i, nsteps);
-        }
-    }
-    for kvh in kvh0..kvh1 {
-        for r in 0..rows {
-            let (ti, gi) = (r / g, r % g);
-            let ri = (kvh - kvh0) * rows + r;
-            let base = lay.part_base
-                + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2)
-                + chunk * (d + 2);
-            // SAFETY: slot (row, chunk) is written by this item only (one item per KV head,
-            // query tile and chunk).
-            let slot = unsafe { pw.part(base, d + 2) };
-            slot[0] = mbuf[ri];
-            slot[1] = lbuf[ri];
-            slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
-        }
-    }
 }

@@ -8,12 +8,13 @@
 //!   Decode-like sequences (all new tokens fit in one query tile) get their context split into
 //!   chunks (flash-decoding), one item per chunk covering every KV head (a block stores its
 //!   heads contiguously, so the item streams whole blocks); prefill sequences get query tiles of
-//!   about 32 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
+//!   about 64 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
 //!   plan, never on the thread count, so results are bit-identical for any number of threads.
 //! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
 //!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.
 //! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
 //!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
+//! - `prefill`: runs the items of prefill sequences (transposed logits, `TileMicro` loops).
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
@@ -31,6 +32,7 @@ pub mod insert;
 pub(crate) mod micro;
 mod partition;
 mod pool;
+mod prefill;
 pub mod rotate;
 mod scores;
 mod shared;
@@ -40,7 +42,7 @@ use crate::error::{PaError, Result};
 use crate::op::{PaInputs, PaOutputs, Plan};
 use micro::avx2::Avx2;
 use micro::scalar::Scalar;
-use micro::Micro;
+use micro::TileMicro;
 use std::sync::OnceLock;
 
 /// Instruction set the fast kernels use.
@@ -129,7 +131,7 @@ pub fn run(
     }
 }
 
-fn run_micro<M: Micro>(
+fn run_micro<M: TileMicro>(
     m: M,
     plan: &Plan,
     inputs: &mut PaInputs<'_>,
@@ -165,7 +167,7 @@ fn missing(what: &str) -> PaError {
     }
 }
 
-fn run_typed<M: Micro, Q: Float, C: Float>(
+fn run_typed<M: TileMicro, Q: Float, C: Float>(
     m: M,
     plan: &Plan,
     inputs: &mut PaInputs<'_>,

@@ -5,8 +5,12 @@ use super::ScoresMode;
 use crate::kernel::reference::window_start;
 use crate::op::Plan;
 
-/// Query rows (tokens x the G query heads of one KV head) a prefill tile aims for.
+/// Query rows (tokens x the G query heads of one KV head) of a decode-like sequence's single
+/// tile: a sequence with more tokens than fit in this many rows is a prefill sequence.
 pub(crate) const ROW_TARGET: usize = 32;
+/// Query rows a prefill tile aims for (the `prefill` item path; a multiple of 16, the row
+/// block of its QK kernel).
+pub(crate) const PREFILL_ROWS: usize = 64;
 /// Keys a decode chunk aims for (flash-decoding split).
 pub(crate) const CHUNK_KEYS: usize = 256;
 /// Upper bound of chunks per row, so partial results stay O(T*H*D).
@@ -17,6 +21,8 @@ pub(crate) const STASH_EXTRA: usize = 1 << 22;
 /// How one sequence is cut.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SeqLayout {
+    /// More than one query tile: items run the `prefill` path.
+    pub prefill: bool,
     /// Tokens per query tile.
     pub qtok: usize,
     /// Key chunks per query row (1 for prefill sequences).
@@ -24,7 +30,8 @@ pub(crate) struct SeqLayout {
     /// First key of chunk 0 (block aligned) and keys per chunk (a multiple of BS).
     pub chunk0: usize,
     pub chunk_len: usize,
-    /// Offset of this sequence's first partial result (rows `[n][H]`, each `nchunks` x `D+2`).
+    /// Offset of this sequence's first partial result (rows `[n][H]`, each `nchunks` x `D+2`;
+    /// prefill sequences keep only `[m, l]` per row there and write their output directly).
     pub part_base: usize,
     /// Offset of this sequence's first stashed logit row (rows `[score_tokens][H]` x `ctx`).
     pub stash_base: usize,
@@ -67,16 +74,19 @@ pub(crate) struct Partition {
 impl Partition {
     pub fn new(plan: &Plan, mode: ScoresMode) -> Partition {
         let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
-        let qtok = (ROW_TARGET / g.max(1)).max(1);
+        let decode_qtok = (ROW_TARGET / g.max(1)).max(1);
+        let prefill_qtok = (PREFILL_ROWS / g.max(1)).max(1);
         let mut seqs = Vec::with_capacity(plan.seqs.len());
         let mut items = Vec::new();
         let (mut part_len, mut stash_len) = (0usize, 0usize);
         let mut seq_of_token = vec![0u32; plan.t];
         for (s, sp) in plan.seqs.iter().enumerate() {
             seq_of_token[sp.begin..sp.begin + sp.n].fill(s as u32);
+            let prefill = sp.n > decode_qtok;
+            let qtok = if prefill { prefill_qtok } else { decode_qtok };
             let nqt = sp.n.div_ceil(qtok);
             let (mut nchunks, mut chunk0, mut chunk_len) = (1, 0, sp.ctx().max(1));
-            if nqt == 1 {
+            if !prefill && sp.n > 0 {
                 // Decode-like: split the visible keys of the tile into block-aligned chunks.
                 chunk0 = window_start(plan, sp.past) / bs * bs;
                 let span = sp.ctx() - chunk0;
@@ -85,6 +95,7 @@ impl Partition {
                 nchunks = span.div_ceil(chunk_len).max(1);
             }
             seqs.push(SeqLayout {
+                prefill,
                 qtok,
                 nchunks,
                 chunk0,
@@ -92,11 +103,13 @@ impl Partition {
                 part_base: part_len,
                 stash_base: stash_len,
             });
-            part_len += sp.n * h * nchunks * (d + 2);
+            part_len += sp.n * h * if prefill { 2 } else { nchunks * (d + 2) };
             stash_len += sp.score_tokens * h * sp.ctx();
-            let heads_per_item = if nqt == 1 { plan.hkv } else { 1 };
+            let heads_per_item = if prefill { 1 } else { plan.hkv };
             for kvh0 in (0..plan.hkv).step_by(heads_per_item) {
-                for qt in 0..nqt {
+                // Last query tiles first: under causal masks they see the most keys, so the
+                // threads end on small items (work stealing then balances them).
+                for qt in (0..nqt).rev() {
                     for chunk in 0..nchunks {
                         items.push(Item {
                             seq: s as u32,

@@ -373,6 +373,17 @@ pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.33654));
     let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
     let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654));
+    // SAFETY: same features as this function.
+    let r = unsafe { exp8_clamped(x) };
+    _mm256_andnot_ps(under, r)
+}
+
+/// `exp(x)` for `x` in `[-88, 88.37]` (Cephes polynomial, about 1 ulp); `x` below about
+/// -87.68 rounds to the exponent -127, which gives exactly 0.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn exp8_clamped(x: __m256) -> __m256 {
     let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
@@ -390,13 +401,12 @@ pub(super) unsafe fn exp8(x: __m256) -> __m256 {
         _mm256_mul_ps(x, x),
         _mm256_add_ps(x, _mm256_set1_ps(1.0)),
     );
-    // 2^fx: fx is in -126..=127 after the clamps, a normal exponent.
+    // 2^fx: fx is in -127..=127, a normal exponent or (at -127) the bits of 0.0.
     let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
         _mm256_cvtps_epi32(fx),
         _mm256_set1_epi32(127),
     ));
-    let r = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    _mm256_andnot_ps(under, r)
+    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }
 
 /// Loads `len < 8` floats from `p` into the low lanes, `fill` elsewhere.

@@ -5,14 +5,17 @@
 //! - `avx2`: AVX2 + FMA + F16C (`std::arch`), chosen only after runtime detection.
 //! - `avx2_decode`, `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per
 //!   KV head), which also keep the next tile's cache lines coming while they compute.
+//! - `scalar_tile`, `avx2_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
 //!
 //! All arithmetic is f32: f16/bf16 cache rows are widened as they are loaded, because summing
 //! in half precision would lose the small softmax weights of long contexts.
 
 pub(crate) mod avx2;
 pub(crate) mod avx2_decode;
+mod avx2_tile;
 pub(crate) mod scalar;
 pub(crate) mod scalar_decode;
+mod scalar_tile;
 
 use crate::dtype::Float;
 
@@ -87,5 +90,58 @@ pub(crate) trait DecodeMicro: Copy {
         l: &mut [f32],
         acc: &mut [f32],
         pf: &[C],
+    );
+}
+
+/// The inner loops of a prefill tile, on transposed logits: rows (query rows of the tile) are
+/// the fast axis, so row max, exp and row sums are plain vector ops (no horizontal sums), and
+/// QK broadcasts key elements against a `[D][rows]` query panel.
+///
+/// `rows8` below is `rows` rounded up to a multiple of 8; buffers indexed by row have room for
+/// `rows8` rows, and query rows `rows..rows8` of the panel are zero (padding the kernels may
+/// compute on and the callers ignore).
+pub(crate) trait TileMicro: Micro {
+    /// `st[j*ldt + r] = sum_x qt[x*ldq + r] * k[j*d + x]` for `r < rows8`, `j < n`.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_t(
+        self,
+        qt: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[f32],
+        n: usize,
+        d: usize,
+        st: &mut [f32],
+        ldt: usize,
+    );
+    /// One online-softmax step over logits `st[j*ldt + r]` (`j < n`): per row, the new max
+    /// `m' = max(m, max_j st)`, `c[r] = exp(m - m')` (the factor the old accumulator needs),
+    /// `st = exp(st - m')` in place, `l = l*c + sum_j st` (in key order), `m = m'`. A row still
+    /// at `-inf` everywhere subtracts 0, so it gets weights 0 and `c = 0`, never NaN.
+    fn softmax_t(
+        self,
+        st: &mut [f32],
+        ldt: usize,
+        rows: usize,
+        n: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        c: &mut [f32],
+    );
+    /// `dst[x*ldd + r] = src[r*d + x]` for `r < rows8`, `x < d` (`src` holds `rows8` rows).
+    fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize);
+    /// `acc[r*d + x] = acc[r*d + x]*c[r] + sum_j pt[j*ldp + r] * v[j*d + x]` for `r < rows`,
+    /// `x < d` (keys summed in order).
+    #[allow(clippy::too_many_arguments)]
+    fn pv_t(
+        self,
+        pt: &[f32],
+        ldp: usize,
+        rows: usize,
+        v: &[f32],
+        n: usize,
+        d: usize,
+        c: &[f32],
+        acc: &mut [f32],
     );
 }

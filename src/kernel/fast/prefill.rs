@@ -1,0 +1,295 @@
+//! Step 3 for prefill items (sequences with several query tiles): one query tile of one KV head
+//! over all its visible keys, with the logits kept transposed (`st[key][row]`).
+//!
+//! Per key tile (the keys of one cache block): the K block is widened once to f32 (f32 caches
+//! are read in place), `qk_t` fills the logits against the item's `[D][rows]` query panel,
+//! masks are applied, `softmax_t` does the online-softmax step for all rows at once (lane-wise,
+//! no horizontal sums), and `pv_t` folds the correction factor and the weighted V block into
+//! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
+//! same as the generic item path's; only the inner loops differ.
+
+use super::attention::{mask_tile_strided, prefetch_part, tiles, Ctx};
+use super::micro::TileMicro;
+use super::partition::Item;
+use super::shared::SharedMut;
+use crate::dtype::Float;
+use crate::kernel::reference::{cache_row, window_start};
+use rayon::prelude::*;
+use std::any::TypeId;
+use std::cell::RefCell;
+
+/// Rows per `qk_t` / `pv_t` call (multiples of the kernels' 16- and 6-row blocks); prefetches
+/// go between the calls.
+const QK_ROWS: usize = 16;
+const PV_ROWS: usize = 12;
+
+/// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
+#[derive(Default)]
+struct Scratch {
+    qr: Vec<f32>,
+    qt: Vec<f32>,
+    acc: Vec<f32>,
+    st: Vec<f32>,
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    c: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `v[..n]` starting at a 64-byte boundary (the buffer keeps 16 spare floats for that), so
+/// panel rows do not straddle cache lines more than they must.
+fn aligned(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n + 16 {
+        v.resize(n + 16, 0.0);
+    }
+    let off = v.as_ptr().align_offset(64).min(16);
+    &mut v[off..off + n]
+}
+
+/// The elements as f32 when `C` is f32 (the cache is then read in place, not widened).
+fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
+    if TypeId::of::<C>() == TypeId::of::<f32>() {
+        // SAFETY: C is f32 (same TypeId), so the slice is reinterpreted as its own type.
+        Some(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })
+    } else {
+        None
+    }
+}
+
+/// f32 copies of the K and V rows of the prefill sequences (f16/bf16 caches): each row is
+/// widened once per call instead of once per query tile that reads it.
+pub(crate) struct Widened {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Per sequence, the offset of its rows (`[Hkv][ctx][D]`), `None` when not widened.
+    base: Vec<Option<usize>>,
+}
+
+impl Widened {
+    /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s`.
+    fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<(&[f32], &[f32])> {
+        self.base[s].map(|b| {
+            let o = b + kvh * n;
+            (&self.k[o..o + n], &self.v[o..o + n])
+        })
+    }
+}
+
+/// Widens the K and V rows the prefill items will read, when the cache is f16/bf16 and the
+/// copies stay within `2*T*H*D` floats each (so memory per call stays O(T*H*D)); else `None`
+/// and items widen tile by tile.
+pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+) -> Option<Widened> {
+    let plan = ctx.plan;
+    let (hkv, d, bs) = (plan.hkv, plan.d, plan.bs);
+    if TypeId::of::<C>() == TypeId::of::<f32>() {
+        return None;
+    }
+    let mut base = vec![None; plan.seqs.len()];
+    let mut len = 0;
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        if ctx.part.seqs[s].prefill {
+            base[s] = Some(len);
+            len += sp.ctx() * hkv * d;
+        }
+    }
+    if len == 0 || len > 2 * plan.t * plan.h * d {
+        return None;
+    }
+    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+    let mut tasks = Vec::new();
+    let (mut kr, mut vr) = (&mut k[..], &mut v[..]);
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        if base[s].is_some() {
+            for kvh in 0..hkv {
+                let (ka, kb) = std::mem::take(&mut kr).split_at_mut(sp.ctx() * d);
+                let (va, vb) = std::mem::take(&mut vr).split_at_mut(sp.ctx() * d);
+                (kr, vr) = (kb, vb);
+                tasks.push((s, kvh, ka, va));
+            }
+        }
+    }
+    tasks.into_par_iter().for_each(|(s, kvh, ka, va)| {
+        let sp = &plan.seqs[s];
+        for (j0, j1) in tiles(0, sp.ctx(), bs) {
+            let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
+            let off = cache_row(plan, phys, kvh, j0 % bs);
+            let n = (j1 - j0) * d;
+            m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
+            m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
+        }
+    });
+    Some(Widened { k, v, base })
+}
+
+/// Runs one prefill item (one KV head, one query tile, all visible keys): writes its rows'
+/// output `acc / l` into `out` and their `[m, l]` into their partial-result slots.
+pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
+    sw: Option<&SharedMut<'_, f32>>,
+    wide: Option<&Widened>,
+) {
+    SCRATCH.with(|s| {
+        let sc = &mut *s.borrow_mut();
+        for kvh in it.kvh0 as usize..it.kvh1 as usize {
+            run_head(m, ctx, it, kvh, pw, out, sw, wide, sc);
+        }
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_head<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    kvh: usize,
+    pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
+    sw: Option<&SharedMut<'_, f32>>,
+    wide: Option<&Widened>,
+    sc: &mut Scratch,
+) {
+    let plan = ctx.plan;
+    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let si = it.seq as usize;
+    let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
+    debug_assert!(lay.nchunks == 1, "prefill items cover all keys");
+    let t0 = it.qt as usize * lay.qtok;
+    let nt = lay.qtok.min(sp.n - t0);
+    let rows = nt * g;
+    let rows8 = rows.div_ceil(8) * 8;
+    let pos0 = sp.past + t0;
+    let pos_max = pos0 + nt - 1;
+    let lo = window_start(plan, pos0);
+    let hi = sp.ctx().min(pos_max + 1);
+    let Scratch {
+        qr,
+        qt,
+        acc,
+        st,
+        kf,
+        vf,
+        m: mb,
+        l: lb,
+        c: cb,
+    } = sc;
+    let qt = aligned(qt, d * rows8);
+    let acc = aligned(acc, rows * d);
+    let st = aligned(st, bs * rows8);
+    let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
+    // Query panel [D][rows8], scaled; padding rows are 0: loaded row-major, then transposed.
+    let qr = aligned(qr, rows8 * d);
+    for ti in 0..nt {
+        let src = &ctx.query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+        let dst = &mut qr[ti * g * d..(ti + 1) * g * d];
+        m.widen(src, dst);
+        m.scale(dst, plan.scale);
+    }
+    qr[rows * d..].fill(0.0);
+    m.transpose(qr, rows, d, qt, rows8);
+    acc.fill(0.0);
+    mb.fill(f32::NEG_INFINITY);
+    lb.fill(0.0);
+    let first_score = sp.n - sp.score_tokens;
+    // Widened rows are contiguous per head (the hardware prefetcher follows them): the
+    // software prefetches below are for scattered cache blocks only.
+    let wide = wide.and_then(|w| w.rows(si, kvh, sp.ctx() * d));
+    let tile_at = |j0: usize, j1: usize| {
+        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
+        let off = cache_row(plan, phys, kvh, j0 % bs);
+        (
+            &ctx.kc[off..off + (j1 - j0) * d],
+            &ctx.vc[off..off + (j1 - j0) * d],
+        )
+    };
+    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: this
+    // tile's V block is requested a slice at a time between the QK row blocks, and the next
+    // tile's K block between the PV row blocks.
+    let mut next = tiles(lo, hi, bs);
+    next.next();
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let n = j1 - j0;
+        let (kt, vt) = tile_at(j0, j1);
+        let kn = match (wide, next.next()) {
+            (None, Some((a, b))) => tile_at(a, b).0,
+            _ => &[][..],
+        };
+        let vp = if wide.is_none() { vt } else { &[][..] };
+        let kx: &[f32] = match (wide, as_f32(kt)) {
+            (Some((wk, _)), _) => &wk[j0 * d..j1 * d],
+            (None, Some(k)) => k,
+            (None, None) => {
+                let kf = aligned(kf, n * d);
+                m.widen(kt, kf);
+                kf
+            }
+        };
+        let parts = rows8.div_ceil(QK_ROWS);
+        for (i, r) in (0..rows8).step_by(QK_ROWS).enumerate() {
+            let rr = QK_ROWS.min(rows8 - r);
+            m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
+            prefetch_part(vp, i, parts);
+        }
+        mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
+        if let Some(sw) = sw {
+            for ti in first_score.max(t0)..t0 + nt {
+                for gi in 0..g {
+                    let r = (ti - t0) * g + gi;
+                    let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
+                    // SAFETY: stash row (token, head) belongs to this item's KV head and query
+                    // tile, and keys j0..j1 to this item: no other item writes there.
+                    let dst = unsafe { sw.part(row + j0, n) };
+                    for (jj, o) in dst.iter_mut().enumerate() {
+                        *o = st[jj * rows8 + r];
+                    }
+                }
+            }
+        }
+        m.softmax_t(st, rows8, rows, n, mb, lb, cb);
+        let vx: &[f32] = match (wide, as_f32(vt)) {
+            (Some((_, wv)), _) => &wv[j0 * d..j1 * d],
+            (None, Some(v)) => v,
+            (None, None) => {
+                let vf = aligned(vf, n * d);
+                m.widen(vt, vf);
+                vf
+            }
+        };
+        let parts = rows.div_ceil(PV_ROWS);
+        for (i, r) in (0..rows).step_by(PV_ROWS).enumerate() {
+            let rr = PV_ROWS.min(rows - r);
+            m.pv_t(&st[r..], rows8, rr, vx, n, d, &cb[r..], &mut acc[r * d..]);
+            prefetch_part(kn, i, parts);
+        }
+    }
+    for r in 0..rows {
+        let (ti, gi) = (r / g, r % g);
+        let row = (t0 + ti) * h + kvh * g + gi;
+        // SAFETY: the [m, l] slot and the output row of (token, head) are written by this item
+        // only (one item per KV head and query tile).
+        let (slot, orow) = unsafe {
+            (
+                pw.part(lay.part_base + row * 2, 2),
+                out.part((sp.begin * h + row) * d, d),
+            )
+        };
+        slot[0] = mb[r];
+        slot[1] = lb[r];
+        // One reciprocal per row (a multiply per element, not a divide: within 1 ulp of a / l).
+        let inv = 1.0 / lb[r];
+        for (o, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
+            *o = Q::from_f32(a * inv);
+        }
+    }
+}
