@@ -25,9 +25,9 @@ pub unsafe extern "C" fn create_extensions(ext: *mut c_void) {
     if ext.is_null() {
         return;
     }
+    // On failure the callee leaves the vector unchanged (OpenVINO then reports that the library
+    // holds no extensions): the signature has no error channel.
     // SAFETY: `ext` is the caller's vector (contract above); the callee is noexcept and catches
-    // every exception, so nothing unwinds into Rust. On failure it leaves the vector unchanged
-    // (OpenVINO then reports that the library holds no extensions): the signature has no
-    // error channel.
+    // every exception, so nothing unwinds into Rust.
     let _ = unsafe { pa_ov_fill_extensions(ext) };
 }
