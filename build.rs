@@ -61,6 +61,9 @@ fn main() {
                 .to_str()
                 .expect("OpenVINO include path is not UTF-8"),
         )
+        // openvino/core/parallel.hpp picks its threading back end from OV_THREAD, which
+        // OpenVINO's CMake package sets for its users; the shim runs our work on that back end.
+        .define("OV_THREAD", ov.thread.as_str())
         .warnings(true)
         .extra_warnings(true)
         .warnings_into_errors(true);
@@ -74,6 +77,10 @@ fn main() {
 
     println!("cargo:rustc-link-search=native={}", ov.libs.display());
     println!("cargo:rustc-link-lib=dylib:+verbatim={}", ov.lib_name);
+    if let Some(tbb) = &ov.tbb_name {
+        // The same TBB the CPU plugin runs on, so `ov::parallel_nt` joins the caller's arena.
+        println!("cargo:rustc-link-lib=dylib:+verbatim={tbb}");
+    }
     // So the library (and test binaries) load without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", ov.libs.display());
     // Read by tests/openvino_cpp.rs to compile the C++ host program against the same OpenVINO.
@@ -90,6 +97,10 @@ struct OpenVino {
     libs: PathBuf,
     /// File name of the core library, e.g. `libopenvino.so.2641` (the wheel has no unversioned one).
     lib_name: String,
+    /// `OV_THREAD` as OpenVINO's CMake package defines it (`OV_THREAD_TBB_ADAPTIVE` for the wheel).
+    thread: String,
+    /// File name of TBB beside the core library (`libtbb.so.12`), when the back end is TBB.
+    tbb_name: Option<String>,
 }
 
 /// Returns the first location that has OpenVINO's headers and core library, or the list tried.
@@ -166,10 +177,17 @@ fn pick(candidates: &[(String, PathBuf)], tried: &mut Vec<String>) -> Option<Ope
             dir.join("runtime/lib/intel64"),
         ] {
             if let Some(lib_name) = core_library(&libs) {
+                let thread = threading(dir);
+                let tbb_name = thread
+                    .contains("TBB")
+                    .then(|| versioned(&libs, "libtbb.so"))
+                    .flatten();
                 return Some(OpenVino {
                     include,
                     libs,
                     lib_name,
+                    thread,
+                    tbb_name,
                 });
             }
         }
@@ -183,15 +201,39 @@ fn pick(candidates: &[(String, PathBuf)], tried: &mut Vec<String>) -> Option<Ope
 
 /// `libopenvino.so.<N>` (preferred: that is what the wheel ships) or `libopenvino.so` in `dir`.
 fn core_library(dir: &Path) -> Option<String> {
+    versioned(dir, "libopenvino.so")
+}
+
+/// `<stem>.<N>` (the longest version) or `<stem>` in `dir`.
+fn versioned(dir: &Path, stem: &str) -> Option<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .ok()?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| {
-            n == "libopenvino.so"
-                || n.strip_prefix("libopenvino.so.")
+            n == stem
+                || n.strip_prefix(stem)
+                    .and_then(|v| v.strip_prefix('.'))
                     .is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
         })
         .collect();
     names.sort_by_key(|n| (n.len(), n.clone()));
     names.pop()
+}
+
+/// The `OV_THREAD=...` definition of OpenVINO's CMake targets under `dir` (the wheel's
+/// `cmake/OpenVINOTargets.cmake`), else the wheel's value.
+fn threading(dir: &Path) -> String {
+    let targets = std::fs::read_to_string(dir.join("cmake/OpenVINOTargets.cmake"))
+        .or_else(|_| std::fs::read_to_string(dir.join("runtime/cmake/OpenVINOTargets.cmake")))
+        .unwrap_or_default();
+    targets
+        .split("OV_THREAD=")
+        .nth(1)
+        .map(|rest| {
+            rest.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect::<String>()
+        })
+        .filter(|v| v.starts_with("OV_THREAD_"))
+        .unwrap_or_else(|| "OV_THREAD_TBB_ADAPTIVE".into())
 }

@@ -6,6 +6,7 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use half::f16;
 use paged_attention::kernel::fast::{insert::insert, rotate::rotate};
+use paged_attention::Runner;
 use paged_attention::{execute, validate, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Duration;
 
@@ -136,7 +137,7 @@ fn insert_bench(c: &mut Criterion) {
     call.run(|i, _| plan = Some(validate(i).expect("validate")));
     let plan = plan.unwrap();
     c.bench_function("insert_1024_tokens/f32->f16", |b| {
-        b.iter(|| insert(&plan, &call.k, &mut call.kc, &call.bi))
+        b.iter(|| insert(Runner::Auto, &plan, &call.k, &mut call.kc, &call.bi))
     });
 }
 
@@ -150,7 +151,7 @@ fn rotate_bench(c: &mut Criterion) {
     let lut_v = noise(16 * D, 9);
     let lut = Tensor::new(&[16, D], &lut_v);
     c.bench_function("rotate_64_blocks/f32", |b| {
-        b.iter(|| rotate(&plan, BS, &mut call.kc, &rbi, &rd, &lut))
+        b.iter(|| rotate(Runner::Auto, &plan, BS, &mut call.kc, &rbi, &rd, &lut))
     });
 }
 

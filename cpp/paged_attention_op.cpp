@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <openvino/core/except.hpp>
+#include <openvino/core/parallel.hpp>
 
 #include "paged_attention.h"
 
@@ -160,6 +161,22 @@ pa_tensor describe(ov::Tensor& t, size_t index, const char* what) {
     return d;
 }
 
+// Runs the library's work items on OpenVINO's threads: `ov::parallel_nt` runs on the TBB arena
+// of the stream that called evaluate(), so INFERENCE_NUM_THREADS, NUM_STREAMS, CPU pinning and
+// hybrid-core scheduling apply to our kernel as to OpenVINO's own ops.
+void ov_parallel_for(void*, size_t n, pa_task_fn task, void* task_ctx) {
+    ov::parallel_nt(static_cast<int>(n), [&](int ithr, int) { task(task_ctx, static_cast<size_t>(ithr)); });
+}
+
+pa_runner openvino_runner() {
+    pa_runner r{};
+    r.parallel_for = ov_parallel_for;
+    r.ctx = nullptr;
+    const int threads = parallel_get_max_threads();
+    r.max_threads = threads > 0 ? static_cast<size_t>(threads) : 1;
+    return r;
+}
+
 }  // namespace
 
 bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
@@ -184,7 +201,8 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         outputs[i].set_shape(to_ov(shapes[i]).to_shape());
         out[i] = describe(outputs[i], i, "output");
     }
-    st = pa_execute(in.data(), in.size(), out.data(), out.size());
+    const pa_runner runner = openvino_runner();
+    st = pa_execute_ex(in.data(), in.size(), out.data(), out.size(), &runner);
     if (st != PA_STATUS_OK) {
         OPENVINO_THROW("PagedAttention: ", last_error(st));
     }

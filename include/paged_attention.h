@@ -15,9 +15,16 @@
  *  - Ownership: the library never keeps, frees or reallocates caller memory. Pointers need to
  *    stay valid only for the duration of the call.
  *  - Thread safety: every function may be called from many threads at once, provided calls
- *    running at the same time do not write the same buffers (caches, outputs). Work inside one
- *    call is spread over a thread pool (RAYON_NUM_THREADS sets its size); results do not depend
- *    on the number of threads.
+ *    running at the same time do not write the same buffers (caches, outputs).
+ *  - Threads inside one call: pa_execute spreads its work over the library's own pool;
+ *    pa_execute_ex runs it on the caller's threads through a pa_runner (the OpenVINO extension
+ *    passes OpenVINO's own parallel-for, so INFERENCE_NUM_THREADS, streams and CPU pinning
+ *    apply). The library's pool has pa_set_num_threads() threads, else PA_NUM_THREADS (an
+ *    environment variable read when the pool is built), else one per CPU the process may run
+ *    on; its workers always run on the process's CPUs (the affinity of the thread that loaded
+ *    the library), never on the narrowed set of a pinned thread that made the first call.
+ *    A caller already running on a rayon pool (Rust) keeps the work on that pool.
+ *    Results are bit-identical for every thread count and runner.
  */
 #ifndef PAGED_ATTENTION_H
 #define PAGED_ATTENTION_H
@@ -122,6 +129,44 @@ pa_status pa_validate(const pa_tensor *inputs, size_t n_inputs, pa_partial_shape
  * Buffers written (caches, outputs) must not overlap each other or the read-only inputs.
  * On any error nothing is written. */
 pa_status pa_execute(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs);
+
+/* A host's parallel-for (the pattern of oneDNN's threadpool interop and XNNPACK's pthreadpool).
+ * parallel_for(ctx, n, task, task_ctx) must call task(task_ctx, i) exactly once for every
+ * i in [0, n), on any of its threads, in any order, concurrently or not, and return only after
+ * all those calls have returned. The library calls it from the thread that called
+ * pa_execute_ex, once per parallel region, with n <= max_threads; each task claims work items
+ * until none is left, so a runner that runs tasks one after another is slow but correct.
+ * `task` never throws or unwinds. parallel_for must not be NULL; max_threads >= 1. */
+typedef void (*pa_task_fn)(void *task_ctx, size_t i);
+typedef void (*pa_parallel_for_fn)(void *ctx, size_t n, pa_task_fn task, void *task_ctx);
+typedef struct pa_runner {
+    pa_parallel_for_fn parallel_for;
+    void *ctx;          /* passed to parallel_for as is */
+    size_t max_threads; /* threads parallel_for can run at once */
+} pa_runner;
+
+/* As pa_execute, with the work on `runner`'s threads (NULL: the library's own pool). The runner
+ * needs to stay valid only for the duration of the call. */
+pa_status pa_execute_ex(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs,
+                        const pa_runner *runner);
+
+/* Sets the number of threads of the library's own pool (0: PA_NUM_THREADS, else one per CPU of
+ * the process). Takes effect at the next call; calls running keep their pool. n <= 4096
+ * (PA_STATUS_INVALID_ARGUMENT otherwise). Thread-safe. */
+pa_status pa_set_num_threads(size_t n);
+
+/* The number of threads the library's pool has (or will have when first used). Never fails. */
+size_t pa_get_num_threads(void);
+
+/* Work items run so far in this process, by kind of thread (to check where work went). */
+typedef struct pa_item_counts {
+    uint64_t pool;  /* by the library's own pool workers */
+    uint64_t host;  /* inside tasks of a pa_runner */
+    uint64_t other; /* by other threads (the calling thread, or the caller's rayon pool) */
+} pa_item_counts;
+
+/* Writes the counts into *out (not NULL). Thread-safe. */
+pa_status pa_item_counts_get(pa_item_counts *out);
 
 /* As pa_execute, with the plain scalar reference kernels (slow; for testing the fast paths). */
 pa_status pa_execute_reference(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs);

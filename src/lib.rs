@@ -16,11 +16,13 @@ pub mod ir;
 pub mod kernel;
 pub mod op;
 pub mod tensor;
+pub mod threads;
 
 pub use dtype::{ElemType, Float};
 pub use error::{PaError, Status};
-pub use op::{execute, infer_shapes, validate, PaInputs, PaOutputs, Plan};
+pub use op::{execute, execute_on, infer_shapes, validate, PaInputs, PaOutputs, Plan};
 pub use tensor::{Elems, ElemsMut, Tensor, TensorMut};
+pub use threads::Runner;
 
 /// The README's Rust examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -331,7 +331,11 @@ fn check_spec(rng: &mut Rng, sp: &Spec, types: &[(ElemType, ElemType)]) {
         let want = run(&c, &|i, o| execute_reference(i, o));
         for simd in levels() {
             for scores in [ScoresMode::Auto, ScoresMode::Recompute] {
-                let opts = FastOptions { simd, scores };
+                let opts = FastOptions {
+                    simd,
+                    scores,
+                    ..FastOptions::default()
+                };
                 let got = run(&c, &|i, o| execute_with(opts, i, o));
                 compare(&c, &format!("{opts:?}"), &got, &want);
             }
@@ -511,6 +515,7 @@ fn fast_results_do_not_depend_on_thread_count() {
             let opts = FastOptions {
                 simd,
                 scores: ScoresMode::Auto,
+                ..FastOptions::default()
             };
             let pool = |n| {
                 rayon::ThreadPoolBuilder::new()

@@ -7,7 +7,9 @@ use crate::op::contract::{
     INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, OUTPUT_NAMES, VALUE_CACHE,
 };
 use crate::op::{InputArg, PaInputs, PaOutputs, PartialInput, PartialShape};
-use std::ffi::c_char;
+use crate::threads::{HostRunner, ParallelForFn, Runner};
+use std::ffi::{c_char, c_void};
+use std::panic::catch_unwind;
 
 static VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 
@@ -245,7 +247,7 @@ unsafe fn execute_with(
     n_inputs: usize,
     outputs: *const PaTensor,
     n_outputs: usize,
-    run: fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> Result<(), PaError>,
+    run: impl FnOnce(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> Result<(), PaError>,
 ) -> i32 {
     boundary(|| {
         // SAFETY: the header's contract.
@@ -276,6 +278,101 @@ pub unsafe extern "C" fn pa_execute(
 ) -> i32 {
     // SAFETY: forwarded contract.
     unsafe { execute_with(inputs, n_inputs, outputs, n_outputs, crate::op::execute) }
+}
+
+/// The C `pa_runner`: a host's parallel-for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PaRunner {
+    pub parallel_for: Option<ParallelForFn>,
+    pub ctx: *mut c_void,
+    pub max_threads: usize,
+}
+
+fn host_runner(r: &PaRunner) -> Result<Runner, PaError> {
+    let parallel_for = r.parallel_for.ok_or_else(|| PaError::NullPointer {
+        what: "runner->parallel_for".into(),
+    })?;
+    if r.max_threads == 0 {
+        return Err(PaError::InvalidArgument {
+            detail:
+                "runner->max_threads is 0; give the number of threads the runner may use (>= 1)"
+                    .into(),
+        });
+    }
+    Ok(Runner::Host(HostRunner {
+        parallel_for,
+        ctx: r.ctx,
+        threads: r.max_threads,
+    }))
+}
+
+/// # Safety
+/// See the header: as `pa_execute`; `runner` is NULL or points to a valid `pa_runner`.
+#[no_mangle]
+pub unsafe extern "C" fn pa_execute_ex(
+    inputs: *const PaTensor,
+    n_inputs: usize,
+    outputs: *const PaTensor,
+    n_outputs: usize,
+    runner: *const PaRunner,
+) -> i32 {
+    // SAFETY: the header's contract for `runner` (NULL or valid for the call).
+    let runner = match unsafe { runner.as_ref() } {
+        None => Ok(Runner::Auto),
+        Some(r) => host_runner(r),
+    };
+    let runner = match runner {
+        Ok(r) => r,
+        Err(e) => return boundary(|| Err(e)),
+    };
+    // SAFETY: forwarded contract.
+    unsafe {
+        execute_with(inputs, n_inputs, outputs, n_outputs, |i, o| {
+            crate::op::execute_on(runner, i, o)
+        })
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn pa_set_num_threads(n: usize) -> i32 {
+    boundary(|| crate::threads::set_num_threads(n))
+}
+
+#[no_mangle]
+pub extern "C" fn pa_get_num_threads() -> usize {
+    catch_unwind(crate::threads::num_threads).unwrap_or(1)
+}
+
+/// The C `pa_item_counts`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PaItemCounts {
+    pub pool: u64,
+    pub host: u64,
+    pub other: u64,
+}
+
+/// # Safety
+/// `out` is NULL or points to a writable `pa_item_counts`.
+#[no_mangle]
+pub unsafe extern "C" fn pa_item_counts_get(out: *mut PaItemCounts) -> i32 {
+    boundary(|| {
+        let c = crate::threads::item_counts();
+        let v = PaItemCounts {
+            pool: c.pool,
+            host: c.host,
+            other: c.other,
+        };
+        // SAFETY: the header's contract: NULL or one writable struct.
+        match unsafe { out.as_mut() } {
+            Some(o) => {
+                *o = v;
+                Ok(())
+            }
+            None => Err(PaError::NullPointer { what: "out".into() }),
+        }
+    })
 }
 
 /// # Safety

@@ -14,6 +14,7 @@ pub mod reference;
 
 use crate::error::Result;
 use crate::op::{PaInputs, PaOutputs, Plan};
+use crate::threads::Runner;
 
 /// Calls `$f::<Q, C>($args)` for the plan's (query type, cache type) pair.
 macro_rules! dispatch_types {
@@ -39,9 +40,19 @@ macro_rules! dispatch_types {
 #[allow(unused_imports)]
 pub(crate) use dispatch_types;
 
-/// Runs a validated plan with the fastest kernels available on this CPU.
-pub fn run(plan: &Plan, inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
-    fast::run(plan, inputs, outputs, fast::FastOptions::default())
+/// Runs a validated plan with the fastest kernels available on this CPU, its parallel regions
+/// on `runner`.
+pub fn run(
+    plan: &Plan,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+    runner: Runner,
+) -> Result<()> {
+    let opts = fast::FastOptions {
+        runner,
+        ..fast::FastOptions::default()
+    };
+    fast::run(plan, inputs, outputs, opts)
 }
 
 /// Runs a validated plan with the scalar reference kernels.
@@ -51,5 +62,5 @@ pub fn run_reference(
     outputs: &mut PaOutputs<'_>,
 ) -> Result<()> {
     use reference::run_typed;
-    dispatch_types!(plan, run_typed(plan, inputs, outputs))
+    crate::threads::in_auto_pool(|| dispatch_types!(plan, run_typed(plan, inputs, outputs)))
 }

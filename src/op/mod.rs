@@ -15,6 +15,7 @@ pub use validate::{validate, Plan, Rotation, SeqPlan};
 
 use crate::error::{PaError, Result};
 use crate::tensor::{Tensor, TensorMut};
+use crate::threads::Runner;
 use contract::*;
 
 /// The op's inputs by name. Optional inputs are `None` when not given; an empty tensor is
@@ -176,9 +177,18 @@ impl<'a> PaInputs<'a> {
 /// Validates the call, then runs rotation, insertion, attention and scores (SPEC order),
 /// writing the caches in place and both outputs. A rejected call writes nothing.
 pub fn execute(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
+    execute_on(Runner::Auto, inputs, outputs)
+}
+
+/// [`execute`] with its parallel regions on `runner` (a host's threads, or none).
+pub fn execute_on(
+    runner: Runner,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+) -> Result<()> {
     let plan = validate(inputs)?;
     validate::check_outputs(&plan, outputs)?;
-    crate::kernel::run(&plan, inputs, outputs)
+    crate::kernel::run(&plan, inputs, outputs, runner)
 }
 
 /// Like [`execute`] with the scalar reference kernels only (the twin of the fast paths).

@@ -14,6 +14,7 @@ Every input tensor is set explicitly on every request (OPENVINO.md: plugin bug w
 tensors), from buffers kept alive as long as the request.
 """
 
+import ctypes
 import os
 import zlib
 from pathlib import Path
@@ -284,3 +285,40 @@ def test_f16_cache_in_place_exactly_where_the_plugin_runs_f16(core, tmp_path):
             "f16 caches were written in place on a CPU without native f16: update docs/openvino.md"
         assert_close("f16-cache output", out, exp[0])
         assert_close("f16-cache scores", scores, exp[1])
+
+
+# ---------------------------------------------------------------------------- threads
+
+class ItemCounts(ctypes.Structure):
+    _fields_ = [("pool", ctypes.c_uint64), ("host", ctypes.c_uint64), ("other", ctypes.c_uint64)]
+
+
+def item_counts():
+    """Items run so far by kind of thread, read from the library OpenVINO loaded (dlopen of the
+    same path returns the same instance)."""
+    lib = ctypes.CDLL(str(EXT_LIB))
+    c = ItemCounts()
+    assert lib.pa_item_counts_get(ctypes.byref(c)) == 0
+    return c
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_work_runs_on_openvino_threads_with_identical_results(core, tmp_path, threads):
+    """Inside OpenVINO (default config: CPU pinning on) the op's work items run in OpenVINO's
+    own parallel regions (its TBB arena), none on the library's pool or the calling thread, and
+    the results are bit-identical to a single-threaded run."""
+    rng = np.random.default_rng(99)
+    inputs = make_case(rng, H=8, Hkv=2, D=32, past=(300, 0, 40), new=(1, 90, 20), alibi=True)
+    runs = {}
+    for n in sorted({1, threads}):
+        cur = [a.copy() for a in inputs]
+        req = Runner(compile_ext(core, tmp_path, cur, {"INFERENCE_NUM_THREADS": n}))
+        before = item_counts()
+        out, scores = req(cur)
+        after = item_counts()
+        assert after.host > before.host, f"{n} threads: no item ran on OpenVINO's threads"
+        assert after.pool == before.pool, f"{n} threads: items ran on the library's own pool"
+        assert after.other == before.other, f"{n} threads: items ran outside OpenVINO's parallel regions"
+        runs[n] = [out, scores, cur[3], cur[4]]
+    for a, b in zip(runs[1], runs[threads]):
+        assert a.tobytes() == b.tobytes(), f"{threads} threads differ from 1 thread"

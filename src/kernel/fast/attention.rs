@@ -12,7 +12,6 @@ use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{window_start, SoftmaxStats};
 use crate::op::{Plan, SeqPlan};
-use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// What every item reads.
@@ -23,6 +22,8 @@ pub(crate) struct Ctx<'a, Q, C> {
     pub kc: &'a [C],
     pub vc: &'a [C],
     pub block_indices: &'a [i32],
+    /// Where the parallel regions run.
+    pub runner: crate::threads::Runner,
 }
 
 /// Per-thread buffers, grown on demand and reused across items (no allocation per tile).
@@ -159,6 +160,9 @@ pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
     }
 }
 
+/// Tokens per merge task (the merge of one token is a few microseconds).
+const MERGE_TOKENS: usize = 8;
+
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
 pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
@@ -176,7 +180,8 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
         let wide = super::prefill::prewiden(m, ctx);
-        ctx.part.items.par_iter().with_max_len(1).for_each(|it| {
+        ctx.runner.for_each(ctx.part.items.len(), &|i| {
+            let it = &ctx.part.items[i];
             if ctx.part.seqs[it.seq as usize].prefill {
                 super::prefill::run_item(m, ctx, it, &pw, &ow, sw.as_ref(), wide.as_ref())
             } else {
@@ -198,61 +203,67 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         super::pool::give(partials);
         return (stats, stash);
     }
-    out.par_chunks_mut(h * d)
-        .zip(stats.par_chunks_mut(h))
-        .enumerate()
-        .for_each(|(token, (o, st))| {
-            let si = ctx.part.seq_of_token[token] as usize;
-            let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
-            let nc = lay.nchunks;
-            if lay.prefill {
-                // The item wrote the output row; only its statistics are here.
-                let base = lay.part_base + (token - sp.begin) * h * 2;
-                for (head, s) in st.iter_mut().enumerate() {
-                    let (max, sum) = (partials[base + 2 * head], partials[base + 2 * head + 1]);
-                    *s = SoftmaxStats { max, sum };
-                }
-                return;
-            }
-            for head in 0..h {
-                let base = lay.part_base + ((token - sp.begin) * h + head) * nc * (d + 2);
-                let slots = &partials[base..base + nc * (d + 2)];
-                let mx = (0..nc)
-                    .map(|c| slots[c * (d + 2)])
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let orow = &mut o[head * d..(head + 1) * d];
-                if nc == 1 {
-                    let l = slots[1];
-                    for (x, a) in orow.iter_mut().zip(&slots[2..]) {
-                        *x = Q::from_f32(a / l);
+    {
+        let ow = SharedMut::new(out);
+        let stw = SharedMut::new(&mut stats);
+        let groups = plan.t.div_ceil(MERGE_TOKENS);
+        ctx.runner.for_each(groups, &|gi| {
+            for token in gi * MERGE_TOKENS..plan.t.min((gi + 1) * MERGE_TOKENS) {
+                // SAFETY: each token's output row and statistics belong to one group only.
+                let (o, st) = unsafe { (ow.part(token * h * d, h * d), stw.part(token * h, h)) };
+                let si = ctx.part.seq_of_token[token] as usize;
+                let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
+                let nc = lay.nchunks;
+                if lay.prefill {
+                    // The item wrote the output row; only its statistics are here.
+                    let base = lay.part_base + (token - sp.begin) * h * 2;
+                    for (head, s) in st.iter_mut().enumerate() {
+                        let (max, sum) = (partials[base + 2 * head], partials[base + 2 * head + 1]);
+                        *s = SoftmaxStats { max, sum };
                     }
-                    st[head] = SoftmaxStats { max: mx, sum: l };
                     continue;
                 }
-                let mut l = 0f32;
-                let mut acc = [0f32; 256];
-                for x0 in (0..d).step_by(256) {
-                    let w = (d - x0).min(256);
-                    acc[..w].fill(0.0);
-                    l = 0.0;
-                    for c in 0..nc {
-                        let slot = &slots[c * (d + 2)..(c + 1) * (d + 2)];
-                        if slot[1] == 0.0 {
-                            continue;
+                for head in 0..h {
+                    let base = lay.part_base + ((token - sp.begin) * h + head) * nc * (d + 2);
+                    let slots = &partials[base..base + nc * (d + 2)];
+                    let mx = (0..nc)
+                        .map(|c| slots[c * (d + 2)])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let orow = &mut o[head * d..(head + 1) * d];
+                    if nc == 1 {
+                        let l = slots[1];
+                        for (x, a) in orow.iter_mut().zip(&slots[2..]) {
+                            *x = Q::from_f32(a / l);
                         }
-                        let f = (slot[0] - mx).exp();
-                        l += slot[1] * f;
-                        for (a, v) in acc[..w].iter_mut().zip(&slot[2 + x0..2 + x0 + w]) {
-                            *a += v * f;
+                        st[head] = SoftmaxStats { max: mx, sum: l };
+                        continue;
+                    }
+                    let mut l = 0f32;
+                    let mut acc = [0f32; 256];
+                    for x0 in (0..d).step_by(256) {
+                        let w = (d - x0).min(256);
+                        acc[..w].fill(0.0);
+                        l = 0.0;
+                        for c in 0..nc {
+                            let slot = &slots[c * (d + 2)..(c + 1) * (d + 2)];
+                            if slot[1] == 0.0 {
+                                continue;
+                            }
+                            let f = (slot[0] - mx).exp();
+                            l += slot[1] * f;
+                            for (a, v) in acc[..w].iter_mut().zip(&slot[2 + x0..2 + x0 + w]) {
+                                *a += v * f;
+                            }
+                        }
+                        for (x, a) in orow[x0..x0 + w].iter_mut().zip(&acc[..w]) {
+                            *x = Q::from_f32(a / l);
                         }
                     }
-                    for (x, a) in orow[x0..x0 + w].iter_mut().zip(&acc[..w]) {
-                        *x = Q::from_f32(a / l);
-                    }
+                    st[head] = SoftmaxStats { max: mx, sum: l };
                 }
-                st[head] = SoftmaxStats { max: mx, sum: l };
             }
         });
+    }
     super::pool::give(partials);
     (stats, stash)
 }

@@ -7,13 +7,19 @@ use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{block_of, cache_row};
 use crate::op::Plan;
-use rayon::prelude::*;
+use crate::threads::Runner;
 
 /// Safe for any plan: rows are disjoint by construction and every slice access is checked.
-pub fn insert<Q: Float, C: Float>(plan: &Plan, src: &[Q], cache: &mut [C], block_indices: &[i32]) {
+pub fn insert<Q: Float, C: Float>(
+    runner: Runner,
+    plan: &Plan,
+    src: &[Q],
+    cache: &mut [C],
+    block_indices: &[i32],
+) {
     let (d, hkv, bs) = (plan.d, plan.hkv, plan.bs);
     let w = SharedMut::new(cache);
-    (0..hkv).into_par_iter().for_each(|head| {
+    runner.for_each(hkv, &|head| {
         for sp in &plan.seqs {
             for i in 0..sp.n {
                 let pos = sp.past + i;

@@ -40,6 +40,7 @@ mod shared;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::op::{PaInputs, PaOutputs, Plan};
+use crate::threads::Runner;
 use micro::avx2::Avx2;
 use micro::scalar::Scalar;
 use micro::TileMicro;
@@ -85,10 +86,12 @@ pub enum ScoresMode {
 }
 
 /// Options of one fast call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub struct FastOptions {
     pub simd: SimdLevel,
     pub scores: ScoresMode,
+    /// Where the parallel regions run (results do not depend on it).
+    pub runner: Runner,
 }
 
 impl Default for FastOptions {
@@ -96,6 +99,7 @@ impl Default for FastOptions {
         FastOptions {
             simd: SimdLevel::from_env(),
             scores: ScoresMode::Auto,
+            runner: Runner::Auto,
         }
     }
 }
@@ -120,6 +124,7 @@ pub fn run(
     opts: FastOptions,
 ) -> Result<()> {
     if plan.d == 0 || plan.h == 0 || plan.hkv == 0 {
+        // Nothing to tile; the reference does no arithmetic here.
         return super::run_reference(plan, inputs, outputs);
     }
     match opts.simd {
@@ -193,7 +198,7 @@ fn run_typed<M: TileMicro, Q: Float, C: Float>(
             .key_cache
             .as_float_mut::<C>()
             .ok_or_else(|| missing("key_cache"))?;
-        rotate::rotate(plan, rot.delta_cols, kc, rbi, rd, lut);
+        rotate::rotate(opts.runner, plan, rot.delta_cols, kc, rbi, rd, lut);
     }
     let key = inputs.key.as_float::<Q>().ok_or_else(|| missing("key"))?;
     let value = inputs
@@ -205,14 +210,14 @@ fn run_typed<M: TileMicro, Q: Float, C: Float>(
             .key_cache
             .as_float_mut::<C>()
             .ok_or_else(|| missing("key_cache"))?;
-        insert::insert(plan, key, kc, block_indices);
+        insert::insert(opts.runner, plan, key, kc, block_indices);
     }
     {
         let vc = inputs
             .value_cache
             .as_float_mut::<C>()
             .ok_or_else(|| missing("value_cache"))?;
-        insert::insert(plan, value, vc, block_indices);
+        insert::insert(opts.runner, plan, value, vc, block_indices);
     }
     let query = inputs
         .query
@@ -239,6 +244,7 @@ fn run_typed<M: TileMicro, Q: Float, C: Float>(
         kc,
         vc,
         block_indices,
+        runner: opts.runner,
     };
     let (stats, stash) = attention::attention(m, &ctx, out);
     match stash {

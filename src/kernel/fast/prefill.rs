@@ -14,7 +14,6 @@ use super::partition::Item;
 use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{cache_row, window_start};
-use rayon::prelude::*;
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -104,28 +103,30 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
         return None;
     }
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
-    let mut tasks = Vec::new();
-    let (mut kr, mut vr) = (&mut k[..], &mut v[..]);
-    for (s, sp) in plan.seqs.iter().enumerate() {
-        if base[s].is_some() {
-            for kvh in 0..hkv {
-                let (ka, kb) = std::mem::take(&mut kr).split_at_mut(sp.ctx() * d);
-                let (va, vb) = std::mem::take(&mut vr).split_at_mut(sp.ctx() * d);
-                (kr, vr) = (kb, vb);
-                tasks.push((s, kvh, ka, va));
+    // One task per (prefill sequence, KV head), each writing its own `[ctx][D]` rows.
+    let tasks: Vec<(usize, usize, usize)> = (0..plan.seqs.len())
+        .filter_map(|s| base[s].map(|b| (s, b)))
+        .flat_map(|(s, b)| {
+            let n = plan.seqs[s].ctx() * d;
+            (0..hkv).map(move |kvh| (s, kvh, b + kvh * n))
+        })
+        .collect();
+    {
+        let (kw, vw) = (SharedMut::new(&mut k), SharedMut::new(&mut v));
+        ctx.runner.for_each(tasks.len(), &|i| {
+            let (s, kvh, o) = tasks[i];
+            let sp = &plan.seqs[s];
+            // SAFETY: tasks own disjoint `[ctx][D]` ranges (offsets laid out above).
+            let (ka, va) = unsafe { (kw.part(o, sp.ctx() * d), vw.part(o, sp.ctx() * d)) };
+            for (j0, j1) in tiles(0, sp.ctx(), bs) {
+                let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
+                let off = cache_row(plan, phys, kvh, j0 % bs);
+                let n = (j1 - j0) * d;
+                m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
+                m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
             }
-        }
+        });
     }
-    tasks.into_par_iter().for_each(|(s, kvh, ka, va)| {
-        let sp = &plan.seqs[s];
-        for (j0, j1) in tiles(0, sp.ctx(), bs) {
-            let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
-            let off = cache_row(plan, phys, kvh, j0 % bs);
-            let n = (j1 - j0) * d;
-            m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
-            m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
-        }
-    });
     Some(Widened { k, v, base })
 }
 

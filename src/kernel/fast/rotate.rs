@@ -8,10 +8,11 @@ use crate::dtype::Float;
 use crate::kernel::reference::{cache_row, widen};
 use crate::op::Plan;
 use crate::tensor::Tensor;
-use rayon::prelude::*;
+use crate::threads::Runner;
 
 /// Safe for any plan: rows are disjoint by construction and every slice access is checked.
 pub fn rotate<C: Float>(
+    runner: Runner,
     plan: &Plan,
     delta_cols: usize,
     kc: &mut [C],
@@ -26,7 +27,7 @@ pub fn rotate<C: Float>(
         None => std::borrow::Cow::Owned(widen(lut)),
     };
     let w = SharedMut::new(kc);
-    (0..plan.hkv).into_par_iter().for_each(|head| {
+    runner.for_each(plan.hkv, &|head| {
         for (r, &block) in rbi.iter().enumerate() {
             for slot in 0..bs {
                 let col = if delta_cols == 1 { 0 } else { slot };

@@ -11,7 +11,6 @@ use super::micro::Micro;
 use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{cache_row, window_start, SoftmaxStats};
-use rayon::prelude::*;
 
 /// Keys per scores task.
 const SPAN: usize = 256;
@@ -36,7 +35,9 @@ fn for_spans<Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let w = SharedMut::new(scores);
-    spans(ctx).par_iter().for_each(|&(s, j0, len)| {
+    let spans = spans(ctx);
+    ctx.runner.for_each(spans.len(), &|i| {
+        let (s, j0, len) = spans[i];
         let sp = &plan.seqs[s];
         let mut acc = [0f32; SPAN];
         let acc = &mut acc[..len];

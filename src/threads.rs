@@ -1,0 +1,391 @@
+//! Where the work of one call runs: the library's own thread pool, the caller's rayon pool, the
+//! calling thread alone, or a parallel-for the host hands in (OpenVINO's TBB arena through the
+//! extension, any C caller's pool through `pa_execute_ex`; the pattern of oneDNN's threadpool
+//! interop and XNNPACK's pthreadpool).
+//!
+//! Every parallel region of the kernels is one [`Runner::for_each`] over independent items.
+//! Whichever thread is free claims the next item from a shared counter, so uneven items
+//! balance; an item's result never depends on the thread that runs it, so results are
+//! bit-identical for every runner and thread count.
+//!
+//! The library's pool is built on first use. Its size is, in order: [`set_num_threads`]
+//! (`pa_set_num_threads`), `PA_NUM_THREADS`, the number of CPUs the process may run on. Its
+//! workers run on the process's CPU set (the affinity of the thread that loaded the library, or
+//! of the main thread), never on the narrowed set of the thread that happened to make the first
+//! call: a host that pins its worker threads (OpenVINO does by default) would otherwise squeeze
+//! every worker onto one core.
+
+use std::any::Any;
+use std::cell::Cell;
+use std::ffi::c_void;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::error::{PaError, Result};
+
+/// `task(task_ctx, worker)`: the host calls it once for each `worker` in `0..n`.
+pub type TaskFn = unsafe extern "C" fn(task_ctx: *mut c_void, worker: usize);
+
+/// The host's parallel-for: calls `task(task_ctx, i)` exactly once for every `i < n`, on any of
+/// its threads, and returns when all of those calls have returned.
+pub type ParallelForFn =
+    unsafe extern "C" fn(runner_ctx: *mut c_void, n: usize, task: TaskFn, task_ctx: *mut c_void);
+
+/// A parallel-for supplied by the host (`pa_runner` in the header).
+#[derive(Clone, Copy, Debug)]
+pub struct HostRunner {
+    pub parallel_for: ParallelForFn,
+    pub ctx: *mut c_void,
+    /// How many of the host's threads may work at once (at least 1 is assumed).
+    pub threads: usize,
+}
+
+// SAFETY: a HostRunner is only used by calling `parallel_for` from the thread that makes the
+// op call (never from inside an item); the header requires the runner to stay valid for that
+// call. Being Send/Sync only lets options holding it be captured by the items' closures.
+unsafe impl Send for HostRunner {}
+// SAFETY: as above.
+unsafe impl Sync for HostRunner {}
+
+/// How the parallel regions of a call run.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Runner {
+    /// On the rayon pool of the calling thread when it is a rayon worker (a Rust host inside
+    /// `ThreadPool::install` keeps control of its threads), else on the library's own pool.
+    #[default]
+    Auto,
+    /// Everything on the calling thread.
+    Serial,
+    /// On the host's threads, through its parallel-for.
+    Host(HostRunner),
+}
+
+/// Which kind of thread ran the items of past calls (see [`item_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ItemCounts {
+    /// Items run by the library's own pool workers.
+    pub pool: u64,
+    /// Items run inside a task of a host's parallel-for.
+    pub host: u64,
+    /// Items run by any other thread (the caller, or the caller's rayon pool).
+    pub other: u64,
+}
+
+static ITEMS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+const POOL: usize = 0;
+const HOST: usize = 1;
+const OTHER: usize = 2;
+
+thread_local! {
+    /// Set once in each of the library's pool workers; set around a host task's items.
+    static KIND: Cell<usize> = const { Cell::new(OTHER) };
+}
+
+/// Items run so far in this process, by the kind of thread that ran them. Cheap (three relaxed
+/// counters); tests and hosts use it to check where the work went.
+pub fn item_counts() -> ItemCounts {
+    let get = |i: usize| ITEMS[i].load(Ordering::Relaxed);
+    ItemCounts {
+        pool: get(POOL),
+        host: get(HOST),
+        other: get(OTHER),
+    }
+}
+
+fn run_item(f: &(dyn Fn(usize) + Sync), i: usize) {
+    f(i);
+    ITEMS[KIND.with(Cell::get)].fetch_add(1, Ordering::Relaxed);
+}
+
+impl Runner {
+    /// Runs `f(i)` once for every `i < n` and returns when all have returned. A panic in `f`
+    /// is passed on to the caller (after every started item has finished).
+    pub fn for_each(self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        if n == 0 {
+            return;
+        }
+        match self {
+            Runner::Serial => (0..n).for_each(|i| run_item(f, i)),
+            Runner::Auto if rayon::current_thread_index().is_some() => rayon_for_each(n, f),
+            Runner::Auto => match library_pool() {
+                Some(pool) => pool.install(|| rayon_for_each(n, f)),
+                None => (0..n).for_each(|i| run_item(f, i)),
+            },
+            Runner::Host(h) => host_for_each(h, n, f),
+        }
+    }
+
+    /// How many threads a region may use at most (for sizing per-thread work, never results).
+    pub fn max_threads(self) -> usize {
+        match self {
+            Runner::Serial => 1,
+            Runner::Auto if rayon::current_thread_index().is_some() => rayon::current_num_threads(),
+            Runner::Auto => num_threads(),
+            Runner::Host(h) => h.threads.max(1),
+        }
+    }
+}
+
+/// Runs `f` where [`Runner::Auto`] would run items: on the calling thread's rayon pool when
+/// it has one, else inside the library's pool, so rayon code in `f` (the reference kernels)
+/// never starts rayon's global pool from a host's pinned thread.
+pub fn in_auto_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    match library_pool() {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
+}
+
+fn rayon_for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    use rayon::prelude::*;
+    (0..n)
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(|i| run_item(f, i));
+}
+
+/// The state a host's tasks share: the next unclaimed item and the first panic.
+struct HostRegion<'a> {
+    next: AtomicUsize,
+    n: usize,
+    f: &'a (dyn Fn(usize) + Sync),
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl HostRegion<'_> {
+    /// Claims and runs items until none is left.
+    fn drain(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.n {
+                return;
+            }
+            run_item(self.f, i);
+        }
+    }
+}
+
+/// The task handed to the host: runs items on the host's thread until none is left. Never
+/// unwinds into the host: a panic is kept for the calling thread to re-raise.
+unsafe extern "C" fn host_task(task_ctx: *mut c_void, _worker: usize) {
+    // SAFETY: `task_ctx` is the `HostRegion` that `host_for_each` passed to the host's
+    // parallel-for, which lives until that call returns, i.e. after every task has returned.
+    let region = unsafe { &*(task_ctx as *const HostRegion<'_>) };
+    let before = KIND.with(|k| k.replace(HOST));
+    let r = catch_unwind(AssertUnwindSafe(|| region.drain()));
+    KIND.with(|k| k.set(before));
+    if let Err(p) = r {
+        // Stop the other tasks from claiming more items.
+        region.next.store(region.n, Ordering::Relaxed);
+        let mut slot = region.panic.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.get_or_insert(p);
+    }
+}
+
+fn host_for_each(h: HostRunner, n: usize, f: &(dyn Fn(usize) + Sync)) {
+    let region = HostRegion {
+        next: AtomicUsize::new(0),
+        n,
+        f,
+        panic: Mutex::new(None),
+    };
+    let workers = h.threads.clamp(1, n);
+    // SAFETY: the header's contract for a pa_runner: `parallel_for` calls `host_task` with our
+    // context once per worker and returns after they all returned; `region` outlives the call.
+    unsafe {
+        (h.parallel_for)(
+            h.ctx,
+            workers,
+            host_task,
+            &region as *const HostRegion<'_> as *mut c_void,
+        )
+    };
+    let panic = region
+        .panic
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let Some(p) = panic {
+        resume_unwind(p);
+    }
+    // A runner that skipped tasks leaves items unclaimed: run them here rather than lose them.
+    region.drain();
+}
+
+// ---- the library's own pool ----
+
+/// Most threads the pool may be given (a guard against nonsense, not a tuning knob).
+pub const MAX_THREADS: usize = 4096;
+
+struct PoolState {
+    pool: Option<Arc<rayon::ThreadPool>>,
+    /// 0: not set through the API.
+    requested: usize,
+}
+
+static STATE: Mutex<PoolState> = Mutex::new(PoolState {
+    pool: None,
+    requested: 0,
+});
+
+fn state() -> std::sync::MutexGuard<'static, PoolState> {
+    STATE.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Sets the size of the library's pool (0: back to `PA_NUM_THREADS` or the CPU count). Takes
+/// effect at the next call; calls already running finish on the pool they started with.
+pub fn set_num_threads(n: usize) -> Result<()> {
+    if n > MAX_THREADS {
+        return Err(PaError::InvalidArgument {
+            detail: format!("num_threads = {n}; at most {MAX_THREADS}"),
+        });
+    }
+    let mut st = state();
+    st.requested = n;
+    st.pool = None;
+    Ok(())
+}
+
+/// The size the library's pool has (or will have when first used).
+pub fn num_threads() -> usize {
+    let st = state();
+    match &st.pool {
+        Some(p) => p.current_num_threads(),
+        None => wanted_threads(st.requested),
+    }
+}
+
+fn wanted_threads(requested: usize) -> usize {
+    if requested > 0 {
+        return requested;
+    }
+    if let Some(n) = std::env::var("PA_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| (1..=MAX_THREADS).contains(&n))
+    {
+        return n;
+    }
+    affinity::process_cpus()
+        .map(|c| c.len())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The library's pool, built on first use; `None` when threads cannot be started (the call
+/// then runs on the calling thread).
+fn library_pool() -> Option<Arc<rayon::ThreadPool>> {
+    let mut st = state();
+    if st.pool.is_none() {
+        let cpus = affinity::process_cpus();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(wanted_threads(st.requested))
+            .thread_name(|i| format!("pa-worker-{i}"))
+            .start_handler(move |_| {
+                KIND.with(|k| k.set(POOL));
+                if let Some(c) = &cpus {
+                    affinity::set_current(c);
+                }
+            })
+            .build()
+            .ok()?;
+        st.pool = Some(Arc::new(pool));
+    }
+    st.pool.clone()
+}
+
+/// The CPUs each worker of the library's pool may run on (building the pool if needed), one
+/// list per worker. For tests of the affinity rule.
+#[doc(hidden)]
+pub fn pool_worker_cpus() -> Vec<Option<Vec<usize>>> {
+    match library_pool() {
+        Some(p) => p.broadcast(|_| affinity::current()),
+        None => vec![],
+    }
+}
+
+/// CPU affinity on Linux; elsewhere nothing is known and nothing is changed.
+pub mod affinity {
+    /// The CPUs the calling thread may run on.
+    pub fn current() -> Option<Vec<usize>> {
+        imp::get(0)
+    }
+
+    /// The CPUs of the process: those of the thread that loaded the library (captured at load
+    /// time), else those of the main thread.
+    pub fn process_cpus() -> Option<Vec<usize>> {
+        imp::at_load().or_else(|| imp::get(std::process::id() as i32))
+    }
+
+    /// Restricts the calling thread to `cpus` (ignored when the OS refuses).
+    pub fn set_current(cpus: &[usize]) {
+        imp::set(cpus)
+    }
+
+    #[cfg(target_os = "linux")]
+    mod imp {
+        use std::sync::OnceLock;
+
+        static AT_LOAD: OnceLock<Option<Vec<usize>>> = OnceLock::new();
+
+        extern "C" fn capture() {
+            let _ = AT_LOAD.set(get(0));
+        }
+
+        /// Runs `capture` when the library is loaded (dlopen or program start), on the loading
+        /// thread: usually the host's main thread, before it pins anything.
+        #[used]
+        #[link_section = ".init_array"]
+        static CAPTURE: extern "C" fn() = capture;
+
+        pub fn at_load() -> Option<Vec<usize>> {
+            AT_LOAD.get().cloned().flatten()
+        }
+
+        pub fn get(tid: i32) -> Option<Vec<usize>> {
+            // SAFETY: cpu_set_t is plain data; all zeros is the empty set.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `set` is a writable cpu_set_t of the size passed.
+            let r = unsafe {
+                libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set)
+            };
+            if r != 0 {
+                return None;
+            }
+            let n = 8 * std::mem::size_of::<libc::cpu_set_t>();
+            // SAFETY: CPU_ISSET reads `set` at index c < CPU_SETSIZE.
+            Some(
+                (0..n)
+                    .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+                    .collect(),
+            )
+        }
+
+        pub fn set(cpus: &[usize]) {
+            // SAFETY: as in `get`.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            let n = 8 * std::mem::size_of::<libc::cpu_set_t>();
+            for &c in cpus.iter().filter(|&&c| c < n) {
+                // SAFETY: c < CPU_SETSIZE.
+                unsafe { libc::CPU_SET(c, &mut set) };
+            }
+            // SAFETY: `set` is a valid cpu_set_t of the size passed; 0 is the calling thread.
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    mod imp {
+        pub fn at_load() -> Option<Vec<usize>> {
+            None
+        }
+        pub fn get(_: i32) -> Option<Vec<usize>> {
+            None
+        }
+        pub fn set(_: &[usize]) {}
+    }
+}

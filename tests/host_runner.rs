@@ -1,0 +1,137 @@
+//! A host's parallel-for runs the work: every item runs inside the host's tasks (none on the
+//! library's pool, none on the calling thread), and results are bit-identical to a run on the
+//! calling thread alone, to the library's pool, and across the host's thread counts.
+//!
+//! One test in this binary: the item counters are per process, so nothing else may run here.
+
+mod common;
+
+use common::call::Call;
+use common::ref64::{gen_case, Features, Geometry, SeqKind};
+use paged_attention::threads::{item_counts, HostRunner, Runner, TaskFn};
+use paged_attention::ElemType;
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::sync::Mutex;
+use std::thread::ThreadId;
+
+/// What the test's runner saw: the thread of each task call.
+struct Host {
+    task_threads: Mutex<Vec<ThreadId>>,
+    regions: Mutex<usize>,
+}
+
+/// A parallel-for on fresh scoped threads, one per task: like a host pool, never the caller.
+unsafe extern "C" fn spawn_parallel_for(
+    ctx: *mut c_void,
+    n: usize,
+    task: TaskFn,
+    task_ctx: *mut c_void,
+) {
+    // SAFETY: ctx is the &Host the test put in the runner; it outlives every call.
+    let host = unsafe { &*(ctx as *const Host) };
+    *host.regions.lock().unwrap() += 1;
+    let task_ctx = task_ctx as usize;
+    std::thread::scope(|s| {
+        for i in 0..n {
+            s.spawn(move || {
+                host.task_threads
+                    .lock()
+                    .unwrap()
+                    .push(std::thread::current().id());
+                // SAFETY: the library's task and context, called once per i < n as required.
+                unsafe { task(task_ctx as *mut c_void, i) };
+            });
+        }
+    });
+}
+
+fn run(call: &Call, runner: Runner) -> Call {
+    let mut c = call.clone();
+    c.with_api(|i, mut o| paged_attention::execute_on(runner, &mut i.unwrap(), &mut o))
+        .expect("valid call");
+    c
+}
+
+#[test]
+fn host_runner_runs_every_item_on_its_threads_with_identical_results() {
+    let mut geo = Geometry::new(ElemType::F32, ElemType::F16, 2, 4, 64, 16);
+    geo.max_new = 70;
+    geo.max_past = 300;
+    let seqs = vec![
+        SeqKind::Prefill,
+        SeqKind::ChunkedPrefill,
+        SeqKind::Decode,
+        SeqKind::Empty,
+        SeqKind::Decode,
+    ];
+    let f = Features {
+        seqs: Some(seqs),
+        rotation: Some(true),
+        alibi: Some(true),
+        ..Features::default()
+    };
+    let call = gen_case(4242, &geo, &f).to_call();
+    let serial = run(&call, Runner::Serial);
+
+    let caller = std::thread::current().id();
+    for threads in [1, 2, 3, 8] {
+        let host = Host {
+            task_threads: Mutex::new(vec![]),
+            regions: Mutex::new(0),
+        };
+        let runner = Runner::Host(HostRunner {
+            parallel_for: spawn_parallel_for,
+            ctx: &host as *const Host as *mut c_void,
+            threads,
+        });
+        let before = item_counts();
+        let got = run(&call, runner);
+        let after = item_counts();
+        assert!(
+            got.snapshot() == serial.snapshot(),
+            "{threads} host threads: results differ from the calling thread's run"
+        );
+        assert!(
+            after.host > before.host,
+            "{threads} host threads: no item ran in a host task"
+        );
+        assert_eq!(
+            after.pool, before.pool,
+            "{threads} host threads: items ran on the library's pool"
+        );
+        assert_eq!(
+            after.other, before.other,
+            "{threads} host threads: items ran on the calling thread"
+        );
+        let seen = host.task_threads.lock().unwrap();
+        assert!(!seen.contains(&caller), "a task ran on the calling thread");
+        let distinct: HashSet<_> = seen.iter().collect();
+        let regions = *host.regions.lock().unwrap();
+        assert!(
+            regions >= 3,
+            "expected insert, attention, merge and scores regions, saw {regions}"
+        );
+        assert!(
+            seen.len() <= regions * threads && distinct.len() == seen.len(),
+            "{threads} host threads: more tasks than max_threads per region ({} in {regions})",
+            seen.len()
+        );
+    }
+
+    // The library's own pool and the caller's rayon pool give the same bits.
+    let pool = run(&call, Runner::Auto);
+    assert!(
+        pool.snapshot() == serial.snapshot(),
+        "library pool differs from serial"
+    );
+    let rayon3 = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    let inside = rayon3.install(|| run(&call, Runner::Auto));
+    assert!(
+        inside.snapshot() == serial.snapshot(),
+        "caller's rayon pool differs from serial"
+    );
+}
