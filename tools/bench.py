@@ -1,16 +1,22 @@
-"""Benchmark: the issue's workloads through our C ABI (pa_execute), through our extension in
-OpenVINO (when the library exports create_extensions), and through OpenVINO's built-in
-PagedAttentionExtension, in one process on identical inputs (the same buffers).
+"""Benchmark, as users deploy: our op inside OpenVINO (the extension, default configuration:
+CPU pinning on, the first call into our library made by `infer()`), OpenVINO's built-in
+PagedAttentionExtension, and our bare C ABI (`pa_execute`, secondary), in one process on identical
+inputs (the same buffers), at each thread count asked for.
 
-    RAYON_NUM_THREADS=2 .venv/bin/python tools/bench.py [--reps 15] [--only decode16,prefill] [--types f32,f16,bf16]
+    .venv/bin/python tools/bench.py [--threads 2,all] [--hint f32] [--reps 15]
+                                    [--only decode16,prefill] [--types f32,f16,bf16] [--json out.json]
 
-Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16 (OpenVINO compiled with
-INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION = cache type, INFERENCE_NUM_THREADS=2).
-Each repetition runs the three paths back to back (so machine noise hits them alike); the table
-gives min and median ms, KV GB/s (cache bytes the attention must read, at the min time),
-GFLOP/s (4*D flops per visible (query head, key) pair), the ratio OpenVINO/ours (min/min), and
-our share of the read bandwidth and FMA peak that target/release/pa_machine measures in the
-same run. The outputs of the paths are compared (max abs difference) as a sanity check.
+Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16. Both OpenVINO models are
+compiled with the same INFERENCE_PRECISION_HINT (--hint) and INFERENCE_NUM_THREADS = the thread
+count; every other property keeps OpenVINO's default (pinning included). The built-in op also gets
+KV_CACHE_PRECISION = cache type. The C ABI path uses the library's own pool, sized with
+pa_set_num_threads. Each repetition runs the paths back to back (so machine noise hits them
+alike); the table gives min and median ms, the ratio OpenVINO built-in / ours inside OpenVINO
+(min/min), ours inside OpenVINO against the bare C ABI call, KV GB/s (cache bytes the attention
+must read, at the min time) and GFLOP/s (4*D flops per visible (query head, key) pair) with our
+share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run.
+Outputs of the paths are compared (max abs difference) as a sanity check. A thread-scaling table
+(parallel efficiency t1 / (n * tn)) follows when more than one thread count is measured.
 """
 from __future__ import annotations
 
@@ -30,8 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 LIB = ROOT / "target" / "release" / "libpaged_attention.so"
 MACHINE = ROOT / "target" / "release" / "pa_machine"
 H, HKV, D, BS = 32, 8, 128, 32
-THREADS = int(os.environ.get("RAYON_NUM_THREADS", "2"))
-os.environ.setdefault("RAYON_NUM_THREADS", str(THREADS))
 
 WORKLOADS = {
     "decode16": ("decode 16 x 1024 past", [(1024, 1)] * 16),
@@ -110,7 +114,7 @@ class Call:
             raise RuntimeError(f"pa_execute: {rc}: {buf.value.decode()}")
 
     # --- OpenVINO built-in
-    def bind_ov(self, core):
+    def bind_ov(self, core, threads, hint):
         import openvino as ov
         import openvino.opset13 as ops
         from openvino._pyopenvino.op import _PagedAttentionExtension
@@ -141,8 +145,8 @@ class Call:
         rt = node.get_rt_info()
         rt["num_k_heads"], rt["k_head_size"], rt["num_v_heads"], rt["v_head_size"] = HKV, D, HKV, D
         model = ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_bench")
-        cfg = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": self.cache,
-               "INFERENCE_NUM_THREADS": THREADS}
+        cfg = {"INFERENCE_PRECISION_HINT": hint, "KV_CACHE_PRECISION": self.cache,
+               "INFERENCE_NUM_THREADS": threads}
         self._ov_compiled = core.compile_model(model, "CPU", cfg)
         self._ov_req = self._ov_compiled.create_infer_request()
         self._ov_tensors = []
@@ -152,7 +156,7 @@ class Call:
             self._ov_req.set_input_tensor(i, t)
 
     # --- ours through OpenVINO (the extension in the same library), when it is built in
-    def bind_ext(self, core, tmpdir):
+    def bind_ext(self, core, tmpdir, threads, hint):
         import openvino as ov
         sys.path.insert(0, str(ROOT / "tools"))
         from ir_writer import IRBuilder, Port
@@ -173,7 +177,7 @@ class Call:
         xml.write_text(b.xml())
         xml.with_suffix(".bin").write_bytes(bytes(b.bin))
         model = core.read_model(str(xml))
-        cfg = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": THREADS}
+        cfg = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": threads}
         self._ext_compiled = core.compile_model(model, "CPU", cfg)
         self._ext_req = self._ext_compiled.create_infer_request()
         self._ext_tensors = []
@@ -204,70 +208,121 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--only", default=",".join(WORKLOADS))
     ap.add_argument("--types", default="f32,f16,bf16")
+    ap.add_argument("--threads", default="2,all", help="thread counts, 'all' = the CPUs of this process")
+    ap.add_argument("--hint", default="f32", help="INFERENCE_PRECISION_HINT for both OpenVINO models")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
+    ncpu = len(os.sched_getaffinity(0))
+    threads = sorted({ncpu if t == "all" else int(t) for t in args.threads.split(",")})
 
     import openvino as ov
-    machine = json.loads(subprocess.run([str(MACHINE)], capture_output=True, text=True, check=True,
-                                        env=dict(os.environ, RAYON_NUM_THREADS=str(THREADS))).stdout)
     lib = ct.CDLL(str(LIB))
     lib.pa_execute.restype = ct.c_int32
+    lib.pa_set_num_threads.argtypes = [ct.c_size_t]
     core = ov.Core()
     has_ext = hasattr(lib, "create_extensions")
     import tempfile
     tmpdir = tempfile.mkdtemp(prefix="pa_bench_")
     if has_ext:
         core.add_extension(str(LIB))
-    print(f"# OpenVINO {ov.__version__.split('-')[0]}, {THREADS} threads; machine: read {machine['read_gbs']:.1f} GB/s, "
-          f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']}); our extension: "
-          f"{'yes' if has_ext else 'n/a (library built without --features openvino)'}")
-    hdr = ("| workload | cache | ours ms min / med | OV built-in ms min / med | ours-in-OV ms min / med (vs C ABI) | ratio OV/ours "
-           "| ours GB/s (% read BW) | ours GFLOP/s (% FMA peak) | OV GB/s | max abs diff |")
-    print(hdr)
-    print("|---" * (hdr.count("|") - 1) + "|")
+    print(f"# OpenVINO {ov.__version__.split('-')[0]}, INFERENCE_PRECISION_HINT={args.hint} for both, "
+          f"{ncpu} CPUs; our extension: {'yes' if has_ext else 'n/a (library built without --features openvino)'}")
+    hdr = ("| workload | cache | threads | ours in OV ms min / med | OV built-in ms min / med | ratio OV/ours "
+           "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak) "
+           "| OV GB/s | max abs diff |")
     rows = []
-    rng = np.random.default_rng(0)
-    for key in args.only.split(","):
-        label, seqs = WORKLOADS[key]
-        for cache in args.types.split(","):
-            call = Call(seqs, cache, rng)
-            call.bind_ours(lib)
-            call.bind_ov(core)
-            ext_err = None if has_ext else "n/a"
-            if has_ext:
+    first = True
+    for nthr in threads:
+        machine = json.loads(subprocess.run([str(MACHINE)], capture_output=True, text=True, check=True,
+                                            env=dict(os.environ, RAYON_NUM_THREADS=str(nthr))).stdout)
+        print(f"\n## {nthr} threads; machine: read {machine['read_gbs']:.1f} GB/s, "
+              f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']})")
+        print(hdr)
+        print("|---" * (hdr.count("|") - 1) + "|")
+        rng = np.random.default_rng(0)
+        for key in args.only.split(","):
+            label, seqs = WORKLOADS[key]
+            for cache in args.types.split(","):
+                call = Call(seqs, cache, rng)
+                call.bind_ours(lib)
                 try:
-                    call.bind_ext(core, tmpdir)
-                except Exception as e:  # reported in the table, the other columns still run
-                    ext_err = f"error: {str(e).splitlines()[0][:60]}"
-            for _ in range(2):  # warm-up (thread pools, page faults, plugin caches)
-                call.run_ours()
-                call.run_ov()
-                if ext_err is None:
-                    call.run_ext()
-            ours, ovt, ext = [], [], []
-            for _ in range(args.reps):
-                ours.append(timed(call.run_ours))
-                ovt.append(timed(call.run_ov))
-                if ext_err is None:
-                    ext.append(timed(call.run_ext))
-            o_out, o_sc = call.out.copy(), call.scores.copy()
-            v_out, v_sc = call.ov_outputs()
-            diff = max(float(np.abs(o_out - v_out).max()), float(np.abs(o_sc - v_sc).max()))
-            omin, omed, vmin, vmed = min(ours), statistics.median(ours), min(ovt), statistics.median(ovt)
-            gbs = call.kv_bytes / omin / 1e6
-            gfl = call.flops / omin / 1e6
-            ext_txt = ext_err if ext_err else f"{min(ext):.2f} / {statistics.median(ext):.2f} ({100 * (min(ext) / omin - 1):+.0f}%)"
-            row = dict(workload=label, cache=cache, ours_min=omin, ours_med=omed, ov_min=vmin, ov_med=vmed,
-                       ext_min=min(ext) if ext else None,
-                       ratio=vmin / omin, gbs=gbs, bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
-                       fma_pct=100 * gfl / machine["fma_gflops"], ov_gbs=call.kv_bytes / vmin / 1e6, diff=diff)
-            rows.append(row)
-            print(f"| {label} | {cache} | {omin:.2f} / {omed:.2f} | {vmin:.2f} / {vmed:.2f} | {ext_txt} | {row['ratio']:.2f}x "
-                  f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {row['ov_gbs']:.1f} | {diff:.1e} |",
-                  flush=True)
-            del call
+                    call.bind_ov(core, nthr, args.hint)
+                    ov_err = None
+                except Exception as e:  # the built-in op refuses some hint/cache pairs on some CPUs
+                    ov_err = f"refused: {str(e).splitlines()[0][:50]}"
+                ext_err = None if has_ext else "n/a"
+                if has_ext:
+                    try:
+                        call.bind_ext(core, tmpdir, nthr, args.hint)
+                    except Exception as e:  # reported in the table, the other columns still run
+                        ext_err = f"error: {str(e).splitlines()[0][:60]}"
+                if first and ext_err is None:
+                    call.run_ext()  # the process's first call into our library, from infer()
+                    first = False
+                lib.pa_set_num_threads(nthr)
+                for _ in range(2):  # warm-up (thread pools, page faults, plugin caches)
+                    if ext_err is None:
+                        call.run_ext()
+                    if ov_err is None:
+                        call.run_ov()
+                    call.run_ours()
+                ours, ovt, ext = [], [], []
+                for _ in range(args.reps):
+                    if ext_err is None:
+                        ext.append(timed(call.run_ext))
+                    if ov_err is None:
+                        ovt.append(timed(call.run_ov))
+                    ours.append(timed(call.run_ours))
+                omin = min(ours)
+                diff = float("nan")
+                if ov_err is None:
+                    v_out, v_sc = call.ov_outputs()
+                    diff = max(float(np.abs(call.out - v_out).max()), float(np.abs(call.scores - v_sc).max()))
+                emin = min(ext) if ext else None
+                vmin = min(ovt) if ovt else None
+                t = emin if emin is not None else omin
+                gbs, gfl = call.kv_bytes / t / 1e6, call.flops / t / 1e6
+                row = dict(workload=label, key=key, cache=cache, threads=nthr, ours_min=omin,
+                           ours_med=statistics.median(ours), ov_min=vmin,
+                           ov_med=statistics.median(ovt) if ovt else None, ext_min=emin,
+                           ext_med=statistics.median(ext) if ext else None,
+                           ratio=(vmin / emin) if (vmin and emin) else None, gbs=gbs,
+                           bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
+                           fma_pct=100 * gfl / machine["fma_gflops"], diff=diff, machine=machine)
+                rows.append(row)
+                ext_txt = ext_err or f"{emin:.2f} / {row['ext_med']:.2f}"
+                ov_txt = ov_err or f"{vmin:.2f} / {row['ov_med']:.2f}"
+                ratio_txt = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
+                vs = f" ({100 * (emin / omin - 1):+.0f}%)" if emin else ""
+                ov_gbs = f"{call.kv_bytes / vmin / 1e6:.1f}" if vmin else "-"
+                print(f"| {label} | {cache} | {nthr} | {ext_txt} | {ov_txt} | {ratio_txt} | {omin:.2f}{vs} "
+                      f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {ov_gbs} "
+                      f"| {diff:.1e} |", flush=True)
+                del call
+    if len(threads) > 1:
+        print("\n## Thread scaling (min ms; efficiency = t1 / (n * tn) against the smallest count n0, "
+              "scaled to n0 = 1)")
+        print("| workload | cache | " + " | ".join(f"{n} thr ours in OV / OV (eff ours / OV)" for n in threads) + " |")
+        print("|---|---|" + "---|" * len(threads))
+        for key in args.only.split(","):
+            for cache in args.types.split(","):
+                rs = {r["threads"]: r for r in rows if r["key"] == key and r["cache"] == cache}
+                n0 = threads[0]
+                cells = []
+                for n in threads:
+                    r = rs.get(n)
+                    if not r or not r["ext_min"]:
+                        cells.append("-")
+                        continue
+                    eff = rs[n0]["ext_min"] * n0 / (n * r["ext_min"]) if rs[n0]["ext_min"] else float("nan")
+                    if r["ov_min"] and rs[n0]["ov_min"]:
+                        oeff = rs[n0]["ov_min"] * n0 / (n * r["ov_min"])
+                        cells.append(f"{r['ext_min']:.2f} / {r['ov_min']:.2f} ({100 * eff:.0f}% / {100 * oeff:.0f}%)")
+                    else:
+                        cells.append(f"{r['ext_min']:.2f} / - ({100 * eff:.0f}%)")
+                print(f"| {WORKLOADS[key][0]} | {cache} | " + " | ".join(cells) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(machine=machine, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(threads=threads, hint=args.hint, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

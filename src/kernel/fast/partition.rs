@@ -14,7 +14,13 @@ pub(crate) const PREFILL_ROWS: usize = 64;
 /// Keys a decode chunk aims for (flash-decoding split).
 pub(crate) const CHUNK_KEYS: usize = 256;
 /// Upper bound of chunks per row, so partial results stay O(T*H*D).
-pub(crate) const MAX_CHUNKS: usize = 16;
+pub(crate) const MAX_CHUNKS: usize = 64;
+/// Decode items a call aims for at least, so that many threads find work even when only a few
+/// sequences decode (one long context is split further). Like every cut, independent of the
+/// thread count.
+pub(crate) const MIN_DECODE_ITEMS: usize = 64;
+/// Fewest keys a decode chunk is cut to (below this, per-chunk start-up and merge costs win).
+pub(crate) const MIN_CHUNK_KEYS: usize = 128;
 /// Score logits stashed during attention, at most this many f32 beyond 8*T*H*D (16 MiB).
 pub(crate) const STASH_EXTRA: usize = 1 << 22;
 
@@ -80,6 +86,12 @@ impl Partition {
         let mut items = Vec::new();
         let (mut part_len, mut stash_len) = (0usize, 0usize);
         let mut seq_of_token = vec![0u32; plan.t];
+        let decoding = plan
+            .seqs
+            .iter()
+            .filter(|sp| sp.n > 0 && sp.n <= decode_qtok)
+            .count()
+            .max(1);
         for (s, sp) in plan.seqs.iter().enumerate() {
             seq_of_token[sp.begin..sp.begin + sp.n].fill(s as u32);
             let prefill = sp.n > decode_qtok;
@@ -90,7 +102,11 @@ impl Partition {
                 // Decode-like: split the visible keys of the tile into block-aligned chunks.
                 chunk0 = window_start(plan, sp.past) / bs * bs;
                 let span = sp.ctx() - chunk0;
-                let want = span.div_ceil(CHUNK_KEYS).clamp(1, MAX_CHUNKS);
+                let want = span
+                    .div_ceil(CHUNK_KEYS)
+                    .max(MIN_DECODE_ITEMS.div_ceil(decoding))
+                    .min(span.div_ceil(MIN_CHUNK_KEYS))
+                    .clamp(1, MAX_CHUNKS);
                 chunk_len = span.div_ceil(want).div_ceil(bs) * bs;
                 nchunks = span.div_ceil(chunk_len).max(1);
             }
