@@ -16,6 +16,17 @@ static pa_tensor t1(int32_t elem, int64_t d0, void *data) {
     return t;
 }
 
+/* A host parallel-for that runs the tasks one after another, last first, and counts them
+ * (a real host hands them to its threads; any order and any concurrency are allowed). */
+static size_t g_tasks;
+static void reverse_for(void *ctx, size_t n, pa_task_fn task, void *task_ctx) {
+    (void)ctx;
+    for (size_t i = n; i-- > 0;) {
+        g_tasks++;
+        task(task_ctx, i);
+    }
+}
+
 int main(void) {
     enum { H = 2, HKV = 1, D = 4, BS = 4, NB = 2 };
     float q[H * D] = {1, 0, 0, 0, 0, 1, 0, 0};
@@ -72,6 +83,38 @@ int main(void) {
         printf("expected a rejection, got %s: %s\n", pa_status_name(st), msg);
         return 1;
     }
+
+    /* the same call on a host runner gives the same result; a bad runner is rejected */
+    bi[0] = 1;
+    memset(kc, 0, sizeof kc);
+    memset(vc, 0, sizeof vc);
+    float first[H * D];
+    if (pa_execute(in, 9, outs, 2) != PA_STATUS_OK) { printf("second pa_execute failed\n"); return 1; }
+    memcpy(first, out, sizeof first);
+    memset(out, 0, sizeof out);
+    pa_runner runner;
+    runner.parallel_for = reverse_for;
+    runner.ctx = NULL;
+    runner.max_threads = 4;
+    st = pa_execute_ex(in, 9, outs, 2, &runner);
+    if (st != PA_STATUS_OK || g_tasks == 0 || memcmp(first, out, sizeof out) != 0) {
+        printf("pa_execute_ex: %s, %zu tasks\n", pa_status_name(st), g_tasks);
+        return 1;
+    }
+    runner.max_threads = 0;
+    if (pa_execute_ex(in, 9, outs, 2, &runner) != PA_STATUS_INVALID_ARGUMENT) { printf("max_threads 0 accepted\n"); return 1; }
+    runner.parallel_for = NULL;
+    runner.max_threads = 2;
+    if (pa_execute_ex(in, 9, outs, 2, &runner) != PA_STATUS_NULL_POINTER) { printf("NULL parallel_for accepted\n"); return 1; }
+    if (pa_execute_ex(in, 9, outs, 2, NULL) != PA_STATUS_OK) { printf("NULL runner (library pool) failed\n"); return 1; }
+    if (pa_set_num_threads(3) != PA_STATUS_OK || pa_get_num_threads() != 3) { printf("pa_set_num_threads(3)\n"); return 1; }
+    if (pa_set_num_threads(100000) != PA_STATUS_INVALID_ARGUMENT) { printf("100000 threads accepted\n"); return 1; }
+    pa_item_counts counts;
+    if (pa_item_counts_get(&counts) != PA_STATUS_OK || counts.host == 0 || counts.pool == 0) {
+        printf("item counts: host %llu pool %llu\n", (unsigned long long)counts.host, (unsigned long long)counts.pool);
+        return 1;
+    }
+    if (pa_item_counts_get(NULL) != PA_STATUS_NULL_POINTER) { printf("pa_item_counts_get(NULL)\n"); return 1; }
     printf("ok %s\n", pa_version_string());
     return 0;
 }
