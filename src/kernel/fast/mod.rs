@@ -40,8 +40,8 @@ mod shared;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::op::{PaInputs, PaOutputs, Plan};
-use micro::avx2::Avx2;
 use micro::scalar::Scalar;
+use micro::x86::avx2::Avx2;
 use micro::TileMicro;
 use std::sync::OnceLock;
 

@@ -2,20 +2,19 @@
 //! tile drivers (`attention`, `scores`) are written once and run on every SIMD level.
 //!
 //! - `scalar`: plain loops; the fast path's own twin, and what runs without AVX2.
-//! - `avx2`: AVX2 + FMA + F16C (`std::arch`), chosen only after runtime detection.
-//! - `avx2_decode`, `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per
-//!   KV head), which also keep the next tile's cache lines coming while they compute.
-//! - `scalar_tile`, `avx2_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
+//! - `x86`: the x86_64 tiers (`std::arch`), one file per tier and trait, each chosen only after
+//!   runtime detection.
+//! - `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per KV head); the SIMD
+//!   twins also keep the next tile's cache lines coming while they compute.
+//! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
 //!
 //! All arithmetic is f32: f16/bf16 cache rows are widened as they are loaded, because summing
 //! in half precision would lose the small softmax weights of long contexts.
 
-pub(crate) mod avx2;
-pub(crate) mod avx2_decode;
-mod avx2_tile;
 pub(crate) mod scalar;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
+pub(crate) mod x86;
 
 use crate::dtype::Float;
 
