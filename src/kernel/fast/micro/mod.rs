@@ -22,6 +22,7 @@ use crate::dtype::Float;
 /// supports the instructions it uses.
 pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     /// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
+    #[allow(clippy::too_many_arguments)]
     fn qk<C: Float>(
         self,
         q: &[f32],
@@ -33,6 +34,7 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
         lds: usize,
     );
     /// `acc[r*d..][..d] += sum_j p[r*ldp + j] * v[j*d..][..d]` for `r < rows`.
+    #[allow(clippy::too_many_arguments)]
     fn pv<C: Float>(
         self,
         p: &[f32],
@@ -131,6 +133,7 @@ pub(crate) trait TileMicro: Micro {
     fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize);
     /// `acc[r*d + x] = acc[r*d + x]*c[r] + sum_j pt[j*ldp + r] * v[j*d + x]` for `r < rows`,
     /// `x < d` (keys summed in order).
+    #[allow(clippy::too_many_arguments)]
     #[allow(clippy::too_many_arguments)]
     fn pv_t(
         self,
