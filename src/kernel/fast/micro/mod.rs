@@ -16,6 +16,9 @@ pub(crate) mod scalar_decode;
 mod scalar_tile;
 pub(crate) mod x86;
 
+#[cfg(test)]
+mod tests;
+
 use crate::dtype::Float;
 
 /// The inner loops of a tile. Implementors are zero-sized tokens; holding one proves the CPU
@@ -119,6 +122,7 @@ pub(crate) trait TileMicro: Micro {
     /// `m' = max(m, max_j st)`, `c[r] = exp(m - m')` (the factor the old accumulator needs),
     /// `st = exp(st - m')` in place, `l = l*c + sum_j st` (in key order), `m = m'`. A row still
     /// at `-inf` everywhere subtracts 0, so it gets weights 0 and `c = 0`, never NaN.
+    #[allow(clippy::too_many_arguments)]
     fn softmax_t(
         self,
         st: &mut [f32],
@@ -133,7 +137,6 @@ pub(crate) trait TileMicro: Micro {
     fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize);
     /// `acc[r*d + x] = acc[r*d + x]*c[r] + sum_j pt[j*ldp + r] * v[j*d + x]` for `r < rows`,
     /// `x < d` (keys summed in order).
-    #[allow(clippy::too_many_arguments)]
     #[allow(clippy::too_many_arguments)]
     fn pv_t(
         self,
