@@ -112,7 +112,7 @@ fn dec_softmax<M: Micro, C: Float>(m: M, tier: &str) {
                         }
                     }
                 }
-                let fresh = |r: usize| r % 3 == 0;
+                let fresh = |r: usize| r.is_multiple_of(3);
                 let m0: Vec<f32> = (0..rows)
                     .map(|r| {
                         if fresh(r) {
@@ -275,7 +275,7 @@ fn tile<M: TileMicro>(m: M, tier: &str) {
                     }
                 }
                 let s0 = st.clone();
-                let fresh = |r: usize| r % 3 == 0 || r >= rows;
+                let fresh = |r: usize| r.is_multiple_of(3) || r >= rows;
                 let mut mm = vec![f32::NAN; ld];
                 let mut l = vec![f32::NAN; ld];
                 for r in 0..rows8 {
