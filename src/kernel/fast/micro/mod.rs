@@ -105,6 +105,10 @@ pub(crate) trait DecodeMicro: Copy {
 /// `rows8` rows, and query rows `rows..rows8` of the panel are zero (padding the kernels may
 /// compute on and the callers ignore).
 pub(crate) trait TileMicro: Micro {
+    /// Rows per `qk_t` call in a prefill tile (a multiple of 16): as many as the kernel's
+    /// register block covers, so each key element it broadcasts feeds that many rows.
+    const QK_ROWS: usize = 16;
+
     /// `st[j*ldt + r] = sum_x qt[x*ldq + r] * k[j*d + x]` for `r < rows8`, `j < n`.
     #[allow(clippy::too_many_arguments)]
     fn qk_t(

@@ -329,14 +329,16 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     for r in 0..R {
         v[r * K..(r + 1) * K].copy_from_slice(&acc[r]);
     }
-    let mut out = [0f32; 16];
-    // SAFETY: `out` holds 16 floats.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), reduce16(&v)) };
+    let sums = reduce16(&v);
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for r in 0..rn {
-        for kk in 0..kn {
-            // SAFETY: entry (r, kk) of the caller's s block.
-            unsafe { *s.add(r * lds + kk) = out[r * K + kk] };
-        }
+        // Row r's sums are lanes r*K..r*K+K: move them to the bottom and store the first kn.
+        let row = _mm512_permutexvar_ps(
+            _mm512_add_epi32(lanes, _mm512_set1_epi32((r * K) as i32)),
+            sums,
+        );
+        // SAFETY: entries (r, 0..kn) of the caller's s block.
+        unsafe { _mm512_mask_storeu_ps(s.add(r * lds), tail(kn), row) };
     }
 }
 

@@ -21,6 +21,9 @@ const QK_KEYS: usize = 12;
 const PV_ROWS: usize = 6;
 
 impl TileMicro for Avx512 {
+    // Two row vectors x 12 keys: each broadcast feeds two FMAs.
+    const QK_ROWS: usize = 32;
+
     fn qk_t(
         self,
         qt: &[f32],
