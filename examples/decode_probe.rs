@@ -146,9 +146,14 @@ fn read_bw() -> f64 {
 
 fn main() {
     let reps: usize = std::env::args().nth(1).map_or(30, |s| s.parse().unwrap());
-    // PROBE_ONE=f16|f32|bf16: only decode16 from cache, for profiling.
+    // PROBE_ONE=f16|f32|bf16: only decode16 from cache, for profiling (with PROBE_PREFILL=1:
+    // prefill 1 x 1024 instead, to compare SIMD tiers by CPU time on a busy machine).
     if let Ok(ty) = std::env::var("PROBE_ONE") {
-        let seqs = vec![(1024, 1); 16];
+        let seqs = if std::env::var_os("PROBE_PREFILL").is_some() {
+            vec![(0, 1024)]
+        } else {
+            vec![(1024, 1); 16]
+        };
         let hot = std::env::var_os("PROBE_COLD").is_none();
         let (ms, _) = match ty.as_str() {
             "f32" => bench::<f32>(&seqs, reps, hot),

@@ -317,12 +317,62 @@ fn compare(c: &Case, what: &str, got: &Result_, want: &Result_) {
 
 const TYPES: [ElemType; 3] = [ElemType::F32, ElemType::F16, ElemType::BF16];
 
+/// Every SIMD level this CPU runs (the scalar one always), printed once per test process so a
+/// run shows which tiers it held against the reference (`--nocapture`).
 fn levels() -> Vec<SimdLevel> {
-    let mut v = vec![SimdLevel::Scalar];
-    if SimdLevel::detected() == SimdLevel::Avx2 {
-        v.push(SimdLevel::Avx2);
-    }
+    let v: Vec<SimdLevel> = SimdLevel::ALL
+        .into_iter()
+        .filter(|l| l.effective() == *l)
+        .collect();
+    static PRINTED: std::sync::Once = std::sync::Once::new();
+    PRINTED.call_once(|| {
+        let names: Vec<&str> = v.iter().map(|l| l.name()).collect();
+        eprintln!("tiers exercised: {}", names.join(" "));
+    });
     v
+}
+
+/// The tiers the CPU reports (asked here directly, not through the crate's detection) are all
+/// among the levels the tests run, so a broken detection cannot silently skip a tier.
+#[test]
+fn every_tier_the_cpu_has_is_exercised() {
+    let run = levels();
+    assert!(run.contains(&SimdLevel::Scalar));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let has = |fs: &[bool]| fs.iter().all(|&f| f);
+        let avx2 = has(&[
+            is_x86_feature_detected!("avx2"),
+            is_x86_feature_detected!("fma"),
+            is_x86_feature_detected!("f16c"),
+        ]);
+        let avx512 = avx2
+            && has(&[
+                is_x86_feature_detected!("avx512f"),
+                is_x86_feature_detected!("avx512bw"),
+                is_x86_feature_detected!("avx512vl"),
+                is_x86_feature_detected!("avx512dq"),
+            ]);
+        assert_eq!(run.contains(&SimdLevel::Avx2), avx2, "tiers run: {run:?}");
+        assert_eq!(
+            run.contains(&SimdLevel::Avx512),
+            avx512,
+            "tiers run: {run:?}"
+        );
+    }
+}
+
+/// `PA_SIMD` names round-trip, and asking for a level gives it when the CPU has it, else the
+/// best level the CPU has.
+#[test]
+fn simd_levels_fall_back_to_the_best_the_cpu_has() {
+    let best = SimdLevel::detected();
+    for l in SimdLevel::ALL {
+        assert_eq!(SimdLevel::parse(l.name()), Some(l));
+        let want = if l <= best { l } else { best };
+        assert_eq!(l.effective(), want, "{l:?} on a CPU whose best is {best:?}");
+    }
+    assert_eq!(SimdLevel::parse("avx1024"), None);
 }
 
 fn check_spec(rng: &mut Rng, sp: &Spec, types: &[(ElemType, ElemType)]) {
@@ -412,7 +462,7 @@ fn fast_matches_reference_for_gqa_group_sizes() {
 fn fast_matches_reference_for_block_and_head_sizes() {
     let mut rng = Rng(5);
     for bs in [1, 16, 32, 48] {
-        for d in [16, 64, 80, 128, 256, 7, 1] {
+        for d in [16, 64, 80, 96, 128, 256, 7, 17, 1] {
             let sp = Spec {
                 bs,
                 d,

@@ -18,11 +18,14 @@
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
-//! - `micro`: the inner loops, AVX2+FMA+F16C when detected at run time, else scalar.
+//! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, scalar
+//!   twins in `micro/`).
 //!
-//! SIMD levels: `avx2` (AVX2 + FMA + F16C) and `scalar`. There is no AVX-512 path: the
-//! machines this was written on have no AVX-512 to test it on. `PA_SIMD=scalar` forces the
-//! scalar path for a process; [`execute_with`] picks a level per call (tests).
+//! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `avx512` (AVX-512 F + BW + VL +
+//! DQ, 16-wide with masked tails), else `avx2` (AVX2 + FMA + F16C, 8-wide), else `scalar`.
+//! `PA_SIMD=scalar|avx2|avx512` forces a level for a process; a level the CPU lacks gives the
+//! best one it has (the levels are nested: every AVX-512 CPU has AVX2). [`execute_with`] picks
+//! a level per call (tests), with the same fallback ([`SimdLevel::effective`]).
 //!
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
@@ -41,23 +44,36 @@ use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::op::{PaInputs, PaOutputs, Plan};
 use crate::threads::Runner;
-use micro::avx2::Avx2;
 use micro::scalar::Scalar;
+use micro::x86::avx2::Avx2;
+#[cfg(target_arch = "x86_64")]
+use micro::x86::avx512::Avx512;
 use micro::TileMicro;
 use std::sync::OnceLock;
 
-/// Instruction set the fast kernels use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Instruction set the fast kernels use, ordered by capability: a CPU that has a level has
+/// every lower one, so falling back means taking the lower of two levels. (A level above
+/// `Avx512`, such as AMX tiles, goes after it and keeps that property.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SimdLevel {
     /// Plain Rust loops.
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX-512 F + BW + VL + DQ (with AVX2, FMA and F16C).
+    Avx512,
 }
 
 impl SimdLevel {
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+
     /// The best level this CPU supports.
     pub fn detected() -> SimdLevel {
+        #[cfg(target_arch = "x86_64")]
+        if Avx512::detect().is_some() {
+            return SimdLevel::Avx512;
+        }
         if Avx2::detect().is_some() {
             SimdLevel::Avx2
         } else {
@@ -65,13 +81,36 @@ impl SimdLevel {
         }
     }
 
-    /// The detected level, lowered by `PA_SIMD=scalar` (read once per process). Asking for a
-    /// level the CPU lacks (`PA_SIMD=avx2` without AVX2) gives the detected one.
+    /// The level a call asking for `self` runs at: `self` when the CPU has it, else the best
+    /// level the CPU has.
+    pub fn effective(self) -> SimdLevel {
+        self.min(SimdLevel::detected())
+    }
+
+    /// The `PA_SIMD` spelling of the level.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+
+    /// The level spelled `name` (as [`SimdLevel::name`] gives it).
+    pub fn parse(name: &str) -> Option<SimdLevel> {
+        SimdLevel::ALL.into_iter().find(|l| l.name() == name)
+    }
+
+    /// The detected level, or the one `PA_SIMD=scalar|avx2|avx512` asks for (read once per
+    /// process) when the CPU has it; asking for a level the CPU lacks (`PA_SIMD=avx512` without
+    /// AVX-512) gives the best one it has, and an unknown name the detected one.
     pub fn from_env() -> SimdLevel {
         static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
-        *LEVEL.get_or_init(|| match std::env::var("PA_SIMD").as_deref() {
-            Ok("scalar") => SimdLevel::Scalar,
-            _ => SimdLevel::detected(),
+        *LEVEL.get_or_init(|| {
+            std::env::var("PA_SIMD")
+                .ok()
+                .and_then(|v| SimdLevel::parse(&v))
+                .map_or_else(SimdLevel::detected, SimdLevel::effective)
         })
     }
 }
@@ -127,12 +166,14 @@ pub fn run(
         // Nothing to tile; the reference does no arithmetic here.
         return super::run_reference(plan, inputs, outputs);
     }
-    match opts.simd {
-        SimdLevel::Avx2 => match Avx2::detect() {
-            Some(m) => run_micro(m, plan, inputs, outputs, opts),
-            None => run_micro(Scalar, plan, inputs, outputs, opts),
-        },
-        SimdLevel::Scalar => run_micro(Scalar, plan, inputs, outputs, opts),
+    let level = opts.simd.effective();
+    #[cfg(target_arch = "x86_64")]
+    if let (SimdLevel::Avx512, Some(m)) = (level, Avx512::detect()) {
+        return run_micro(m, plan, inputs, outputs, opts);
+    }
+    match (level, Avx2::detect()) {
+        (SimdLevel::Avx2 | SimdLevel::Avx512, Some(m)) => run_micro(m, plan, inputs, outputs, opts),
+        _ => run_micro(Scalar, plan, inputs, outputs, opts),
     }
 }
 

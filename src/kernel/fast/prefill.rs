@@ -17,9 +17,8 @@ use crate::kernel::reference::{cache_row, window_start};
 use std::any::TypeId;
 use std::cell::RefCell;
 
-/// Rows per `qk_t` / `pv_t` call (multiples of the kernels' 16- and 6-row blocks); prefetches
-/// go between the calls.
-const QK_ROWS: usize = 16;
+/// Rows per `pv_t` call (a multiple of the kernels' 6-row blocks; `qk_t` calls take
+/// `TileMicro::QK_ROWS`); prefetches go between the calls.
 const PV_ROWS: usize = 12;
 
 /// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
@@ -236,9 +235,9 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 kf
             }
         };
-        let parts = rows8.div_ceil(QK_ROWS);
-        for (i, r) in (0..rows8).step_by(QK_ROWS).enumerate() {
-            let rr = QK_ROWS.min(rows8 - r);
+        let parts = rows8.div_ceil(M::QK_ROWS);
+        for (i, r) in (0..rows8).step_by(M::QK_ROWS).enumerate() {
+            let rr = M::QK_ROWS.min(rows8 - r);
             m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
             prefetch_part(vp, i, parts);
         }

@@ -2,20 +2,22 @@
 //! tile drivers (`attention`, `scores`) are written once and run on every SIMD level.
 //!
 //! - `scalar`: plain loops; the fast path's own twin, and what runs without AVX2.
-//! - `avx2`: AVX2 + FMA + F16C (`std::arch`), chosen only after runtime detection.
-//! - `avx2_decode`, `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per
-//!   KV head), which also keep the next tile's cache lines coming while they compute.
-//! - `scalar_tile`, `avx2_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
+//! - `x86`: the x86_64 tiers (`std::arch`), one file per tier and trait, each chosen only after
+//!   runtime detection.
+//! - `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per KV head); the SIMD
+//!   twins also keep the next tile's cache lines coming while they compute.
+//! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
 //!
 //! All arithmetic is f32: f16/bf16 cache rows are widened as they are loaded, because summing
 //! in half precision would lose the small softmax weights of long contexts.
 
-pub(crate) mod avx2;
-pub(crate) mod avx2_decode;
-mod avx2_tile;
 pub(crate) mod scalar;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
+pub(crate) mod x86;
+
+#[cfg(test)]
+mod tests;
 
 use crate::dtype::Float;
 
@@ -23,6 +25,7 @@ use crate::dtype::Float;
 /// supports the instructions it uses.
 pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     /// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
+    #[allow(clippy::too_many_arguments)]
     fn qk<C: Float>(
         self,
         q: &[f32],
@@ -34,6 +37,7 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
         lds: usize,
     );
     /// `acc[r*d..][..d] += sum_j p[r*ldp + j] * v[j*d..][..d]` for `r < rows`.
+    #[allow(clippy::too_many_arguments)]
     fn pv<C: Float>(
         self,
         p: &[f32],
@@ -101,6 +105,10 @@ pub(crate) trait DecodeMicro: Copy {
 /// `rows8` rows, and query rows `rows..rows8` of the panel are zero (padding the kernels may
 /// compute on and the callers ignore).
 pub(crate) trait TileMicro: Micro {
+    /// Rows per `qk_t` call in a prefill tile (a multiple of 16): as many as the kernel's
+    /// register block covers, so each key element it broadcasts feeds that many rows.
+    const QK_ROWS: usize = 16;
+
     /// `st[j*ldt + r] = sum_x qt[x*ldq + r] * k[j*d + x]` for `r < rows8`, `j < n`.
     #[allow(clippy::too_many_arguments)]
     fn qk_t(
@@ -118,6 +126,7 @@ pub(crate) trait TileMicro: Micro {
     /// `m' = max(m, max_j st)`, `c[r] = exp(m - m')` (the factor the old accumulator needs),
     /// `st = exp(st - m')` in place, `l = l*c + sum_j st` (in key order), `m = m'`. A row still
     /// at `-inf` everywhere subtracts 0, so it gets weights 0 and `c = 0`, never NaN.
+    #[allow(clippy::too_many_arguments)]
     fn softmax_t(
         self,
         st: &mut [f32],

@@ -13,25 +13,9 @@ use std::arch::x86_64::*;
 #[cfg(target_arch = "x86_64")]
 use super::avx2::exp8_clamped;
 use super::avx2::Avx2;
+#[cfg(target_arch = "x86_64")]
+use super::bounds;
 use super::TileMicro;
-
-/// Checks the slice bounds `qk_t` relies on.
-#[allow(clippy::too_many_arguments)]
-fn check_qk(
-    qt: &[f32],
-    ldq: usize,
-    rows: usize,
-    k: &[f32],
-    n: usize,
-    d: usize,
-    st: &[f32],
-    ldt: usize,
-) {
-    let rows8 = rows.div_ceil(8) * 8;
-    assert!(ldq >= rows8 && ldt >= rows8 && k.len() >= n * d);
-    assert!(d == 0 || qt.len() >= (d - 1) * ldq + rows8);
-    assert!(n == 0 || st.len() >= (n - 1) * ldt + rows8);
-}
 
 #[cfg(not(target_arch = "x86_64"))]
 impl TileMicro for Avx2 {
@@ -88,9 +72,9 @@ impl TileMicro for Avx2 {
         st: &mut [f32],
         ldt: usize,
     ) {
-        check_qk(qt, ldq, rows, k, n, d, st, ldt);
+        bounds::qk_t(qt.len(), ldq, rows, k.len(), n, d, st.len(), ldt);
         let rows8 = rows.div_ceil(8) * 8;
-        // SAFETY: `self` proves the features; `check_qk` bounds every access.
+        // SAFETY: `self` proves the features; `bounds::qk_t` bounds every access.
         unsafe {
             qk_t(
                 qt.as_ptr(),
@@ -115,10 +99,9 @@ impl TileMicro for Avx2 {
         l: &mut [f32],
         c: &mut [f32],
     ) {
+        bounds::softmax_t(st.len(), ldt, rows, n, m.len(), l.len(), c.len());
         let rows8 = rows.div_ceil(8) * 8;
-        assert!(ldt >= rows8 && m.len() >= rows8 && l.len() >= rows8 && c.len() >= rows8);
-        assert!(n == 0 || st.len() >= (n - 1) * ldt + rows8);
-        // SAFETY: `self` proves the features; the asserts above bound every access.
+        // SAFETY: `self` proves the features; `bounds::softmax_t` bounds every access.
         unsafe {
             softmax_t(
                 st.as_mut_ptr(),
@@ -133,10 +116,9 @@ impl TileMicro for Avx2 {
     }
 
     fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize) {
+        bounds::transpose(src.len(), rows, d, dst.len(), ldd);
         let rows8 = rows.div_ceil(8) * 8;
-        assert!(ldd >= rows8 && src.len() >= rows8 * d);
-        assert!(d == 0 || dst.len() >= (d - 1) * ldd + rows8);
-        // SAFETY: `self` proves the features; the asserts above bound every access.
+        // SAFETY: `self` proves the features; `bounds::transpose` bounds every access.
         unsafe { transpose(src.as_ptr(), rows8, d, dst.as_mut_ptr(), ldd) }
     }
 
@@ -151,9 +133,8 @@ impl TileMicro for Avx2 {
         c: &[f32],
         acc: &mut [f32],
     ) {
-        assert!(v.len() >= n * d && c.len() >= rows && acc.len() >= rows * d);
-        assert!(rows == 0 || n == 0 || (ldp >= rows && pt.len() >= (n - 1) * ldp + rows));
-        // SAFETY: `self` proves the features; the asserts above bound every access.
+        bounds::pv_t(pt.len(), ldp, rows, v.len(), n, d, c.len(), acc.len());
+        // SAFETY: `self` proves the features; `bounds::pv_t` bounds every access.
         unsafe {
             pv_t(
                 pt.as_ptr(),

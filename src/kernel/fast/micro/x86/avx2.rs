@@ -13,6 +13,8 @@
 use std::arch::x86_64::*;
 
 use super::Micro;
+#[cfg(target_arch = "x86_64")]
+use super::{bounds, cephes};
 use crate::dtype::{ElemType, Float};
 
 /// Proof that AVX2, FMA and F16C are available (only [`Avx2::detect`] builds one).
@@ -89,9 +91,8 @@ impl Micro for Avx2 {
         s: &mut [f32],
         lds: usize,
     ) {
-        assert!(q.len() >= rows * d && k.len() >= n * d);
-        assert!(rows == 0 || n == 0 || s.len() >= (rows - 1) * lds + n);
-        // SAFETY: `self` proves the features; the asserts above bound every access.
+        bounds::qk(q.len(), rows, k.len(), n, d, s.len(), lds);
+        // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
         unsafe { qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), lds) }
     }
 
@@ -105,9 +106,8 @@ impl Micro for Avx2 {
         d: usize,
         acc: &mut [f32],
     ) {
-        assert!(v.len() >= n * d && acc.len() >= rows * d);
-        assert!(rows == 0 || n == 0 || p.len() >= (rows - 1) * ldp + n);
-        // SAFETY: `self` proves the features; the asserts above bound every access.
+        bounds::pv(p.len(), ldp, rows, v.len(), n, d, acc.len());
+        // SAFETY: `self` proves the features; `bounds::pv` bounds every access.
         unsafe { pv::<C>(p.as_ptr(), ldp, rows, v.as_ptr(), n, d, acc.as_mut_ptr()) }
     }
 
@@ -370,9 +370,9 @@ unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp8(x: __m256) -> __m256 {
-    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.33654));
-    let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654));
+    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(cephes::X_MIN));
+    let x = _mm256_min_ps(x, _mm256_set1_ps(cephes::X_MAX));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(cephes::X_MIN));
     // SAFETY: same features as this function.
     let r = unsafe { exp8_clamped(x) };
     _mm256_andnot_ps(under, r)
@@ -388,14 +388,12 @@ pub(super) unsafe fn exp8_clamped(x: __m256) -> __m256 {
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.398_2e-3));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.333_452e-3));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.166_579_6e-2));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.166_666_65));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.5));
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(cephes::LN2_HI), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(cephes::LN2_LO), x);
+    let mut y = _mm256_set1_ps(cephes::P[0]);
+    for &c in &cephes::P[1..] {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+    }
     y = _mm256_fmadd_ps(
         y,
         _mm256_mul_ps(x, x),

@@ -47,43 +47,10 @@ impl DecodeMicro for Avx2 {
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2::{exp_sub_sum, load8, load_partial};
-
-/// Prefetch cursor over one slice: `per` cache lines per [`Pf::tick`] until its end.
 #[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Pf {
-    p: usize,
-    end: usize,
-    per: usize,
-}
-
+use super::bounds;
 #[cfg(target_arch = "x86_64")]
-impl Pf {
-    /// Spreads the lines of `x` over `ticks` ticks.
-    fn new<C>(x: &[C], ticks: usize) -> Pf {
-        let start = x.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(x);
-        let p = start & !63;
-        Pf {
-            p,
-            end,
-            per: (end - p).div_ceil(64).div_ceil(ticks.max(1)),
-        }
-    }
-
-    #[inline(always)]
-    fn tick(&mut self) {
-        for _ in 0..self.per {
-            if self.p >= self.end {
-                return;
-            }
-            // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is part
-            // of the x86_64 baseline.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.p as *const i8) };
-            self.p += 64;
-        }
-    }
-}
+use super::prefetch::Pf;
 
 #[cfg(target_arch = "x86_64")]
 impl DecodeMicro for Avx2 {
@@ -97,9 +64,9 @@ impl DecodeMicro for Avx2 {
         s: &mut [f32],
         pf: &[C],
     ) {
-        assert!(q.len() >= rows * d && k.len() >= n * d && s.len() >= rows * n);
+        bounds::qk(q.len(), rows, k.len(), n, d, s.len(), n);
         let mut pf = Pf::new(pf, rows.div_ceil(4) * n.div_ceil(3) * (d / 8));
-        // SAFETY: `self` proves the features; the assert above bounds every access.
+        // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
         unsafe { dec_qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), &mut pf) }
     }
 
@@ -115,10 +82,9 @@ impl DecodeMicro for Avx2 {
         acc: &mut [f32],
         pf: &[C],
     ) {
-        assert!(s.len() >= rows * n && v.len() >= n * d && acc.len() >= rows * d);
-        assert!(m.len() >= rows && l.len() >= rows);
+        bounds::dec_softmax_pv(s.len(), rows, n, v.len(), d, m.len(), l.len(), acc.len());
         let mut pf = Pf::new(pf, rows.div_ceil(4) * d.div_ceil(24) * n);
-        // SAFETY: `self` proves the features; the asserts above bound every access.
+        // SAFETY: `self` proves the features; `bounds::dec_softmax_pv` bounds every access.
         unsafe {
             dec_softmax_pv::<C>(
                 s.as_mut_ptr(),

@@ -1,0 +1,400 @@
+//! Every micro-kernel of every tier this CPU has (the scalar twin included) against float64 on
+//! seeded random data, at the shapes where vector loops have edges: row counts around 4, 8, 16
+//! and 32, key counts around the register blocks, head sizes that leave every tail length, and
+//! f32/f16/bf16 rows. Buffers carry NaN sentinels past the ranges a kernel may write, so a
+//! masked store that spills is caught too.
+//!
+//! Bounds: a sum of `n` products in f32 (any order, FMA or not) is within `(n + 2) * eps *
+//! sum |terms|` of the exact value; each exp is within 4 eps (relative) of the exp of the same
+//! f32 argument (the float64 side subtracts in f32 as the kernels do), hence `n + 8` for sums
+//! of exps or of terms scaled by one.
+
+use super::scalar::Scalar;
+use super::{Micro, TileMicro};
+use crate::dtype::Float;
+use half::{bf16, f16};
+
+const EPS: f64 = f32::EPSILON as f64;
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self, a: f32) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+    }
+    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f(a)).collect()
+    }
+    fn typed<C: Float>(&mut self, n: usize) -> Vec<C> {
+        (0..n).map(|_| C::from_f32(self.f(1.0))).collect()
+    }
+}
+
+fn close(what: &str, got: f32, want: f64, tol: f64) {
+    assert!(
+        (got as f64 - want).abs() <= tol,
+        "{what}: got {got}, want {want} (tol {tol:e})"
+    );
+}
+
+fn untouched(what: &str, x: &[f32]) {
+    assert!(x.iter().all(|v| v.is_nan()), "{what}: wrote past its range");
+}
+
+const ROWS: [usize; 8] = [1, 2, 3, 4, 5, 7, 8, 9];
+const KEYS: [usize; 8] = [1, 2, 3, 5, 8, 9, 17, 33];
+const DIMS: [usize; 10] = [1, 7, 15, 16, 17, 33, 64, 80, 96, 128];
+
+fn qk_pv<M: Micro, C: Float>(m: M, tier: &str) {
+    let mut rng = Rng(0x5eed);
+    for rows in ROWS {
+        for n in KEYS {
+            for d in DIMS {
+                let what = format!("{tier} {:?} rows={rows} n={n} d={d}", C::TYPE);
+                let q = rng.vec(rows * d, 1.0);
+                let k: Vec<C> = rng.typed(n * d);
+                let kf: Vec<f64> = k.iter().map(|x| x.to_f32() as f64).collect();
+                let lds = n + 3;
+                let mut s = vec![f32::NAN; rows * lds];
+                m.qk(&q, rows, &k, n, d, &mut s, lds);
+                let mut sd = vec![f32::NAN; rows * n];
+                m.dec_qk(&q, rows, &k, n, d, &mut sd, &k);
+                for r in 0..rows {
+                    for j in 0..n {
+                        let t = (0..d).map(|x| q[r * d + x] as f64 * kf[j * d + x]);
+                        let (want, mag) = t.fold((0.0, 0.0), |(a, b), t| (a + t, b + t.abs()));
+                        let tol = (d as f64 + 2.0) * EPS * mag;
+                        close(&format!("{what} qk"), s[r * lds + j], want, tol);
+                        close(&format!("{what} dec_qk"), sd[r * n + j], want, tol);
+                    }
+                    untouched(&format!("{what} qk"), &s[r * lds + n..(r + 1) * lds]);
+                }
+                // pv: accumulators += weights x values.
+                let ldp = n + 2;
+                let p = rng.vec(rows * ldp, 1.0);
+                let v: Vec<C> = rng.typed(n * d);
+                let acc0 = rng.vec(rows * d, 1.0);
+                let mut acc = acc0.clone();
+                acc.extend([f32::NAN; 17]);
+                m.pv(&p, ldp, rows, &v, n, d, &mut acc[..rows * d]);
+                untouched(&format!("{what} pv"), &acc[rows * d..]);
+                for r in 0..rows {
+                    for x in 0..d {
+                        let t =
+                            (0..n).map(|j| p[r * ldp + j] as f64 * v[j * d + x].to_f32() as f64);
+                        let a0 = acc0[r * d + x] as f64;
+                        let (want, mag) = t.fold((a0, a0.abs()), |(a, b), t| (a + t, b + t.abs()));
+                        let tol = (n as f64 + 2.0) * EPS * mag;
+                        close(&format!("{what} pv"), acc[r * d + x], want, tol);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `dec_softmax_pv` from states where some rows are fresh (`m = -inf`), some have a running
+/// max above or below the tile's, with masked keys and one fully masked row.
+fn dec_softmax<M: Micro, C: Float>(m: M, tier: &str) {
+    let mut rng = Rng(0xdec);
+    for rows in ROWS {
+        for n in [1, 3, 16, 17, 33] {
+            for d in [1, 7, 16, 17, 80, 128] {
+                let what = format!("{tier} {:?} rows={rows} n={n} d={d}", C::TYPE);
+                let mut s = rng.vec(rows * n, 4.0);
+                for r in 0..rows {
+                    for j in 0..n {
+                        // A causal-like edge per row, and row 1 fully masked.
+                        if j > (r * 5) % (n + 1) + 1 || r == 1 {
+                            s[r * n + j] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let fresh = |r: usize| r.is_multiple_of(3);
+                let m0: Vec<f32> = (0..rows)
+                    .map(|r| {
+                        if fresh(r) {
+                            f32::NEG_INFINITY
+                        } else {
+                            rng.f(4.0)
+                        }
+                    })
+                    .collect();
+                let l0: Vec<f32> = (0..rows)
+                    .map(|r| if fresh(r) { 0.0 } else { 1.0 + rng.f(0.5) })
+                    .collect();
+                let acc0: Vec<f32> = (0..rows * d)
+                    .map(|i| if fresh(i / d) { 0.0 } else { rng.f(1.0) })
+                    .collect();
+                let v: Vec<C> = rng.typed(n * d);
+                let (mut mm, mut l, mut acc) = (m0.clone(), l0.clone(), acc0.clone());
+                let mut st = s.clone();
+                m.dec_softmax_pv(&mut st, rows, n, &v, d, &mut mm, &mut l, &mut acc, &v);
+                for r in 0..rows {
+                    let row = &s[r * n..(r + 1) * n];
+                    let mt = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mn = m0[r].max(mt);
+                    assert_eq!(mm[r].to_bits(), mn.to_bits(), "{what}: m[{r}]");
+                    let c = if m0[r] == f32::NEG_INFINITY || mt == f32::NEG_INFINITY {
+                        1.0
+                    } else {
+                        ((m0[r] - mn) as f64).exp()
+                    };
+                    let e: Vec<f64> = row.iter().map(|&x| ((x - mn) as f64).exp()).collect();
+                    let want_l = l0[r] as f64 * c + e.iter().sum::<f64>();
+                    let tol = (n as f64 + 8.0) * EPS * want_l;
+                    close(&format!("{what} l[{r}]"), l[r], want_l, tol);
+                    for x in 0..d {
+                        let a0 = acc0[r * d + x] as f64 * c;
+                        let t = e
+                            .iter()
+                            .enumerate()
+                            .map(|(j, w)| w * v[j * d + x].to_f32() as f64);
+                        let (want, mag) = t.fold((a0, a0.abs()), |(a, b), t| (a + t, b + t.abs()));
+                        let tol = (n as f64 + 8.0) * EPS * mag;
+                        close(&format!("{what} acc[{r}][{x}]"), acc[r * d + x], want, tol);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// exp_sub_sum, add_exp_scaled, scale and widen at every length up to 40.
+fn elementwise<M: Micro>(m: M, tier: &str) {
+    let mut rng = Rng(0xe1e);
+    for n in 0..=40 {
+        let what = format!("{tier} n={n}");
+        let x = rng.vec(n, 8.0);
+        let mut buf = x.clone();
+        buf.extend([f32::NAN; 16]);
+        let sum = m.exp_sub_sum(&mut buf[..n], 1.5);
+        untouched(&format!("{what} exp_sub_sum"), &buf[n..]);
+        let e: Vec<f64> = x.iter().map(|&v| ((v - 1.5) as f64).exp()).collect();
+        for (i, &w) in e.iter().enumerate() {
+            close(
+                &format!("{what} exp_sub_sum[{i}]"),
+                buf[i],
+                w,
+                4.0 * EPS * w,
+            );
+        }
+        let total: f64 = e.iter().sum();
+        close(
+            &format!("{what} sum"),
+            sum,
+            total,
+            (n as f64 + 8.0) * EPS * total,
+        );
+
+        let d0 = rng.vec(n, 1.0);
+        let mut dst = d0.clone();
+        dst.extend([f32::NAN; 16]);
+        m.add_exp_scaled(&mut dst[..n], &x, 1.5, 0.25);
+        untouched(&format!("{what} add_exp_scaled"), &dst[n..]);
+        for i in 0..n {
+            let t = e[i] * 0.25;
+            let tol = 8.0 * EPS * (d0[i].abs() as f64 + t);
+            close(
+                &format!("{what} add_exp_scaled"),
+                dst[i],
+                d0[i] as f64 + t,
+                tol,
+            );
+        }
+
+        let mut sc = x.clone();
+        sc.extend([f32::NAN; 16]);
+        m.scale(&mut sc[..n], 0.3);
+        untouched(&format!("{what} scale"), &sc[n..]);
+        for i in 0..n {
+            let want = x[i] as f64 * 0.3f32 as f64;
+            close(&format!("{what} scale"), sc[i], want, EPS * want.abs());
+        }
+
+        let h: Vec<f16> = rng.typed(n);
+        let b: Vec<bf16> = rng.typed(n);
+        for (src, name) in [
+            (h.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "f16"),
+            (b.iter().map(|v| v.to_f32()).collect(), "bf16"),
+        ] {
+            let mut out = vec![f32::NAN; n + 16];
+            if name == "f16" {
+                m.widen(&h, &mut out[..n]);
+            } else {
+                m.widen(&b, &mut out[..n]);
+            }
+            assert_eq!(&out[..n], &src[..], "{what} widen {name}");
+            untouched(&format!("{what} widen {name}"), &out[n..]);
+        }
+    }
+}
+
+/// qk_t, softmax_t, transpose and pv_t on panels whose row counts end in full, half (8 of 16)
+/// and no vectors, with lanes past `rows8` holding sentinels.
+fn tile<M: TileMicro>(m: M, tier: &str) {
+    let mut rng = Rng(0x711e);
+    for rows in [1usize, 5, 8, 9, 16, 17, 24, 31, 32, 33, 40, 64] {
+        let rows8 = rows.div_ceil(8) * 8;
+        let ld = rows8 + 8;
+        for n in [1, 2, 5, 7, 12, 13, 16, 25] {
+            for d in [1, 7, 16, 17, 33, 128] {
+                let what = format!("{tier} rows={rows} n={n} d={d}");
+                // Query panel [d][ld]: rows..rows8 zero (the contract), past rows8 NaN.
+                let mut qt = vec![f32::NAN; d * ld];
+                for x in 0..d {
+                    for r in 0..rows8 {
+                        qt[x * ld + r] = if r < rows { rng.f(1.0) } else { 0.0 };
+                    }
+                }
+                let k = rng.vec(n * d, 1.0);
+                let mut st = vec![f32::NAN; n * ld];
+                m.qk_t(&qt, ld, rows, &k, n, d, &mut st, ld);
+                for j in 0..n {
+                    for r in 0..rows {
+                        let t = (0..d).map(|x| qt[x * ld + r] as f64 * k[j * d + x] as f64);
+                        let (want, mag) = t.fold((0.0, 0.0), |(a, b), t| (a + t, b + t.abs()));
+                        let tol = (d as f64 + 2.0) * EPS * mag;
+                        close(&format!("{what} qk_t"), st[j * ld + r], want, tol);
+                    }
+                    untouched(&format!("{what} qk_t"), &st[j * ld + rows8..(j + 1) * ld]);
+                }
+
+                // softmax_t on fresh logits with masked keys, some rows fresh (-inf).
+                for j in 0..n {
+                    for r in 0..rows8 {
+                        st[j * ld + r] = if r >= rows {
+                            0.0
+                        } else if j > (r * 3) % (n + 1) || r == 2 {
+                            f32::NEG_INFINITY
+                        } else {
+                            rng.f(4.0)
+                        };
+                    }
+                }
+                let s0 = st.clone();
+                let fresh = |r: usize| r.is_multiple_of(3) || r >= rows;
+                let mut mm = vec![f32::NAN; ld];
+                let mut l = vec![f32::NAN; ld];
+                for r in 0..rows8 {
+                    mm[r] = if fresh(r) {
+                        f32::NEG_INFINITY
+                    } else {
+                        rng.f(4.0)
+                    };
+                    l[r] = if fresh(r) { 0.0 } else { 1.0 + rng.f(0.5) };
+                }
+                let (m0, l0) = (mm.clone(), l.clone());
+                let mut c = vec![f32::NAN; ld];
+                m.softmax_t(&mut st, ld, rows, n, &mut mm, &mut l, &mut c);
+                for buf in [&mm, &l, &c] {
+                    untouched(&format!("{what} softmax_t m/l/c"), &buf[rows8..]);
+                }
+                for r in 0..rows {
+                    let mt = (0..n)
+                        .map(|j| s0[j * ld + r])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let mn = m0[r].max(mt);
+                    assert_eq!(mm[r].to_bits(), mn.to_bits(), "{what}: softmax_t m[{r}]");
+                    let msub = if mn == f32::NEG_INFINITY { 0.0 } else { mn };
+                    let cw = ((m0[r] - msub) as f64).exp();
+                    close(&format!("{what} c[{r}]"), c[r], cw, 4.0 * EPS * cw);
+                    let mut sum = 0.0;
+                    for j in 0..n {
+                        let e = ((s0[j * ld + r] - msub) as f64).exp();
+                        close(
+                            &format!("{what} st[{j}][{r}]"),
+                            st[j * ld + r],
+                            e,
+                            4.0 * EPS * e,
+                        );
+                        sum += e;
+                    }
+                    let want = l0[r] as f64 * cw + sum;
+                    close(
+                        &format!("{what} l[{r}]"),
+                        l[r],
+                        want,
+                        (n as f64 + 8.0) * EPS * want,
+                    );
+                }
+                for j in 0..n {
+                    untouched(
+                        &format!("{what} softmax_t st"),
+                        &st[j * ld + rows8..(j + 1) * ld],
+                    );
+                }
+
+                // pv_t with the weights just made (those of rows < rows).
+                let v = rng.vec(n * d, 1.0);
+                let acc0 = rng.vec(rows * d, 1.0);
+                let mut acc = acc0.clone();
+                acc.extend([f32::NAN; 17]);
+                m.pv_t(&st, ld, rows, &v, n, d, &c, &mut acc[..rows * d]);
+                untouched(&format!("{what} pv_t"), &acc[rows * d..]);
+                for r in 0..rows {
+                    for x in 0..d {
+                        let a0 = acc0[r * d + x] as f64 * c[r] as f64;
+                        let t = (0..n).map(|j| st[j * ld + r] as f64 * v[j * d + x] as f64);
+                        let (want, mag) = t.fold((a0, a0.abs()), |(a, b), t| (a + t, b + t.abs()));
+                        let tol = (n as f64 + 3.0) * EPS * mag;
+                        close(&format!("{what} pv_t[{r}][{x}]"), acc[r * d + x], want, tol);
+                    }
+                }
+            }
+        }
+        for d in [1, 7, 8, 17, 128] {
+            let src = rng.vec(rows8 * d, 1.0);
+            let mut dst = vec![f32::NAN; d * ld];
+            m.transpose(&src, rows, d, &mut dst, ld);
+            for x in 0..d {
+                for r in 0..rows8 {
+                    assert_eq!(dst[x * ld + r], src[r * d + x], "{tier} transpose");
+                }
+                untouched(
+                    &format!("{tier} transpose"),
+                    &dst[x * ld + rows8..(x + 1) * ld],
+                );
+            }
+        }
+    }
+}
+
+fn all<M: TileMicro>(m: M, tier: &str) {
+    qk_pv::<M, f32>(m, tier);
+    qk_pv::<M, f16>(m, tier);
+    qk_pv::<M, bf16>(m, tier);
+    dec_softmax::<M, f32>(m, tier);
+    dec_softmax::<M, f16>(m, tier);
+    dec_softmax::<M, bf16>(m, tier);
+    elementwise(m, tier);
+    tile(m, tier);
+}
+
+#[test]
+fn every_tier_matches_float64_at_the_vector_edges() {
+    let mut ran = vec!["scalar"];
+    all(Scalar, "scalar");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(m) = super::x86::avx2::Avx2::detect() {
+            all(m, "avx2");
+            ran.push("avx2");
+        }
+        if let Some(m) = super::x86::avx512::Avx512::detect() {
+            all(m, "avx512");
+            ran.push("avx512");
+        }
+        assert_eq!(
+            ran.contains(&"avx512"),
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512dq"),
+            "the AVX-512 tier must run exactly when the CPU has it"
+        );
+    }
+    eprintln!("micro tiers exercised: {}", ran.join(" "));
+}

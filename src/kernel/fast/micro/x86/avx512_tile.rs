@@ -1,0 +1,281 @@
+//! AVX-512 [`TileMicro`]: prefill tiles on transposed logits (`st[key][row]`).
+//!
+//! Register blocking (32 zmm registers): `qk_t` computes 16 or 32 rows x up to 12 keys per pass
+//! (up to 24 accumulators; per `x`, one or two panel loads and up to 12 key broadcasts), key
+//! blocks balanced so no block is left with too few accumulators to hide the FMA latency;
+//! `softmax_t` runs 16 rows per vector, two vectors per pass; `pv_t` keeps up to 6 rows x 64
+//! columns in 24 accumulators over all keys of a tile (the shared [`pv_cols`] block, weights
+//! read transposed). A row count that is a multiple of 8 but not of 16 ends in a half-masked
+//! vector; head sizes that are not a multiple of 16 end in a masked column vector.
+//! The panel transpose is the AVX2 tier's (once per item, not worth widening).
+
+use std::arch::x86_64::*;
+
+use super::avx512::{exp16_nonpos, pv_cols, tail, Avx512, ALL};
+use super::prefetch::Pf;
+use super::{bounds, TileMicro};
+
+/// Keys per `qk_t` block at most (12 accumulators per row vector).
+const QK_KEYS: usize = 12;
+/// Rows per `pv_t` block at most (6 rows x 4 column vectors = 24 accumulators).
+const PV_ROWS: usize = 6;
+
+impl TileMicro for Avx512 {
+    // Two row vectors x 12 keys: each broadcast feeds two FMAs.
+    const QK_ROWS: usize = 32;
+
+    fn qk_t(
+        self,
+        qt: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[f32],
+        n: usize,
+        d: usize,
+        st: &mut [f32],
+        ldt: usize,
+    ) {
+        bounds::qk_t(qt.len(), ldq, rows, k.len(), n, d, st.len(), ldt);
+        let rows8 = rows.div_ceil(8) * 8;
+        // SAFETY: `self` proves the features; `bounds::qk_t` bounds every access.
+        unsafe {
+            qk_t(
+                qt.as_ptr(),
+                ldq,
+                rows8,
+                k.as_ptr(),
+                n,
+                d,
+                st.as_mut_ptr(),
+                ldt,
+            )
+        }
+    }
+
+    fn softmax_t(
+        self,
+        st: &mut [f32],
+        ldt: usize,
+        rows: usize,
+        n: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        c: &mut [f32],
+    ) {
+        bounds::softmax_t(st.len(), ldt, rows, n, m.len(), l.len(), c.len());
+        let rows8 = rows.div_ceil(8) * 8;
+        let mut r = 0;
+        while r < rows8 {
+            let left = rows8 - r;
+            // SAFETY: `self` proves the features; lanes r..r+min(left, 32) < rows8 of m, l, c
+            // and of every st row j < n are inside the ranges `bounds::softmax_t` checked.
+            unsafe {
+                let (sp, mp, lp, cp) = (
+                    st.as_mut_ptr().add(r),
+                    m.as_mut_ptr().add(r),
+                    l.as_mut_ptr().add(r),
+                    c.as_mut_ptr().add(r),
+                );
+                if left > 16 {
+                    softmax_rows::<2>(sp, ldt, n, mp, lp, cp, tail((left - 16).min(16)));
+                } else {
+                    softmax_rows::<1>(sp, ldt, n, mp, lp, cp, tail(left));
+                }
+            }
+            r += 32;
+        }
+    }
+
+    fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize) {
+        self.avx2.transpose(src, rows, d, dst, ldd)
+    }
+
+    fn pv_t(
+        self,
+        pt: &[f32],
+        ldp: usize,
+        rows: usize,
+        v: &[f32],
+        n: usize,
+        d: usize,
+        c: &[f32],
+        acc: &mut [f32],
+    ) {
+        bounds::pv_t(pt.len(), ldp, rows, v.len(), n, d, c.len(), acc.len());
+        let mut r = 0;
+        while r < rows {
+            // Balanced blocks: 8 rows go 4 + 4, not 6 + 2.
+            let left = rows - r;
+            let rr = left.div_ceil(left.div_ceil(PV_ROWS));
+            // SAFETY: `self` proves the features; rows r..r+rr of pt (key stride ldp), c and
+            // acc, and the n value rows are inside the ranges `bounds::pv_t` checked.
+            unsafe {
+                pv_cols::<f32>(
+                    rr,
+                    pt.as_ptr().add(r),
+                    (1, ldp),
+                    n,
+                    v.as_ptr(),
+                    d,
+                    c.as_ptr().add(r),
+                    acc.as_mut_ptr().add(r * d),
+                    &mut Pf::none(),
+                )
+            };
+            r += rr;
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn qk_t(
+    qt: *const f32,
+    ldq: usize,
+    rows8: usize,
+    k: *const f32,
+    n: usize,
+    d: usize,
+    st: *mut f32,
+    ldt: usize,
+) {
+    let mut r = 0;
+    while r < rows8 {
+        let left = rows8 - r;
+        let two = left > 16;
+        let last = tail((if two { left - 16 } else { left }).min(16));
+        let mut j = 0;
+        while j < n {
+            let kl = n - j;
+            let kk = kl.div_ceil(kl.div_ceil(QK_KEYS));
+            // SAFETY: panel lanes r..r+min(left, 32) (the last vector masked to < rows8), keys
+            // j..j+kk of k and the matching st entries are inside the ranges `bounds::qk_t`
+            // asserted.
+            unsafe {
+                let (qp, kp, sp) = (qt.add(r), k.add(j * d), st.add(j * ldt + r));
+                macro_rules! go {
+                    ($rv:literal) => {
+                        match kk {
+                            12 => qk_t_block::<$rv, 12>(qp, ldq, kp, d, sp, ldt, last),
+                            11 => qk_t_block::<$rv, 11>(qp, ldq, kp, d, sp, ldt, last),
+                            10 => qk_t_block::<$rv, 10>(qp, ldq, kp, d, sp, ldt, last),
+                            9 => qk_t_block::<$rv, 9>(qp, ldq, kp, d, sp, ldt, last),
+                            8 => qk_t_block::<$rv, 8>(qp, ldq, kp, d, sp, ldt, last),
+                            7 => qk_t_block::<$rv, 7>(qp, ldq, kp, d, sp, ldt, last),
+                            6 => qk_t_block::<$rv, 6>(qp, ldq, kp, d, sp, ldt, last),
+                            5 => qk_t_block::<$rv, 5>(qp, ldq, kp, d, sp, ldt, last),
+                            4 => qk_t_block::<$rv, 4>(qp, ldq, kp, d, sp, ldt, last),
+                            3 => qk_t_block::<$rv, 3>(qp, ldq, kp, d, sp, ldt, last),
+                            2 => qk_t_block::<$rv, 2>(qp, ldq, kp, d, sp, ldt, last),
+                            _ => qk_t_block::<$rv, 1>(qp, ldq, kp, d, sp, ldt, last),
+                        }
+                    };
+                }
+                if two {
+                    go!(2)
+                } else {
+                    go!(1)
+                }
+            }
+            j += kk;
+        }
+        r += 32;
+    }
+}
+
+/// `16*RV` rows (the last vector masked by `last`) x `K` keys of `st` (stride `ldt`) from the
+/// query panel (stride `ldq`) and `K` key rows (stride `d`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn qk_t_block<const RV: usize, const K: usize>(
+    qt: *const f32,
+    ldq: usize,
+    k: *const f32,
+    d: usize,
+    st: *mut f32,
+    ldt: usize,
+    last: __mmask16,
+) {
+    let z = _mm512_setzero_ps();
+    let mask = |i: usize| if i + 1 == RV { last } else { ALL };
+    let mut a = [[z; RV]; K];
+    for x in 0..d {
+        let mut qv = [z; RV];
+        for (i, q) in qv.iter_mut().enumerate() {
+            // SAFETY: panel row x < d, the masked lanes 16i.. of the caller's rows.
+            *q = unsafe { _mm512_maskz_loadu_ps(mask(i), qt.add(x * ldq + 16 * i)) };
+        }
+        for (kk, ak) in a.iter_mut().enumerate() {
+            // SAFETY: element x < d of key row kk < K.
+            let b = _mm512_set1_ps(unsafe { *k.add(kk * d + x) });
+            for i in 0..RV {
+                ak[i] = _mm512_fmadd_ps(qv[i], b, ak[i]);
+            }
+        }
+    }
+    for (kk, ak) in a.iter().enumerate() {
+        for (i, v) in ak.iter().enumerate() {
+            // SAFETY: entry (key kk, the masked rows 16i..) of the caller's st block.
+            unsafe { _mm512_mask_storeu_ps(st.add(kk * ldt + 16 * i), mask(i), *v) };
+        }
+    }
+}
+
+/// [`TileMicro::softmax_t`] for `16*RV` rows, the last vector masked by `last` (masked-out
+/// lanes are neither read nor written).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn softmax_rows<const RV: usize>(
+    st: *mut f32,
+    ldt: usize,
+    n: usize,
+    m: *mut f32,
+    l: *mut f32,
+    c: *mut f32,
+    last: __mmask16,
+) {
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let z = _mm512_setzero_ps();
+    let mask = |i: usize| if i + 1 == RV { last } else { ALL };
+    // SAFETY (whole block): the masked lanes 16i.. of m, l, c and of every st row j < n are
+    // inside the ranges the caller asserted.
+    unsafe {
+        let mut mo = [z; RV];
+        let mut mt = [ninf; RV];
+        for (i, x) in mo.iter_mut().enumerate() {
+            *x = _mm512_maskz_loadu_ps(mask(i), m.add(16 * i));
+        }
+        for j in 0..n {
+            for (i, x) in mt.iter_mut().enumerate() {
+                let s = _mm512_maskz_loadu_ps(mask(i), st.add(j * ldt + 16 * i));
+                *x = _mm512_max_ps(*x, s);
+            }
+        }
+        let mut msub = [z; RV];
+        for i in 0..RV {
+            let mn = _mm512_max_ps(mo[i], mt[i]);
+            // A row still at -inf subtracts 0: weights 0 and correction 0, never NaN.
+            let still = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(mn, ninf);
+            msub[i] = _mm512_mask_mov_ps(mn, still, z);
+            let cv = exp16_nonpos(_mm512_sub_ps(mo[i], msub[i]));
+            _mm512_mask_storeu_ps(m.add(16 * i), mask(i), mn);
+            _mm512_mask_storeu_ps(c.add(16 * i), mask(i), cv);
+            mo[i] = cv;
+        }
+        let mut sum = [z; RV];
+        for j in 0..n {
+            for i in 0..RV {
+                let p = st.add(j * ldt + 16 * i);
+                let x = _mm512_maskz_loadu_ps(mask(i), p);
+                let e = exp16_nonpos(_mm512_sub_ps(x, msub[i]));
+                _mm512_mask_storeu_ps(p, mask(i), e);
+                sum[i] = _mm512_add_ps(sum[i], e);
+            }
+        }
+        for i in 0..RV {
+            let lo = _mm512_maskz_loadu_ps(mask(i), l.add(16 * i));
+            let lv = _mm512_add_ps(_mm512_mul_ps(lo, mo[i]), sum[i]);
+            _mm512_mask_storeu_ps(l.add(16 * i), mask(i), lv);
+        }
+    }
+}

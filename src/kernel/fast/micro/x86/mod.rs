@@ -1,0 +1,47 @@
+//! x86_64 micro-kernels, one file per instruction-set tier and trait; each tier's scalar twin
+//! lives in the parent module.
+//!
+//! - `avx2`: AVX2 + FMA + F16C [`Micro`] (8-wide), chosen only after runtime detection.
+//! - `avx2_decode`: its [`DecodeMicro`] loops (decode tiles, with software prefetch).
+//! - `avx2_tile`: its [`TileMicro`] loops (prefill tiles on transposed logits).
+//! - `avx512`: AVX-512 F + BW + VL + DQ [`Micro`] (16-wide, masked tails) and the QK / PV
+//!   register blocks its decode and prefill loops share.
+//! - `avx512_decode`, `avx512_tile`: its [`DecodeMicro`] and [`TileMicro`] loops.
+//! - `prefetch`, `bounds`: the prefetch cursor and the slice checks every tier uses.
+
+// The tier files name the traits as `super::Micro` etc., as they did beside them.
+pub(crate) use super::{DecodeMicro, Micro, TileMicro};
+
+pub(crate) mod avx2;
+pub(crate) mod avx2_decode;
+mod avx2_tile;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_decode;
+#[cfg(target_arch = "x86_64")]
+mod avx512_tile;
+#[cfg(target_arch = "x86_64")]
+mod bounds;
+#[cfg(target_arch = "x86_64")]
+mod prefetch;
+
+/// Cephes `expf`, the one exp every vector width evaluates: `x = n*ln2 + r` (ln2 split in a
+/// high part exact in few bits and a low correction), `exp(r) ~ 1 + r + r^2*P(r)` with `P`
+/// in Horner order; about 1 ulp on `[X_MIN, X_MAX]`.
+#[cfg(target_arch = "x86_64")]
+mod cephes {
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    pub const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_2e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+    /// Below this `exp` is taken as exactly 0; above `X_MAX` it would overflow.
+    pub const X_MIN: f32 = -87.33654;
+    pub const X_MAX: f32 = 88.376_26;
+}
