@@ -178,6 +178,9 @@ impl<'a> PaInputs<'a> {
 pub fn execute(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
     let plan = validate(inputs)?;
     validate::check_outputs(&plan, outputs)?;
+    if plan.writes_nothing() {
+        return Ok(());
+    }
     crate::kernel::run(&plan, inputs, outputs)
 }
 
@@ -185,5 +188,8 @@ pub fn execute(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result
 pub fn execute_reference(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
     let plan = validate(inputs)?;
     validate::check_outputs(&plan, outputs)?;
+    if plan.writes_nothing() {
+        return Ok(());
+    }
     crate::kernel::run_reference(&plan, inputs, outputs)
 }
