@@ -9,6 +9,7 @@
 #include <openvino/core/except.hpp>
 #include <openvino/core/parallel.hpp>
 
+#include "cache_inputs.hpp"
 #include "paged_attention.h"
 
 namespace paged_attention {
@@ -92,6 +93,7 @@ void PagedAttention::validate_and_infer_types() {
     // under INFERENCE_PRECISION_HINT=f16 inserts Converts around it and evaluate() writes the
     // caches into converted copies. `precise_0` is ov::DisableFP16Compression's key.
     get_rt_info()["precise_0"] = true;
+    check_cache_inputs(*this);
 
     const size_t n = get_input_size();
     std::vector<pa_partial_shape> in(n);

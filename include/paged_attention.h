@@ -63,6 +63,7 @@ typedef int32_t pa_status;
 #define PA_STATUS_OUT_OF_BLOCKS 11   /* cache manager: no free block left */
 #define PA_STATUS_UNKNOWN_SEQUENCE 12 /* cache manager: no such sequence */
 #define PA_STATUS_INVALID_STATE 13   /* cache manager: operation not valid now */
+#define PA_STATUS_OUT_OF_MEMORY 14   /* a buffer the call needs could not be allocated */
 
 /* Element types (the elem_type field). Numbers are stable. */
 #define PA_ELEM_DYNAMIC (-1) /* only in pa_partial_shape: type not known yet */

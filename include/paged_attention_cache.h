@@ -5,7 +5,8 @@
  * Hand-written and committed; the Rust side is src/ffi/cache.rs. Conventions are those of
  * paged_attention.h, which this header includes:
  *  - Functions return a pa_status; PA_STATUS_OK (0) is success. The cache-specific codes are
- *    PA_STATUS_OUT_OF_BLOCKS, PA_STATUS_UNKNOWN_SEQUENCE and PA_STATUS_INVALID_STATE.
+ *    PA_STATUS_OUT_OF_BLOCKS, PA_STATUS_UNKNOWN_SEQUENCE and PA_STATUS_INVALID_STATE; a pool
+ *    or LUT too large for memory gives PA_STATUS_OUT_OF_MEMORY (nothing is created).
  *  - On failure the message is kept per thread: read it with pa_last_error_message(). A failed
  *    call changes neither the handle's state nor caller buffers.
  *  - No function panics or aborts across this boundary (PA_STATUS_PANIC instead).

@@ -24,6 +24,7 @@ pub enum Status {
     OutOfBlocks = 11,
     UnknownSequence = 12,
     InvalidState = 13,
+    OutOfMemory = 14,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -78,6 +79,9 @@ pub enum PaError {
 
     #[error("{detail}")]
     InvalidState { detail: String },
+
+    #[error("out of memory: {what} needs {bytes} bytes, which could not be allocated")]
+    OutOfMemory { what: String, bytes: usize },
 }
 
 impl PaError {
@@ -96,6 +100,7 @@ impl PaError {
             PaError::OutOfBlocks { .. } => Status::OutOfBlocks,
             PaError::UnknownSequence { .. } => Status::UnknownSequence,
             PaError::InvalidState { .. } => Status::InvalidState,
+            PaError::OutOfMemory { .. } => Status::OutOfMemory,
         }
     }
 

@@ -6,8 +6,10 @@
 //! - [`kernel`]: the CPU kernels (scalar reference and fast paths).
 //! - [`cache`]: the KV-cache block manager and scheduler that feed the op.
 //! - [`ffi`]: the `extern "C"` functions of the header; conversion and error mapping only.
+//! - [`alloc`]: fallible allocation of caller-sized buffers.
 //! - [`ir`]: OpenVINO IR reader and executor, `.npy` files, the golden cases (`pa` command).
 
+pub mod alloc;
 pub mod cache;
 pub mod dtype;
 pub mod error;

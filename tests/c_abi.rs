@@ -199,6 +199,10 @@ fn status_names_are_stable() {
         (8, "PA_STATUS_BUFFER_SIZE"),
         (9, "PA_STATUS_ALIGNMENT"),
         (10, "PA_STATUS_PANIC"),
+        (11, "PA_STATUS_OUT_OF_BLOCKS"),
+        (12, "PA_STATUS_UNKNOWN_SEQUENCE"),
+        (13, "PA_STATUS_INVALID_STATE"),
+        (14, "PA_STATUS_OUT_OF_MEMORY"),
         (-1, "PA_STATUS_UNKNOWN"),
         (1000, "PA_STATUS_UNKNOWN"),
     ] {

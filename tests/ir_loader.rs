@@ -602,3 +602,16 @@ fn huge_past_lens_fail_cleanly() {
     map.insert("past_lens".into(), t_i32(&[i32::MAX, i32::MAX]));
     assert!(matches!(m.run(&mut map).unwrap_err(), IrError::Op { .. }));
 }
+
+#[test]
+fn a_const_cache_is_refused_at_load_time() {
+    // Issue 11 item 2: the op writes the caches in place; a Const cache is read-only in
+    // OpenVINO (SIGSEGV) or a constant silently changed. Refused when the IR loads.
+    let mut layers = base_layers();
+    layers[3] = format!(
+        r#"<layer id="3" name="kc_const" type="Const" version="opset1"><data element_type="f32" shape="2,1,2,4" offset="0" size="64"/><output>{}</output></layer>"#,
+        port(0, "FP32", &[2, 1, 2, 4])
+    );
+    let e = load_err(&net(&layers, &base_edges()), Some(&[0u8; 64]));
+    assert_mentions(&e, &["key_cache", "kc_const", "Const", "Parameters"]);
+}

@@ -37,8 +37,9 @@ pa conformance [DIR]
 
 pa run MODEL.xml --inputs DIR [--out DIR]
     Loads MODEL.xml (and the .bin beside it), reads DIR/in_<i>_<name>.npy (file i goes to the
-    Parameter feeding the op's input i, else to the Parameter called <name>) and runs it. Writes
-    every Result as <out>/out_<k>_<result name>.npy and the caches after the call as
+    Parameter feeding the op's input i, else to the Parameter called <name>; two files for one
+    Parameter are an error) and runs it. Writes every Result as <out>/out_<k>_<result name>.npy
+    (characters other than ASCII letters, digits, - and . replaced by _) and the caches as
     <out>/cache_key.npy and cache_value.npy (default --out: the current directory). Caches fed
     directly by a Parameter are written in place; through a Convert the op writes a copy, and that
     copy is what is written out.
@@ -248,6 +249,21 @@ fn conformance(args: &[String]) -> Result<bool, String> {
     Ok(failed == 0)
 }
 
+/// `name` (a Result's name, from the model file) made safe as part of one file name: anything
+/// but ASCII letters, digits, `-` and `.` becomes `_`, so no separator can take the path out
+/// of `--out` (`x/../../ESCAPED` becomes `x_.._.._ESCAPED`).
+fn file_name_part(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
 fn run(args: &[String]) -> Result<bool, String> {
     let (opts, pos) = parse_args(args, &["--inputs", "--out"], &[])?;
     let [xml] = pos.as_slice() else {
@@ -270,7 +286,7 @@ fn run(args: &[String]) -> Result<bool, String> {
     std::fs::create_dir_all(&out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     let mut written = Vec::new();
     for (k, r) in out.results.iter().enumerate() {
-        let p = out_dir.join(format!("out_{k}_{}.npy", r.name));
+        let p = out_dir.join(format!("out_{k}_{}.npy", file_name_part(&r.name)));
         write_npy(&p, &r.tensor).map_err(|e| e.to_string())?;
         written.push(p);
     }

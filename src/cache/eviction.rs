@@ -80,6 +80,15 @@ pub fn rotation_lut(
     base: f64,
     dir: RotationDirection,
 ) -> Result<Vec<f32>> {
+    let len = rotation_lut_len(rows, head_size, base)?;
+    let mut lut = crate::alloc::try_vec(len, 0f32, "the rotation LUT")?;
+    fill_rotation_lut(&mut lut, head_size, base, dir);
+    Ok(lut)
+}
+
+/// Elements of a `[rows, head_size]` LUT, after checking the parameters (even head size > 0,
+/// finite base > 0) and that the size is representable.
+pub fn rotation_lut_len(rows: usize, head_size: usize, base: f64) -> Result<usize> {
     if head_size == 0 || head_size % 2 != 0 || base.is_nan() || base <= 0.0 || !base.is_finite() {
         return Err(PaError::InvalidArgument {
             detail: format!(
@@ -88,12 +97,23 @@ pub fn rotation_lut(
             ),
         });
     }
+    rows.checked_mul(head_size)
+        .filter(|&n| n <= isize::MAX as usize / std::mem::size_of::<f32>())
+        .ok_or_else(|| PaError::InvalidArgument {
+            detail: format!(
+                "rotation LUT of {rows} rows * head size {head_size} overflows the address space"
+            ),
+        })
+}
+
+/// Writes [`rotation_lut`] into `lut` (`rows * head_size` elements, parameters checked by
+/// [`rotation_lut_len`]): the C ABI fills the caller's buffer without a copy.
+pub fn fill_rotation_lut(lut: &mut [f32], head_size: usize, base: f64, dir: RotationDirection) {
     let half = head_size / 2;
     let sign = match dir {
         RotationDirection::Forward => 1.0,
         RotationDirection::Backward => -1.0,
     };
-    let mut lut = vec![0f32; rows * head_size];
     for (m, row) in lut.chunks_exact_mut(head_size).enumerate() {
         for i in 0..half {
             let f = base.powf(-2.0 * i as f64 / head_size as f64);
@@ -102,7 +122,6 @@ pub fn rotation_lut(
             row[half + i] = (sign * a.sin()) as f32;
         }
     }
-    Ok(lut)
 }
 
 impl BlockManager {
@@ -225,7 +244,7 @@ impl BlockManager {
         };
         for (b, d) in pending {
             r.block_indices.push(b as i32);
-            r.deltas.extend(std::iter::repeat(d as i32).take(bs));
+            r.deltas.extend(std::iter::repeat_n(d as i32, bs));
             r.max_delta = r.max_delta.max(d as usize);
         }
         Some(r)

@@ -18,7 +18,10 @@ pub mod rng;
 pub mod scheduler;
 pub mod simulate;
 
-pub use eviction::{rotation_lut, Eviction, EvictionPolicy, RotationDirection, RotationInputs};
+pub use eviction::{
+    fill_rotation_lut, rotation_lut, rotation_lut_len, Eviction, EvictionPolicy, RotationDirection,
+    RotationInputs,
+};
 pub use manager::{copy_blocks, Append, BlockCopy, BlockManager, CacheStats, ManagerConfig, SeqId};
 pub use pool::{block_hash, BlockId, BlockPool};
 pub use rng::SplitMix64;

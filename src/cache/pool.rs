@@ -9,6 +9,7 @@
 //!   reuse it; it sits in the LRU list and is handed out (hash dropped) only when the free list
 //!   is empty.
 
+use crate::alloc::{try_vec, try_with_capacity};
 use crate::error::{PaError, Result};
 use std::collections::HashMap;
 
@@ -81,22 +82,30 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `total` free blocks (ids `0..total`; `total` must fit in `u32`).
+    /// A pool of `total` free blocks (ids `0..total`). `total` is at most `i32::MAX`, since
+    /// the op's `block_indices` are i32; a pool the memory cannot hold is `OutOfMemory`.
     pub fn new(total: usize) -> Result<BlockPool> {
-        if total >= NIL as usize {
+        if total > i32::MAX as usize {
             return Err(PaError::InvalidArgument {
-                detail: format!("num_blocks must be below {NIL}, but it is {total}"),
+                detail: format!(
+                    "num_blocks must be at most {} (the op's block_indices are i32), but it is \
+                     {total}",
+                    i32::MAX
+                ),
             });
         }
+        let what = "the block pool's per-block state";
+        let mut free = try_with_capacity(total, what)?;
+        // Reversed so that block 0 is handed out first.
+        free.extend((0..total as u32).rev());
         Ok(BlockPool {
-            refs: vec![0; total],
-            // Reversed so that block 0 is handed out first.
-            free: (0..total as u32).rev().collect(),
-            key: vec![None; total],
+            refs: try_vec(total, 0, what)?,
+            free,
+            key: try_vec(total, None, what)?,
             by_hash: HashMap::new(),
-            prev: vec![NIL; total],
-            next: vec![NIL; total],
-            in_lru: vec![false; total],
+            prev: try_vec(total, NIL, what)?,
+            next: try_vec(total, NIL, what)?,
+            in_lru: try_vec(total, false, what)?,
             head: NIL,
             tail: NIL,
             lru_len: 0,

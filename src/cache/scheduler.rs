@@ -2,7 +2,8 @@
 //! sequences and token chunks of one op call and returns the op's inputs for it.
 //!
 //! Policy, per step:
-//! 1. (optional) score-based eviction of running sequences over their block budget;
+//! 1. (optional) score-based eviction of running sequences over their block budget, except
+//!    those still in (chunked) prefill;
 //! 2. running sequences, most important first (priority descending, then arrival), each gets
 //!    its next chunk (a decode token, or the next piece of its prompt) within the step's token
 //!    budget; when blocks run out, the least important running sequence not yet scheduled is
@@ -177,7 +178,8 @@ impl Scheduler {
     }
 
     /// Queues a request. Rejects an empty prompt, zero `max_new_tokens`, a duplicate id, and
-    /// (without eviction) a request that could not fit in the whole pool even alone.
+    /// a request that could not fit in the whole pool even alone (with eviction: its prompt,
+    /// which is never evicted while prefilling; without: prompt plus `max_new_tokens`).
     pub fn add_request(&mut self, req: Request) -> Result<()> {
         if req.prompt.is_empty() || req.max_new_tokens == 0 {
             return Err(PaError::InvalidArgument {
@@ -194,8 +196,13 @@ impl Scheduler {
                 detail: format!("request {} already exists", req.id),
             });
         }
-        let need = (req.prompt.len() + req.max_new_tokens).div_ceil(self.cfg.block_size);
-        if self.cfg.eviction.is_none() && need > self.cfg.num_blocks {
+        // With eviction the prompt must still fit whole, since prefill is never evicted.
+        let need = match self.cfg.eviction {
+            None => req.prompt.len() + req.max_new_tokens,
+            Some(_) => req.prompt.len(),
+        }
+        .div_ceil(self.cfg.block_size);
+        if need > self.cfg.num_blocks {
             return Err(PaError::OutOfBlocks {
                 detail: format!(
                     "request {} may need {need} blocks, the pool has {}",
@@ -246,6 +253,13 @@ impl Scheduler {
         let mut step = Step::default();
         if let Some(policy) = self.cfg.eviction {
             for id in self.running.clone() {
+                // Not while the sequence is still in (chunked) prefill: only its last token's
+                // scores exist yet, so the ranking would be arbitrary (OpenVINO GenAI skips
+                // these too). More than one unprocessed token means a prompt chunk is pending.
+                let e = self.entry(id)?;
+                if e.tokens.len() - e.processed > 1 {
+                    continue;
+                }
                 match self.mgr.evict(id, policy) {
                     Ok(ev) => {
                         step.evicted_blocks += ev.evicted.len();
@@ -326,7 +340,7 @@ impl Scheduler {
                 .extend_from_slice(&e.tokens[e.processed..e.processed + n]);
             e.processed += n;
             let emits = e.processed == e.tokens.len();
-            step.token_seq.extend(std::iter::repeat(b as i32).take(n));
+            step.token_seq.extend(std::iter::repeat_n(b as i32, n));
             step.token_pos.extend((past..past + n).map(|p| p as i32));
             step.past_lens.push(past as i32);
             step.subsequence_begins.push(step.token_ids.len() as i32);

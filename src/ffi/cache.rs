@@ -5,8 +5,8 @@
 
 use super::boundary;
 use crate::cache::{
-    copy_blocks, rotation_lut, BlockCopy, BlockManager, CacheStats, EvictionPolicy, ManagerConfig,
-    Request, RotationDirection, Scheduler, SchedulerConfig, Step,
+    copy_blocks, fill_rotation_lut, rotation_lut_len, BlockCopy, BlockManager, CacheStats,
+    EvictionPolicy, ManagerConfig, Request, RotationDirection, Scheduler, SchedulerConfig, Step,
 };
 use crate::error::PaError;
 
@@ -506,12 +506,13 @@ pub unsafe extern "C" fn pa_cache_rotation_lut(
         } else {
             RotationDirection::Forward
         };
-        let lut = rotation_lut(rows, head_size, base, dir)?;
-        if out_len != lut.len() {
-            return Err(buffer_size("out", lut.len(), out_len));
+        let len = rotation_lut_len(rows, head_size, base)?;
+        if out_len != len {
+            return Err(buffer_size("out", len, out_len));
         }
         // SAFETY: header contract for `out`.
-        unsafe { output(out, out_len, "out") }?.copy_from_slice(&lut);
+        let out = unsafe { output(out, out_len, "out") }?;
+        fill_rotation_lut(out, head_size, base, dir);
         Ok(())
     })
 }
@@ -535,10 +536,31 @@ pub unsafe extern "C" fn pa_cache_copy_blocks(
                 .ok_or_else(|| PaError::InvalidArgument {
                     detail: "num_blocks * block_bytes overflows".into(),
                 })?;
-        if bytes > 0 && key_cache == value_cache {
-            return Err(PaError::InvalidArgument {
-                detail: "key_cache and value_cache are the same buffer".into(),
-            });
+        if bytes > 0 {
+            // NULL first: two NULL caches are "missing", not "the same buffer".
+            for (p, what) in [(key_cache, "key_cache"), (value_cache, "value_cache")] {
+                if p.is_null() {
+                    return Err(null(what));
+                }
+            }
+            let (k, v) = (key_cache as usize, value_cache as usize);
+            if k.checked_add(bytes).is_none() || v.checked_add(bytes).is_none() {
+                return Err(PaError::InvalidArgument {
+                    detail: format!(
+                        "a cache of {bytes} bytes at {key_cache:p} / {value_cache:p} would run \
+                         past the end of the address space"
+                    ),
+                });
+            }
+            if k < v + bytes && v < k + bytes {
+                return Err(PaError::InvalidArgument {
+                    detail: if k == v {
+                        "key_cache and value_cache are the same buffer".into()
+                    } else {
+                        "key_cache and value_cache overlap".into()
+                    },
+                });
+            }
         }
         // SAFETY: header contract: two non-overlapping caches of `bytes` bytes, `n` copies.
         let (k, v, c) = unsafe {

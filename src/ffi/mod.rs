@@ -151,7 +151,14 @@ pub(crate) fn describe(t: &PaTensor, name: &str) -> Result<Described, PaError> {
                 align: elem.size_bytes(),
             });
         }
-        addr.checked_add(bytes).ok_or_else(too_big)?;
+        addr.checked_add(bytes)
+            .ok_or_else(|| PaError::InvalidArgument {
+                detail: format!(
+                    "`{name}` data at {:p} plus its {bytes} bytes runs past the end of the \
+                     address space",
+                    t.data
+                ),
+            })?;
     }
     let range = if numel > 0 {
         (addr, addr + bytes)

@@ -43,6 +43,7 @@ pub extern "C" fn pa_status_name(status: i32) -> *const c_char {
         11 => "PA_STATUS_OUT_OF_BLOCKS\0",
         12 => "PA_STATUS_UNKNOWN_SEQUENCE\0",
         13 => "PA_STATUS_INVALID_STATE\0",
+        14 => "PA_STATUS_OUT_OF_MEMORY\0",
         _ => "PA_STATUS_UNKNOWN\0",
     };
     s.as_ptr() as *const c_char

@@ -149,6 +149,7 @@ impl Case {
         let mut files: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
         files.sort();
         let mut out = HashMap::new();
+        let mut source: HashMap<String, PathBuf> = HashMap::new();
         for f in files {
             let Some(stem) = f
                 .file_name()
@@ -172,6 +173,16 @@ impl Case {
                 .map_err(|e| e.to_string())?
                 .into_tensor()
                 .map_err(|e| format!("{}: {e}", f.display()))?;
+            // Two files for one Parameter (`in_0_query.npy` and `in_0_query_extra.npy`) would
+            // let sort order pick the data: refuse instead.
+            if let Some(prev) = source.insert(param.name.clone(), f.clone()) {
+                return Err(format!(
+                    "{} and {} both give Parameter `{}`: keep one",
+                    prev.display(),
+                    f.display(),
+                    param.name
+                ));
+            }
             out.insert(param.name.clone(), t);
         }
         Ok(out)

@@ -9,7 +9,9 @@ use super::owned::OwnedTensor;
 use super::types::{compatible, parse_dim, parse_shape_attr, IrType};
 use super::xml::{parse_net, RawLayer, RawNet, RawPort};
 use crate::dtype::ElemType;
-use crate::op::contract::{INPUTS, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, PAST_LENS};
+use crate::op::contract::{
+    INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, PAST_LENS, VALUE_CACHE,
+};
 use crate::op::{infer_shapes_with_past_lens, PartialInput, PartialShape};
 use crate::tensor::shape_elems;
 
@@ -565,6 +567,24 @@ fn infer_layer(layers: &[Layer], i: usize) -> Result<(), IrError> {
             }
         }
         Kind::PagedAttention => {
+            // The caches are written in place: a Const (directly or through Converts) would be
+            // a read-only mapping of the weights in OpenVINO, or a constant silently changed.
+            for k in [KEY_CACHE, VALUE_CACHE] {
+                let mut at = l.sources[k].0;
+                while let Kind::Convert { .. } = layers[at].kind {
+                    at = layers[at].sources[0].0;
+                }
+                if let Kind::Const(_) = layers[at].kind {
+                    return Err(IrError::layer(
+                        l.id,
+                        &l.name,
+                        format!(
+                            "input {k} (`{}`) comes from the Const layer `{}`; the op writes the caches in place, so they must be model inputs (Parameters)",
+                            INPUTS[k].name, layers[at].name
+                        ),
+                    ));
+                }
+            }
             let mut partial = Vec::with_capacity(l.sources.len());
             for (k, &s) in l.sources.iter().enumerate() {
                 let p = out_port(layers, s);

@@ -26,8 +26,11 @@ pub enum NpyDtype {
 
 impl NpyDtype {
     fn parse(descr: &str) -> Option<NpyDtype> {
-        let (order, code) = descr.split_at(descr.len().min(1));
-        let little = matches!(order, "<" | "|" | "=");
+        // By chars, not bytes: the header is arbitrary text ('é4' must not split a char).
+        let mut chars = descr.chars();
+        let order = chars.next();
+        let code = chars.as_str();
+        let little = matches!(order, Some('<' | '|' | '='));
         Some(match (code, little) {
             ("f8", true) => NpyDtype::F64,
             ("f4", true) => NpyDtype::F32,
@@ -340,6 +343,13 @@ mod tests {
         let h = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000,), }";
         let err = parse_npy(&raw(h, &[0; 16])).unwrap_err();
         assert!(err.contains("needs 4000000000 bytes"), "{err}");
+    }
+
+    #[test]
+    fn a_descr_starting_with_a_multibyte_char_is_refused() {
+        let h = "{'descr': 'é4', 'fortran_order': False, 'shape': (1,), }";
+        let err = parse_npy(&raw(h, &[0; 4])).unwrap_err();
+        assert!(err.contains("'é4' is not supported"), "{err}");
     }
 
     #[test]

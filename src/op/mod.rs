@@ -188,6 +188,9 @@ pub fn execute_on(
 ) -> Result<()> {
     let plan = validate(inputs)?;
     validate::check_outputs(&plan, outputs)?;
+    if plan.writes_nothing() {
+        return Ok(());
+    }
     crate::kernel::run(&plan, inputs, outputs, runner)
 }
 
@@ -195,5 +198,8 @@ pub fn execute_on(
 pub fn execute_reference(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
     let plan = validate(inputs)?;
     validate::check_outputs(&plan, outputs)?;
+    if plan.writes_nothing() {
+        return Ok(());
+    }
     crate::kernel::run_reference(&plan, inputs, outputs)
 }

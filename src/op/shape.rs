@@ -264,20 +264,41 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             return Err(PaError::shape("query", format!("num_heads = {h} (query.dim1 / head_size) is not a multiple of num_kv_heads = {hkv}")));
         }
     }
+    // Every product of dimensions is checked: a wrapped product could match a small width
+    // (Hkv = 2^61 + 1, D = 8 "gives" 8) and let a call through whose kernels index past it.
+    let kv_width = match (k.hkv, k.d) {
+        (Some(hkv), Some(d)) => Some(hkv.checked_mul(d).ok_or_else(|| {
+            PaError::shape(
+                "key_cache",
+                format!("key_cache shape {kc}: num_kv_heads * head_size = {hkv} * {d} overflows"),
+            )
+        })?),
+        _ => None,
+    };
     for i in [KEY, VALUE] {
         let s = &inputs[i].shape;
-        if let (Some(w), Some(hkv), Some(d)) = (s.dim(1), k.hkv, k.d) {
-            if w != hkv * d {
+        if let (Some(w), Some(kvw), Some(hkv), Some(d)) = (s.dim(1), kv_width, k.hkv, k.d) {
+            if w != kvw {
                 let name = INPUTS[i].name;
                 return Err(PaError::shape(
                     name,
                     format!(
-                        "{name}.dim1 = {w}, but num_kv_heads * head_size = {hkv} * {d} = {}",
-                        hkv * d
+                        "{name}.dim1 = {w}, but num_kv_heads * head_size = {hkv} * {d} = {kvw}"
                     ),
                 ));
             }
         }
+    }
+    if let Some(cache) = kc.0.as_ref().filter(|_| kc.is_static()) {
+        cache
+            .iter()
+            .try_fold(1i64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| {
+                PaError::shape(
+                    "key_cache",
+                    format!("key_cache shape {kc}: element count overflows"),
+                )
+            })?;
     }
     // Tokens.
     for i in [QUERY, KEY, VALUE] {
@@ -298,11 +319,12 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             ));
         }
         unify(&mut k.b, b, name, |v, known| {
-            format!("{name} has {} elements, but past_lens says B = {known} sequences, so B + 1 = {} are needed", v + 1, known + 1)
+            format!("{name} has {} elements, but past_lens says B = {known} sequences, so B + 1 = {} are needed", v + 1, known.saturating_add(1))
         })?;
     }
     if let Some(inp) = get(SCORE_AGGREGATION_WINDOW) {
-        if inp.shape.rank() == Some(1) {
+        // A one-element window counts as a scalar for any B (README); otherwise one per sequence.
+        if inp.shape.rank() == Some(1) && inp.shape.dim(0) != Some(1) {
             unify(
                 &mut k.b,
                 inp.shape.dim(0),
@@ -400,7 +422,9 @@ pub fn infer_shapes_with_past_lens(
         (Some(t), Some(p))
             if p.iter().all(|&v| v >= 0) && k.b.is_none_or(|b| b as usize == p.len()) =>
         {
-            t + p.iter().map(|&v| v as i64).sum::<i64>()
+            p.iter()
+                .try_fold(t, |acc, &v| acc.checked_add(v as i64))
+                .unwrap_or(DYN)
         }
         _ => DYN,
     };

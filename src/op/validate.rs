@@ -75,6 +75,13 @@ impl Plan {
     pub fn output_shapes(&self) -> [Vec<usize>; 2] {
         [vec![self.t, self.h * self.d], vec![self.scores_len]]
     }
+
+    /// True when the call has nothing to write: no new tokens, no scores, no rotation. Such a
+    /// call may declare head counts its empty buffers never bound (Hkv = 2^62 with zero blocks),
+    /// and kernels that loop per head would spin on them, so it must not reach the kernels.
+    pub fn writes_nothing(&self) -> bool {
+        self.t == 0 && self.scores_len == 0 && self.rotation.is_none_or(|r| r.r == 0)
+    }
 }
 
 fn partial(t: &Tensor<'_>) -> PartialInput {
@@ -341,7 +348,7 @@ fn check_output(
             found: o.elem_type(),
         });
     }
-    let expected: usize = shape.iter().product();
+    let expected = crate::tensor::shape_elems(shape).unwrap_or(usize::MAX);
     if o.data.len() != expected || o.numel() != expected {
         return Err(PaError::BufferSize {
             name: name.to_string(),

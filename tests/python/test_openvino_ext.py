@@ -283,8 +283,12 @@ def test_f16_cache_in_place_exactly_where_the_plugin_runs_f16(core, tmp_path):
     rng = np.random.default_rng(5)
     inputs = make_case(rng, past=(20, 3), new=(3, 5), cache_dtype=np.float16)
     before = [a.copy() for a in inputs]
-    out, scores = Runner(compile_ext(core, tmp_path, inputs, {"INFERENCE_PRECISION_HINT": "f16"}))(inputs)
     native_f16 = "FP16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if not native_f16:
+        with pytest.raises(RuntimeError, match="INFERENCE_PRECISION_HINT=f16"):
+            compile_ext(core, tmp_path, inputs, {"INFERENCE_PRECISION_HINT": "f16"})
+        return
+    out, scores = Runner(compile_ext(core, tmp_path, inputs, {"INFERENCE_PRECISION_HINT": "f16"}))(inputs)
     exp = reference(before)
     if native_f16:
         m = checked_slots(before)
@@ -293,10 +297,38 @@ def test_f16_cache_in_place_exactly_where_the_plugin_runs_f16(core, tmp_path):
             np.testing.assert_array_equal(inputs[i].transpose(0, 2, 1, 3)[m],
                                           exp[i - 1].astype(np.float16).transpose(0, 2, 1, 3)[m])
     else:
-        assert all(np.array_equal(inputs[i], before[i]) for i in (3, 4)), \
-            "f16 caches were written in place on a CPU without native f16: update docs/openvino.md"
-        assert_close("f16-cache output", out, exp[0])
-        assert_close("f16-cache scores", scores, exp[1])
+        pytest.fail("compiled with f16 caches on a CPU without native f16: the shim must refuse it")
+
+
+@pytest.mark.parametrize("hint", [None, "f32", "bf16"])
+def test_f16_cache_under_another_hint_fails_to_compile_naming_the_hint(core, tmp_path, hint):
+    """Issue 11 item 1: under these hints the CPU plugin puts a Convert (f16 -> f32) between the
+    cache Parameters and the op, and in-place writes would land in that copy, silently. The
+    shim sees the Convert when the plugin re-validates the node, and compile_model fails."""
+    rng = np.random.default_rng(6)
+    inputs = make_case(rng, past=(20,), new=(3,), cache_dtype=np.float16)
+    config = {} if hint is None else {"INFERENCE_PRECISION_HINT": hint}
+    with pytest.raises(RuntimeError, match=r"key_cache \(input 3\).*Convert.*INFERENCE_PRECISION_HINT=f16"):
+        compile_ext(core, tmp_path, inputs, config)
+
+
+def test_const_cache_is_refused_before_it_can_be_written(core, tmp_path):
+    """Issue 11 item 2: a Const key_cache reached the op as a pointer into the read-only weights
+    mapping (SIGSEGV on insertion), or was silently changed with ENABLE_MMAP=False."""
+    rng = np.random.default_rng(7)
+    inputs = make_case(rng, past=(4,), new=(2,))
+    types = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32"}
+    NB, Hkv, BS, D = inputs[3].shape
+    ports = [(types[a.dtype], pa_port_dims(i, a.shape, inputs[0].shape[1] // D, Hkv, D, BS))
+             for i, a in enumerate(inputs)]
+    model = core.read_model(paged_attention_ir(ports).write(tmp_path / "pa.xml"))
+    param = next(p for p in model.get_parameters() if p.get_friendly_name() == "key_cache")
+    const = ov.opset13.constant(inputs[3])
+    with pytest.raises(RuntimeError, match=r"key_cache \(input 3\).*is the Constant"):
+        param.output(0).replace(const.output(0))
+        model.remove_parameter(param)
+        model.validate_nodes_and_infer_types()
+        core.compile_model(model, "CPU")
 
 
 # ---------------------------------------------------------------------------- threads
