@@ -10,10 +10,15 @@
 //! All arithmetic is f32: f16/bf16 cache rows are widened as they are loaded, because summing
 //! in half precision would lose the small softmax weights of long contexts.
 
+#[cfg(target_arch = "x86_64")]
+#[path = "x86/amx.rs"]
+pub(crate) mod amx;
 pub(crate) mod avx2;
 pub(crate) mod avx2_decode;
 mod avx2_tile;
 pub(crate) mod scalar;
+#[cfg(test)]
+mod scalar_amx;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
 
