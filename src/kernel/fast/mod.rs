@@ -18,11 +18,21 @@
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
-//! - `micro`: the inner loops, AVX2+FMA+F16C when detected at run time, else scalar.
+//! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
+//!   tiles (same masks, softmax step and output writing as `prefill`).
+//! - `micro`: the inner loops, AVX2+FMA+F16C when detected at run time, else scalar; AMX tiles.
 //!
-//! SIMD levels: `avx2` (AVX2 + FMA + F16C) and `scalar`. There is no AVX-512 path: the
-//! machines this was written on have no AVX-512 to test it on. `PA_SIMD=scalar` forces the
-//! scalar path for a process; [`execute_with`] picks a level per call (tests).
+//! SIMD levels: `amx` (AMX-BF16 tiles for the products of bf16-query prefill items, `avx2` for
+//! everything else), `avx2` (AVX2 + FMA + F16C) and `scalar`. `PA_SIMD=scalar|avx2|avx512|amx`
+//! caps the level for a process (`avx512` caps below AMX: this branch has no AVX-512F tier of
+//! its own); [`execute_with`] picks a level per call (tests).
+//!
+//! Precision: an f32 or f16 query is f32 math on every level. Only a bf16 query (the model or
+//! the host's precision hint asked for bf16) lets the `amx` level round its operands to bf16:
+//! f32/f16 cache rows and the softmax weights are rounded to nearest even, products are exact
+//! and summed in f32, softmax stays f32, and the result stays within 1e-2 of a float64
+//! reference fed the same (bf16 query, cache-typed) values, as OpenVINO's own op under a bf16
+//! hint.
 //!
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
@@ -33,6 +43,8 @@ pub(crate) mod micro;
 mod partition;
 mod pool;
 mod prefill;
+#[cfg(target_arch = "x86_64")]
+mod prefill_amx;
 pub mod rotate;
 mod scores;
 mod shared;
@@ -42,37 +54,75 @@ use crate::error::{PaError, Result};
 use crate::op::{PaInputs, PaOutputs, Plan};
 use micro::avx2::Avx2;
 use micro::scalar::Scalar;
-use micro::TileMicro;
+use micro::{Amx, TileMicro};
+use std::any::TypeId;
 use std::sync::OnceLock;
 
-/// Instruction set the fast kernels use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Instruction set the fast kernels use, lowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     /// Plain Rust loops.
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 loops, plus AMX-BF16 tiles for the products of prefill items of a bf16 query.
+    Amx,
 }
 
 impl SimdLevel {
-    /// The best level this CPU supports.
+    /// The best level this CPU (and, for AMX, the OS) supports. On Linux, detecting AMX asks
+    /// the kernel for tile-data permission for the whole process (once).
     pub fn detected() -> SimdLevel {
-        if Avx2::detect().is_some() {
-            SimdLevel::Avx2
-        } else {
+        if Avx2::detect().is_none() {
             SimdLevel::Scalar
+        } else if amx_detected() {
+            SimdLevel::Amx
+        } else {
+            SimdLevel::Avx2
         }
     }
 
-    /// The detected level, lowered by `PA_SIMD=scalar` (read once per process). Asking for a
-    /// level the CPU lacks (`PA_SIMD=avx2` without AVX2) gives the detected one.
+    /// The detected level, capped by `PA_SIMD=scalar|avx2|avx512|amx` (read once per process;
+    /// `avx512` caps below AMX). Asking for a level the CPU lacks gives the detected one.
     pub fn from_env() -> SimdLevel {
         static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
-        *LEVEL.get_or_init(|| match std::env::var("PA_SIMD").as_deref() {
-            Ok("scalar") => SimdLevel::Scalar,
-            _ => SimdLevel::detected(),
+        *LEVEL.get_or_init(|| {
+            let cap = match std::env::var("PA_SIMD").as_deref() {
+                Ok("scalar") => SimdLevel::Scalar,
+                Ok("avx2") | Ok("avx512") => SimdLevel::Avx2,
+                _ => SimdLevel::Amx,
+            };
+            SimdLevel::detected().min(cap)
         })
     }
+}
+
+fn amx_detected() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return Amx::detect().is_some();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Prefill items (one KV head's query tile each) this process has run on AMX tiles: lets
+/// tests prove the AMX path ran.
+pub fn amx_items_run() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    return prefill_amx::ITEMS.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(target_arch = "x86_64"))]
+    0
+}
+
+/// The AMX token when prefill items of this call may use tiles: the `Amx` level, a bf16 query
+/// (the precision rule: any other query type is f32 math) and a CPU/OS that grants AMX.
+fn amx_for<Q: 'static>(opts: FastOptions) -> Option<Amx> {
+    if opts.simd < SimdLevel::Amx || TypeId::of::<Q>() != TypeId::of::<half::bf16>() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    return Amx::detect();
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
 /// How step 4 gets the logits of the score rows.
@@ -123,7 +173,7 @@ pub fn run(
         return super::run_reference(plan, inputs, outputs);
     }
     match opts.simd {
-        SimdLevel::Avx2 => match Avx2::detect() {
+        SimdLevel::Avx2 | SimdLevel::Amx => match Avx2::detect() {
             Some(m) => run_micro(m, plan, inputs, outputs, opts),
             None => run_micro(Scalar, plan, inputs, outputs, opts),
         },
@@ -239,6 +289,7 @@ fn run_typed<M: TileMicro, Q: Float, C: Float>(
         kc,
         vc,
         block_indices,
+        amx: amx_for::<Q>(opts),
     };
     let (stats, stash) = attention::attention(m, &ctx, out);
     match stash {

@@ -10,6 +10,12 @@ pub(crate) fn round_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
 
+/// `(round_bf16(x), round_bf16(x - hi))`: `x` as the sum of two bf16.
+pub(crate) fn split_bf16(x: f32) -> (u16, u16) {
+    let hi = round_bf16(x);
+    (hi, round_bf16(x - f32::from_bits((hi as u32) << 16)))
+}
+
 /// `x` rounded to bf16, as the tile product reads it.
 fn bf(x: f32) -> f32 {
     f32::from_bits((round_bf16(x) as u32) << 16)

@@ -61,11 +61,21 @@ impl Amx {
         unsafe { round(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
     }
 
+    /// `x` as the sum of two bf16, `hi[i]` = round(x), `lo[i]` = round(x - hi) (exact for an
+    /// f16 `x`, within 2^-17 relative for f32): a key split so keeps its precision in a tile
+    /// product (`scalar_amx::split_bf16` is the twin).
+    pub(crate) fn round_split(self, src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+        assert!(hi.len() >= src.len() && lo.len() >= src.len());
+        // SAFETY: `self` proves AVX-512F/BW/BF16; `src.len()` elements of all three are in
+        // bounds.
+        unsafe { round_split(src.as_ptr(), hi.as_mut_ptr(), lo.as_mut_ptr(), src.len()) }
+    }
+
     /// Weight pairs `pt[j2*ldt + r]` = (p[2*j2][r], p[2*j2+1][r]) rounded to bf16, from the
     /// transposed weights `st[j*ldt + r]`, for `j2 < n32/2` (keys `n..n32` are 0) and
     /// `r < ldt`. `ldt` is a multiple of 16, `n32` of 32 (a whole PV k-step).
     pub(crate) fn pair_rows(self, st: &[f32], ldt: usize, n: usize, n32: usize, pt: &mut [u32]) {
-        assert!(ldt % 16 == 0 && n32 % 32 == 0 && n <= n32);
+        assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32);
         assert!(st.len() >= n * ldt && pt.len() >= n32 / 2 * ldt);
         // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access.
         unsafe { pair_rows(st.as_ptr(), ldt, n, n32, pt.as_mut_ptr()) }
@@ -98,7 +108,9 @@ impl Tiles {
         r32: usize,
         st: &mut [f32],
     ) {
-        assert!(dp % 32 == 0 && dp > 0 && n32 % 32 == 0 && r32 % 32 == 0);
+        assert!(
+            dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32)
+        );
         assert!(kp.len() >= n32 * dp && qt.len() >= dp / 2 * r32 && st.len() >= n32 * r32);
         for jb in (0..n32).step_by(32) {
             for rb in (0..r32).step_by(32) {
@@ -134,7 +146,10 @@ impl Tiles {
         r32: usize,
         acc: &mut [f32],
     ) {
-        assert!(dp % 32 == 0 && n32 % 32 == 0 && n32 > 0 && r32 % 32 == 0 && ldv >= n32);
+        assert!(
+            dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32)
+        );
+        assert!(ldv >= n32);
         assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
         assert!(acc.len() >= dp * r32);
         for xb in (0..dp).step_by(32) {
@@ -344,6 +359,25 @@ unsafe fn round(src: *const f32, dst: *mut u16, n: usize) {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn round_split(src: *const f32, hi: *mut u16, lo: *mut u16, n: usize) {
+    let mut i = 0;
+    while i < n {
+        let k = (n - i).min(16);
+        let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
+        // SAFETY: elements i..i+k < n of all three, masked.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(mask, src.add(i));
+            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+            let l: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+            _mm256_mask_storeu_epi16(hi.add(i) as *mut i16, mask, h);
+            _mm256_mask_storeu_epi16(lo.add(i) as *mut i16, mask, l);
+        }
+        i += k;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn pair_rows(st: *const f32, ldt: usize, n: usize, n32: usize, pt: *mut u32) {
     // Interleaves the 16 low (even key) and 16 high (odd key) bf16 of `cvtne2ps`.
     let idx = _mm512_set_epi16(
@@ -379,7 +413,7 @@ unsafe fn pair_rows(st: *const f32, ldt: usize, n: usize, n32: usize, pt: *mut u
 mod tests {
     //! The tile products against their scalar twin (`scalar_amx`) on edge shapes.
     use super::*;
-    use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16, round_bf16};
+    use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16, round_bf16, split_bf16};
 
     struct Rng(u64);
     impl Rng {
@@ -439,6 +473,27 @@ mod tests {
             for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
                 assert_eq!(g, round_bf16(v), "element {i} = {v:e} (len {len})");
             }
+        }
+    }
+
+    #[test]
+    fn split_rounding_matches_the_scalar_twin_and_is_exact_for_f16() {
+        let Some(a) = amx() else { return };
+        let mut rng = Rng(8);
+        let x: Vec<f32> = rng.v(999).iter().map(|v| v * 7.0).collect();
+        let f16s: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        for src in [&x, &f16s] {
+            let (mut hi, mut lo) = (vec![0u16; src.len()], vec![0u16; src.len()]);
+            a.round_split(src, &mut hi, &mut lo);
+            for (i, &v) in src.iter().enumerate() {
+                assert_eq!((hi[i], lo[i]), split_bf16(v), "element {i} = {v:e}");
+            }
+        }
+        let (mut hi, mut lo) = (vec![0u16; f16s.len()], vec![0u16; f16s.len()]);
+        a.round_split(&f16s, &mut hi, &mut lo);
+        for (i, &v) in f16s.iter().enumerate() {
+            let sum = f32::from_bits((hi[i] as u32) << 16) + f32::from_bits((lo[i] as u32) << 16);
+            assert_eq!(sum, v, "f16 value {v:e} is not hi + lo");
         }
     }
 
