@@ -323,7 +323,13 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         };
         tl.qk_t(ks, kw, n32, qt, r32, st);
         m.scale(&mut st[..n * r32], plan.scale);
-        mask_tile_strided(plan, st, (1, r32), rows, n, kvh, ir.pos0, j0);
+        // A block's worth of keys at a time, so only the pieces the causal edge or the window
+        // cuts take the per-element path (one span may cover the whole diagonal).
+        for off in (0..n).step_by(32) {
+            let piece = 32.min(n - off);
+            let s = &mut st[off * r32..];
+            mask_tile_strided(plan, s, (1, r32), rows, piece, kvh, ir.pos0, j0 + off);
+        }
         if let Some(sw) = sw {
             stash_logits(ctx, &ir, kvh, st, r32, j0, n, sw);
         }
