@@ -6,7 +6,7 @@
 //! online softmax (running max `m`, sum `l`, accumulator `acc`). An item writes `[m, l, acc]`
 //! per row into its own slot; the merge combines the slots of each row in chunk order.
 
-use super::micro::TileMicro;
+use super::micro::{Amx, TileMicro};
 use super::partition::Partition;
 use super::shared::SharedMut;
 use crate::dtype::Float;
@@ -24,6 +24,8 @@ pub(crate) struct Ctx<'a, Q, C> {
     pub block_indices: &'a [i32],
     /// Where the parallel regions run.
     pub runner: crate::threads::Runner,
+    /// Set when prefill items run their products on AMX tiles (bf16 query only).
+    pub amx: Option<Amx>,
 }
 
 /// Per-thread buffers, grown on demand and reused across items (no allocation per tile).
@@ -179,7 +181,7 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         let pw = SharedMut::new(&mut partials);
         let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
-        let wide = super::prefill::prewiden(m, ctx);
+        let wide = super::prefill::prepare(m, ctx);
         ctx.runner.for_each(ctx.part.items.len(), &|i| {
             let it = &ctx.part.items[i];
             if ctx.part.seqs[it.seq as usize].prefill {

@@ -18,14 +18,25 @@
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
+//! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
+//!   tiles (same masks, softmax step and output writing as `prefill`).
 //! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, scalar
 //!   twins in `micro/`).
 //!
-//! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `avx512` (AVX-512 F + BW + VL +
-//! DQ, 16-wide with masked tails), else `avx2` (AVX2 + FMA + F16C, 8-wide), else `scalar`.
-//! `PA_SIMD=scalar|avx2|avx512` forces a level for a process; a level the CPU lacks gives the
-//! best one it has (the levels are nested: every AVX-512 CPU has AVX2). [`execute_with`] picks
-//! a level per call (tests), with the same fallback ([`SimdLevel::effective`]).
+//! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `amx` (the `avx512` loops, plus
+//! AMX-BF16 tiles for the QK and PV products of prefill items of a bf16 query), else `avx512`
+//! (AVX-512 F + BW + VL + DQ, 16-wide with masked tails), else `avx2` (AVX2 + FMA + F16C,
+//! 8-wide), else `scalar`. `PA_SIMD=scalar|avx2|avx512|amx` forces a level for a process; a
+//! level the CPU lacks gives the best one it has (the levels are nested: every AMX CPU has
+//! AVX-512, every AVX-512 CPU has AVX2). [`execute_with`] picks a level per call (tests), with
+//! the same fallback ([`SimdLevel::effective`]).
+//!
+//! Precision: an f32 or f16 query is f32 math on every level. Only a bf16 query (the model or
+//! the host's precision hint asked for bf16) lets the `amx` level round its operands to bf16:
+//! f32/f16 value rows and the softmax weights are rounded to nearest even, f32/f16 keys are
+//! split into two bf16, products are exact and summed in f32, softmax stays f32, and the result
+//! stays within 1e-2 of a float64 reference fed the same (bf16 query, cache-typed) values, as
+//! OpenVINO's own op under a bf16 hint.
 //!
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
@@ -36,6 +47,8 @@ pub(crate) mod micro;
 mod partition;
 mod pool;
 mod prefill;
+#[cfg(target_arch = "x86_64")]
+mod prefill_amx;
 pub mod rotate;
 mod scores;
 mod shared;
@@ -48,12 +61,12 @@ use micro::scalar::Scalar;
 use micro::x86::avx2::Avx2;
 #[cfg(target_arch = "x86_64")]
 use micro::x86::avx512::Avx512;
-use micro::TileMicro;
+use micro::{Amx, TileMicro};
+use std::any::TypeId;
 use std::sync::OnceLock;
 
 /// Instruction set the fast kernels use, ordered by capability: a CPU that has a level has
-/// every lower one, so falling back means taking the lower of two levels. (A level above
-/// `Avx512`, such as AMX tiles, goes after it and keeps that property.)
+/// every lower one, so falling back means taking the lower of two levels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SimdLevel {
     /// Plain Rust loops.
@@ -62,17 +75,30 @@ pub enum SimdLevel {
     Avx2,
     /// AVX-512 F + BW + VL + DQ (with AVX2, FMA and F16C).
     Avx512,
+    /// The AVX-512 loops, plus AMX-BF16 tiles for the products of prefill items of a bf16
+    /// query (Linux grants the process tile data when this level is detected).
+    Amx,
 }
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+    pub const ALL: [SimdLevel; 4] = [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512,
+        SimdLevel::Amx,
+    ];
 
-    /// The best level this CPU supports.
+    /// The best level this CPU (and, for AMX, the OS) supports. On Linux, detecting AMX asks
+    /// the kernel for tile-data permission for the whole process (once).
     pub fn detected() -> SimdLevel {
         #[cfg(target_arch = "x86_64")]
         if Avx512::detect().is_some() {
-            return SimdLevel::Avx512;
+            return if amx_detected() {
+                SimdLevel::Amx
+            } else {
+                SimdLevel::Avx512
+            };
         }
         if Avx2::detect().is_some() {
             SimdLevel::Avx2
@@ -93,6 +119,7 @@ impl SimdLevel {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
+            SimdLevel::Amx => "amx",
         }
     }
 
@@ -101,7 +128,7 @@ impl SimdLevel {
         SimdLevel::ALL.into_iter().find(|l| l.name() == name)
     }
 
-    /// The detected level, or the one `PA_SIMD=scalar|avx2|avx512` asks for (read once per
+    /// The detected level, or the one `PA_SIMD=scalar|avx2|avx512|amx` asks for (read once per
     /// process) when the CPU has it; asking for a level the CPU lacks (`PA_SIMD=avx512` without
     /// AVX-512) gives the best one it has, and an unknown name the detected one.
     pub fn from_env() -> SimdLevel {
@@ -113,6 +140,34 @@ impl SimdLevel {
                 .map_or_else(SimdLevel::detected, SimdLevel::effective)
         })
     }
+}
+
+fn amx_detected() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return Amx::detect().is_some();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Prefill items (one KV head's query tile each) this process has run on AMX tiles: lets
+/// tests prove the AMX path ran.
+pub fn amx_items_run() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    return prefill_amx::ITEMS.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(target_arch = "x86_64"))]
+    0
+}
+
+/// The AMX token when prefill items of this call may use tiles: the `Amx` level, a bf16 query
+/// (the precision rule: any other query type is f32 math) and a CPU/OS that grants AMX.
+fn amx_for<Q: 'static>(opts: FastOptions) -> Option<Amx> {
+    if opts.simd.effective() < SimdLevel::Amx || TypeId::of::<Q>() != TypeId::of::<half::bf16>() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    return Amx::detect();
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
 /// How step 4 gets the logits of the score rows.
@@ -168,12 +223,12 @@ pub fn run(
     }
     let level = opts.simd.effective();
     #[cfg(target_arch = "x86_64")]
-    if let (SimdLevel::Avx512, Some(m)) = (level, Avx512::detect()) {
+    if let (SimdLevel::Avx512 | SimdLevel::Amx, Some(m)) = (level, Avx512::detect()) {
         return run_micro(m, plan, inputs, outputs, opts);
     }
     match (level, Avx2::detect()) {
-        (SimdLevel::Avx2 | SimdLevel::Avx512, Some(m)) => run_micro(m, plan, inputs, outputs, opts),
-        _ => run_micro(Scalar, plan, inputs, outputs, opts),
+        (SimdLevel::Scalar, _) | (_, None) => run_micro(Scalar, plan, inputs, outputs, opts),
+        (_, Some(m)) => run_micro(m, plan, inputs, outputs, opts),
     }
 }
 
@@ -286,6 +341,7 @@ fn run_typed<M: TileMicro, Q: Float, C: Float>(
         vc,
         block_indices,
         runner: opts.runner,
+        amx: amx_for::<Q>(opts),
     };
     let (stats, stash) = attention::attention(m, &ctx, out);
     match stash {

@@ -14,6 +14,7 @@ use super::partition::Item;
 use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::reference::{cache_row, window_start};
+use crate::op::SeqPlan;
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -39,13 +40,14 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// `v[..n]` starting at a 64-byte boundary (the buffer keeps 16 spare floats for that), so
+/// `v[..n]` starting at a 64-byte boundary (the buffer keeps 64 spare bytes for that), so
 /// panel rows do not straddle cache lines more than they must.
-fn aligned(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n + 16 {
-        v.resize(n + 16, 0.0);
+pub(super) fn aligned<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    let spare = 64 / std::mem::size_of::<T>();
+    if v.len() < n + spare {
+        v.resize(n + spare, T::default());
     }
-    let off = v.as_ptr().align_offset(64).min(16);
+    let off = v.as_ptr().align_offset(64).min(spare);
     &mut v[off..off + n]
 }
 
@@ -64,18 +66,94 @@ fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
 pub(crate) struct Widened {
     k: Vec<f32>,
     v: Vec<f32>,
-    /// Per sequence, the offset of its rows (`[Hkv][ctx][D]`), `None` when not widened.
-    base: Vec<Option<usize>>,
+    /// Per sequence, the offsets of its K and V rows (`[Hkv][ctx][D]`), `None` when not
+    /// widened.
+    base: Vec<Option<(usize, usize)>>,
 }
 
 impl Widened {
     /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s`.
     fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<(&[f32], &[f32])> {
-        self.base[s].map(|b| {
-            let o = b + kvh * n;
-            (&self.k[o..o + n], &self.v[o..o + n])
+        self.base[s].map(|(bk, bv)| {
+            let (ok, ov) = (bk + kvh * n, bv + kvh * n);
+            (&self.k[ok..ok + n], &self.v[ov..ov + n])
         })
     }
+}
+
+/// What prefill items read besides the cache, prepared once per call.
+pub(crate) enum Prepared {
+    /// f32 copies of f16/bf16 K and V rows.
+    Wide(Widened),
+    /// bf16 K and V rows in AMX tile layouts (items of a bf16 query on AMX).
+    #[cfg(target_arch = "x86_64")]
+    Tiles(super::prefill_amx::Packed),
+}
+
+/// Prepares the K and V rows of the prefill sequences: packed for AMX tiles when the items run
+/// on them, else widened to f32 (see [`prewiden`]); `None` when items read the cache tile by
+/// tile.
+pub(crate) fn prepare<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+) -> Option<Prepared> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(amx) = ctx.amx {
+        return super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles);
+    }
+    prewiden(m, ctx).map(Prepared::Wide)
+}
+
+/// K buffer, V buffer, and each sequence's offsets in them (`None`: not a prefill sequence).
+pub(super) type Regions<T> = (Vec<T>, Vec<T>, Vec<Option<(usize, usize)>>);
+
+/// Runs `fill(s, kvh, k, v)` on every (prefill sequence, KV head) in parallel, `k` and `v`
+/// being that head's `region(seq)` (K, V) elements of two zeroed buffers allocated here;
+/// `None` when there is nothing to fill or a buffer would exceed `budget` elements.
+pub(super) fn per_head_regions<T, Q, C>(
+    ctx: &Ctx<'_, Q, C>,
+    region: impl Fn(&SeqPlan) -> (usize, usize) + Sync,
+    budget: usize,
+    fill: impl Fn(usize, usize, &mut [T], &mut [T]) + Sync,
+) -> Option<Regions<T>>
+where
+    T: Copy + Default + Send,
+{
+    let plan = ctx.plan;
+    let hkv = plan.hkv;
+    let mut base = vec![None; plan.seqs.len()];
+    let (mut klen, mut vlen) = (0, 0);
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        if ctx.part.seqs[s].prefill {
+            base[s] = Some((klen, vlen));
+            let (kr, vr) = region(sp);
+            klen += kr * hkv;
+            vlen += vr * hkv;
+        }
+    }
+    if klen == 0 || klen.max(vlen) > budget {
+        return None;
+    }
+    let (mut k, mut v) = (vec![T::default(); klen], vec![T::default(); vlen]);
+    // One task per (prefill sequence, KV head): (s, kvh, K offset, V offset).
+    let tasks: Vec<(usize, usize, usize, usize)> = (0..plan.seqs.len())
+        .filter_map(|s| base[s].map(|b| (s, b)))
+        .flat_map(|(s, (kb, vb))| {
+            let (kr, vr) = region(&plan.seqs[s]);
+            (0..hkv).map(move |kvh| (s, kvh, kb + kvh * kr, vb + kvh * vr))
+        })
+        .collect();
+    {
+        let (kw, vw) = (SharedMut::new(&mut k), SharedMut::new(&mut v));
+        ctx.runner.for_each(tasks.len(), &|i| {
+            let (s, kvh, ko, vo) = tasks[i];
+            let (kr, vr) = region(&plan.seqs[s]);
+            // SAFETY: the tasks' regions are disjoint (laid out one after another above).
+            let (ka, va) = unsafe { (kw.part(ko, kr), vw.part(vo, vr)) };
+            fill(s, kvh, ka, va);
+        });
+    }
+    Some((k, v, base))
 }
 
 /// Widens the K and V rows the prefill items will read, when the cache is f16/bf16 and the
@@ -86,37 +164,17 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
     ctx: &Ctx<'_, Q, C>,
 ) -> Option<Widened> {
     let plan = ctx.plan;
-    let (hkv, d, bs) = (plan.hkv, plan.d, plan.bs);
+    let (d, bs) = (plan.d, plan.bs);
     if TypeId::of::<C>() == TypeId::of::<f32>() {
         return None;
     }
-    let mut base = vec![None; plan.seqs.len()];
-    let mut len = 0;
-    for (s, sp) in plan.seqs.iter().enumerate() {
-        if ctx.part.seqs[s].prefill {
-            base[s] = Some(len);
-            len += sp.ctx() * hkv * d;
-        }
-    }
-    if len == 0 || len > 2 * plan.t * plan.h * d {
-        return None;
-    }
-    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
-    // One task per (prefill sequence, KV head), each writing its own `[ctx][D]` rows.
-    let tasks: Vec<(usize, usize, usize)> = (0..plan.seqs.len())
-        .filter_map(|s| base[s].map(|b| (s, b)))
-        .flat_map(|(s, b)| {
-            let n = plan.seqs[s].ctx() * d;
-            (0..hkv).map(move |kvh| (s, kvh, b + kvh * n))
-        })
-        .collect();
-    {
-        let (kw, vw) = (SharedMut::new(&mut k), SharedMut::new(&mut v));
-        ctx.runner.for_each(tasks.len(), &|i| {
-            let (s, kvh, o) = tasks[i];
+    let budget = 2 * plan.t * plan.h * d;
+    let (k, v, base) = per_head_regions(
+        ctx,
+        |sp| (sp.ctx() * d, sp.ctx() * d),
+        budget,
+        |s, kvh, ka: &mut [f32], va: &mut [f32]| {
             let sp = &plan.seqs[s];
-            // SAFETY: tasks own disjoint `[ctx][D]` ranges (offsets laid out above).
-            let (ka, va) = unsafe { (kw.part(o, sp.ctx() * d), vw.part(o, sp.ctx() * d)) };
             for (j0, j1) in tiles(0, sp.ctx(), bs) {
                 let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
                 let off = cache_row(plan, phys, kvh, j0 % bs);
@@ -124,13 +182,116 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
                 m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
                 m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
             }
-        });
-    }
+        },
+    )?;
     Some(Widened { k, v, base })
 }
 
+/// The rows of one prefill item: query tokens `t0..t0+nt` of sequence `si` (`rows` = nt x G,
+/// row `ti*G + g`), at positions `pos0..`, seeing keys `lo..hi`.
+pub(super) struct ItemRows {
+    pub si: usize,
+    pub t0: usize,
+    pub nt: usize,
+    pub rows: usize,
+    pub pos0: usize,
+    pub lo: usize,
+    pub hi: usize,
+}
+
+impl ItemRows {
+    pub fn new<Q, C>(ctx: &Ctx<'_, Q, C>, it: &Item) -> ItemRows {
+        let plan = ctx.plan;
+        let si = it.seq as usize;
+        let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
+        debug_assert!(lay.nchunks == 1, "prefill items cover all keys");
+        let t0 = it.qt as usize * lay.qtok;
+        let nt = lay.qtok.min(sp.n - t0);
+        let pos0 = sp.past + t0;
+        let pos_max = pos0 + nt - 1;
+        ItemRows {
+            si,
+            t0,
+            nt,
+            rows: nt * plan.g,
+            pos0,
+            lo: window_start(plan, pos0),
+            hi: sp.ctx().min(pos_max + 1),
+        }
+    }
+}
+
+/// Copies the masked logits of the item's score rows (`st[jj*ldt + r]`, keys `j0..j0+n`) into
+/// the stash.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn stash_logits<Q, C>(
+    ctx: &Ctx<'_, Q, C>,
+    ir: &ItemRows,
+    kvh: usize,
+    st: &[f32],
+    ldt: usize,
+    j0: usize,
+    n: usize,
+    sw: &SharedMut<'_, f32>,
+) {
+    let plan = ctx.plan;
+    let (h, g) = (plan.h, plan.g);
+    let (sp, lay) = (&plan.seqs[ir.si], &ctx.part.seqs[ir.si]);
+    let first_score = sp.n - sp.score_tokens;
+    for ti in first_score.max(ir.t0)..ir.t0 + ir.nt {
+        for gi in 0..g {
+            let r = (ti - ir.t0) * g + gi;
+            let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
+            // SAFETY: stash row (token, head) belongs to this item's KV head and query
+            // tile, and keys j0..j0+n to this item: no other item writes there.
+            let dst = unsafe { sw.part(row + j0, n) };
+            for (jj, o) in dst.iter_mut().enumerate() {
+                *o = st[jj * ldt + r];
+            }
+        }
+    }
+}
+
+/// Writes each row's output `acc[r*lda..][..D] / l` and its `[m, l]` partial-result slot.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_rows<Q: Float, C>(
+    ctx: &Ctx<'_, Q, C>,
+    ir: &ItemRows,
+    kvh: usize,
+    acc: &[f32],
+    lda: usize,
+    mb: &[f32],
+    lb: &[f32],
+    pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
+) {
+    let plan = ctx.plan;
+    let (h, d, g) = (plan.h, plan.d, plan.g);
+    let (sp, lay) = (&plan.seqs[ir.si], &ctx.part.seqs[ir.si]);
+    for r in 0..ir.rows {
+        let (ti, gi) = (r / g, r % g);
+        let row = (ir.t0 + ti) * h + kvh * g + gi;
+        // SAFETY: the [m, l] slot and the output row of (token, head) are written by this item
+        // only (one item per KV head and query tile).
+        let (slot, orow) = unsafe {
+            (
+                pw.part(lay.part_base + row * 2, 2),
+                out.part((sp.begin * h + row) * d, d),
+            )
+        };
+        slot[0] = mb[r];
+        slot[1] = lb[r];
+        // One reciprocal per row (a multiply per element, not a divide: within 1 ulp of a / l).
+        let inv = 1.0 / lb[r];
+        for (o, a) in orow.iter_mut().zip(&acc[r * lda..r * lda + d]) {
+            *o = Q::from_f32(a * inv);
+        }
+    }
+}
+
 /// Runs one prefill item (one KV head, one query tile, all visible keys): writes its rows'
-/// output `acc / l` into `out` and their `[m, l]` into their partial-result slots.
+/// output `acc / l` into `out` and their `[m, l]` into their partial-result slots. Items of a
+/// bf16 query run their products on AMX tiles when `ctx.amx` is set.
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
@@ -138,8 +299,20 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     pw: &SharedMut<'_, f32>,
     out: &SharedMut<'_, Q>,
     sw: Option<&SharedMut<'_, f32>>,
-    wide: Option<&Widened>,
+    prep: Option<&Prepared>,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(amx) = ctx.amx {
+        let packed = match prep {
+            Some(Prepared::Tiles(p)) => Some(p),
+            _ => None,
+        };
+        return super::prefill_amx::run_item(m, amx, ctx, it, pw, out, sw, packed);
+    }
+    let wide = match prep {
+        Some(Prepared::Wide(w)) => Some(w),
+        _ => None,
+    };
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
@@ -162,17 +335,10 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
-    let si = it.seq as usize;
-    let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
-    debug_assert!(lay.nchunks == 1, "prefill items cover all keys");
-    let t0 = it.qt as usize * lay.qtok;
-    let nt = lay.qtok.min(sp.n - t0);
-    let rows = nt * g;
+    let ir = ItemRows::new(ctx, it);
+    let (si, t0, nt, rows, pos0, lo, hi) = (ir.si, ir.t0, ir.nt, ir.rows, ir.pos0, ir.lo, ir.hi);
+    let sp = &plan.seqs[si];
     let rows8 = rows.div_ceil(8) * 8;
-    let pos0 = sp.past + t0;
-    let pos_max = pos0 + nt - 1;
-    let lo = window_start(plan, pos0);
-    let hi = sp.ctx().min(pos_max + 1);
     let Scratch {
         qr,
         qt,
@@ -201,7 +367,6 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     acc.fill(0.0);
     mb.fill(f32::NEG_INFINITY);
     lb.fill(0.0);
-    let first_score = sp.n - sp.score_tokens;
     // Widened rows are contiguous per head (the hardware prefetcher follows them): the
     // software prefetches below are for scattered cache blocks only.
     let wide = wide.and_then(|w| w.rows(si, kvh, sp.ctx() * d));
@@ -243,18 +408,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         }
         mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
-            for ti in first_score.max(t0)..t0 + nt {
-                for gi in 0..g {
-                    let r = (ti - t0) * g + gi;
-                    let row = lay.stash_base + ((ti - first_score) * h + kvh * g + gi) * sp.ctx();
-                    // SAFETY: stash row (token, head) belongs to this item's KV head and query
-                    // tile, and keys j0..j1 to this item: no other item writes there.
-                    let dst = unsafe { sw.part(row + j0, n) };
-                    for (jj, o) in dst.iter_mut().enumerate() {
-                        *o = st[jj * rows8 + r];
-                    }
-                }
-            }
+            stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
         }
         m.softmax_t(st, rows8, rows, n, mb, lb, cb);
         let vx: &[f32] = match (wide, as_f32(vt)) {
@@ -273,23 +427,5 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             prefetch_part(kn, i, parts);
         }
     }
-    for r in 0..rows {
-        let (ti, gi) = (r / g, r % g);
-        let row = (t0 + ti) * h + kvh * g + gi;
-        // SAFETY: the [m, l] slot and the output row of (token, head) are written by this item
-        // only (one item per KV head and query tile).
-        let (slot, orow) = unsafe {
-            (
-                pw.part(lay.part_base + row * 2, 2),
-                out.part((sp.begin * h + row) * d, d),
-            )
-        };
-        slot[0] = mb[r];
-        slot[1] = lb[r];
-        // One reciprocal per row (a multiply per element, not a divide: within 1 ulp of a / l).
-        let inv = 1.0 / lb[r];
-        for (o, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-            *o = Q::from_f32(a * inv);
-        }
-    }
+    write_rows(ctx, &ir, kvh, acc, d, mb, lb, pw, out);
 }

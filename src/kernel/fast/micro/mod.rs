@@ -7,11 +7,17 @@
 //! - `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per KV head); the SIMD
 //!   twins also keep the next tile's cache lines coming while they compute.
 //! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
+//! - `x86/amx`: AMX-BF16 tile products (QK and PV) for prefill items of a bf16
+//!   query; `scalar_amx` is its twin (test oracle).
 //!
 //! All arithmetic is f32: f16/bf16 cache rows are widened as they are loaded, because summing
-//! in half precision would lose the small softmax weights of long contexts.
+//! in half precision would lose the small softmax weights of long contexts. The one exception
+//! is `amx`, which multiplies bf16 (exact products, f32 sums) and runs only where the query
+//! arrives as bf16: there the rule is 1e-2 of a float64 reference fed the same rounded values.
 
 pub(crate) mod scalar;
+#[cfg(test)]
+mod scalar_amx;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
 pub(crate) mod x86;
@@ -20,6 +26,13 @@ pub(crate) mod x86;
 mod tests;
 
 use crate::dtype::Float;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::amx::Amx;
+/// No AMX off x86_64: the token has no values.
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Amx {}
 
 /// The inner loops of a tile. Implementors are zero-sized tokens; holding one proves the CPU
 /// supports the instructions it uses.

@@ -7,11 +7,15 @@
 //! - `avx512`: AVX-512 F + BW + VL + DQ [`Micro`] (16-wide, masked tails) and the QK / PV
 //!   register blocks its decode and prefill loops share.
 //! - `avx512_decode`, `avx512_tile`: its [`DecodeMicro`] and [`TileMicro`] loops.
+//! - `amx`: AMX-BF16 tile configuration and the QK / PV tile products of bf16-query prefill
+//!   items (its twin is `scalar_amx` in the parent module).
 //! - `prefetch`, `bounds`: the prefetch cursor and the slice checks every tier uses.
 
 // The tier files name the traits as `super::Micro` etc., as they did beside them.
 pub(crate) use super::{DecodeMicro, Micro, TileMicro};
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
 pub(crate) mod avx2;
 pub(crate) mod avx2_decode;
 mod avx2_tile;

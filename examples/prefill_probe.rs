@@ -1,0 +1,110 @@
+//! Quick A/B probe of prefill with a bf16 query (not the benchmark of record, which is
+//! tools/bench.py): one sequence of 1024 new tokens, H=32, Hkv=8, D=128, block 32, bf16 query,
+//! `f32`/`f16`/`bf16` cache (first argument, default bf16), min ms over `reps` (second, default
+//! 20). The tier is the process's (`PA_SIMD` caps it), the threads rayon's
+//! (`RAYON_NUM_THREADS`):
+//! `RAYON_NUM_THREADS=2 PA_SIMD=avx2 target/release/examples/prefill_probe bf16 20`.
+
+use half::{bf16, f16};
+use paged_attention::kernel::fast::{amx_items_run, SimdLevel};
+use paged_attention::{execute, Float, PaInputs, PaOutputs, Tensor, TensorMut};
+use std::time::Instant;
+
+const H: usize = 32;
+const HKV: usize = 8;
+const D: usize = 128;
+const BS: usize = 32;
+const T: usize = 1024;
+
+fn noise(n: usize, seed: u64) -> Vec<bf16> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// CPU time (user + system) of the whole process so far, in ms.
+fn cpu_ms() -> f64 {
+    // SAFETY: getrusage writes the struct it is given.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Min wall ms and mean CPU ms per call (CPU time is what other processes' load disturbs
+/// least; with more than one thread it includes the pool's idle spinning).
+fn bench<C: Float>(reps: usize) -> (f64, f64)
+where
+    for<'a> paged_attention::ElemsMut<'a>: From<&'a mut Vec<C>>,
+{
+    let nb = T.div_ceil(BS);
+    let bi: Vec<i32> = (0..nb).map(|i| ((i * 7919) % nb) as i32).collect();
+    let (q, k, v) = (
+        noise(T * H * D, 1),
+        noise(T * HKV * D, 2),
+        noise(T * HKV * D, 3),
+    );
+    let mut kc: Vec<C> = vec![C::from_f32(0.0); nb * HKV * BS * D];
+    let mut vc = kc.clone();
+    let mut out = vec![bf16::ZERO; T * H * D];
+    let mut scores = vec![bf16::ZERO; T];
+    let (past, begins, bib) = ([0i32], [0i32, T as i32], [0i32, nb as i32]);
+    let mut best = f64::INFINITY;
+    let mut cpu = 0.0;
+    for _ in 0..reps {
+        let mut inputs = PaInputs {
+            query: Tensor::new(&[T, H * D], &q),
+            key: Tensor::new(&[T, HKV * D], &k),
+            value: Tensor::new(&[T, HKV * D], &v),
+            key_cache: TensorMut::new(&[nb, HKV, BS, D], &mut kc),
+            value_cache: TensorMut::new(&[nb, HKV, BS, D], &mut vc),
+            past_lens: Tensor::new(&[1], &past[..]),
+            subsequence_begins: Tensor::new(&[2], &begins[..]),
+            block_indices: Tensor::new(&[nb], &bi),
+            block_indices_begins: Tensor::new(&[2], &bib[..]),
+            scale: None,
+            sliding_window: None,
+            alibi_slopes: None,
+            rotated_block_indices: None,
+            rotation_deltas: None,
+            rotation_trig_lut: None,
+            score_aggregation_window: None,
+        };
+        let mut outputs = PaOutputs {
+            output: TensorMut::new(&[T, H * D], &mut out),
+            scores: TensorMut::new(&[T], &mut scores),
+        };
+        let (t0, c0) = (Instant::now(), cpu_ms());
+        execute(&mut inputs, &mut outputs).expect("valid call");
+        best = best.min(t0.elapsed().as_secs_f64() * 1e3);
+        cpu += cpu_ms() - c0;
+    }
+    (best, cpu / reps as f64)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let cache = args.get(1).map(String::as_str).unwrap_or("bf16");
+    let reps = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);
+    let before = amx_items_run();
+    let (ms, cpu) = match cache {
+        "f32" => bench::<f32>(reps),
+        "f16" => bench::<f16>(reps),
+        _ => bench::<bf16>(reps),
+    };
+    println!(
+        "prefill 1x{T} H={H} Hkv={HKV} D={D} BS={BS} q=bf16 c={cache}: {ms:.2} ms (min of {reps}), CPU {cpu:.2} ms/call, tier {:?}, threads {}, AMX items {}",
+        SimdLevel::from_env(),
+        rayon::current_num_threads(),
+        amx_items_run() - before
+    );
+}

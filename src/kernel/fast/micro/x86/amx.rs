@@ -1,0 +1,610 @@
+//! AMX-BF16 tiles for the QK and PV products of prefill items: detection (CPUID, XCR0 and, on
+//! Linux, the per-process `arch_prctl` permission), the tile configuration, bf16 packing of the
+//! operands, and one 32x32 tile micro-kernel both products run on.
+//!
+//! Precision rule: the AMX path only runs for a bf16 query (the caller checks). Its inputs are
+//! rounded to bf16 (a bf16 query or cache is exact; f32/f16 cache rows and the softmax weights
+//! are rounded to nearest even), products and sums are f32. An f32 query never comes here.
+//!
+//! Layouts (all zero-padded, `dp` = D rounded up to 32, `r32` = rows rounded up to 32, a "pair
+//! row" being two bf16 in one u32, the first in the low half, as `tdpbf16ps` pairs them):
+//! - keys `kp[j*dp + x]` (bf16, a key per row): the A operand of QK;
+//! - query pairs `qt[x2*r32 + r]` = (q[r][2*x2], q[r][2*x2+1]): the B operand of QK;
+//! - logits `st[j*r32 + r]` (f32, transposed as the `TileMicro` softmax wants them);
+//! - values transposed `vt[x*ldv + j]` (bf16): the A operand of PV;
+//! - weight pairs `pt[j2*r32 + r]` = (p[2*j2][r], p[2*j2+1][r]): the B operand of PV;
+//! - accumulator transposed `acc[x*r32 + r]` (f32).
+//!
+//! AMX intrinsics are not stable in Rust, so the tile instructions are stable `asm!`. Rust's
+//! register model has no tile registers: the compiler never reads or writes them, so tile
+//! contents survive between `asm!` blocks of one [`Tiles`] guard, which is what the kernel
+//! relies on.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+/// Proof that this CPU has AMX-TILE + AMX-BF16 (and AVX-512F/BW/BF16 for the packers), that
+/// the OS saves tile state and that this process may use it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Amx(());
+
+impl Amx {
+    /// Checks once per process.
+    pub(crate) fn detect() -> Option<Amx> {
+        static OK: OnceLock<bool> = OnceLock::new();
+        OK.get_or_init(|| cpu_has_amx() && os_grants_tile_data())
+            .then_some(Amx(()))
+    }
+
+    /// Loads this crate's tile configuration on the calling thread until the guard drops.
+    /// Done per item rather than once per thread: other code on the same thread (the host's
+    /// own AMX kernels) may load another configuration between our calls.
+    pub(crate) fn tiles(self) -> Tiles {
+        let cfg = TileCfg::new();
+        // SAFETY: `self` proves AMX-TILE and the OS permission; `cfg` is a valid palette-1
+        // configuration (8 tiles of 16 rows x 64 bytes), 64 bytes, read only.
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly))
+        };
+        Tiles {
+            _thread: PhantomData,
+        }
+    }
+
+    /// `dst[i]` = bf16 bits of `src[i]`, rounded to nearest even (f32 subnormals become
+    /// zero, as `vcvtneps2bf16` does; `scalar_amx::round_bf16` is the twin).
+    pub(crate) fn round(self, src: &[f32], dst: &mut [u16]) {
+        assert!(dst.len() >= src.len());
+        // SAFETY: `self` proves AVX-512F/BW/BF16; `src.len()` elements of both are in bounds.
+        unsafe { round(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
+    }
+
+    /// `x` as the sum of two bf16, `hi[i]` = round(x), `lo[i]` = round(x - hi) (exact for an
+    /// f16 `x`, within 2^-17 relative for f32): a key split so keeps its precision in a tile
+    /// product (`scalar_amx::split_bf16` is the twin).
+    pub(crate) fn round_split(self, src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+        assert!(hi.len() >= src.len() && lo.len() >= src.len());
+        // SAFETY: `self` proves AVX-512F/BW/BF16; `src.len()` elements of all three are in
+        // bounds.
+        unsafe { round_split(src.as_ptr(), hi.as_mut_ptr(), lo.as_mut_ptr(), src.len()) }
+    }
+
+    /// Weight pairs `pt[j2*ldt + r]` = (p[2*j2][r], p[2*j2+1][r]) rounded to bf16, from the
+    /// transposed weights `st[j*ldt + r]`, for `j2 < n32/2` (keys `n..n32` are 0) and
+    /// `r < ldt`. `ldt` is a multiple of 16, `n32` of 32 (a whole PV k-step).
+    pub(crate) fn pair_rows(self, st: &[f32], ldt: usize, n: usize, n32: usize, pt: &mut [u32]) {
+        assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32);
+        assert!(st.len() >= n * ldt && pt.len() >= n32 / 2 * ldt);
+        // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access.
+        unsafe { pair_rows(st.as_ptr(), ldt, n, n32, pt.as_mut_ptr()) }
+    }
+}
+
+/// The tile configuration is loaded on this thread while this lives (not `Send`: tile state
+/// is per thread). Releases the tiles when dropped, so the thread's AMX state returns to its
+/// initial state and costs nothing on context switches.
+pub(crate) struct Tiles {
+    _thread: PhantomData<*const ()>,
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: a `Tiles` exists only after `ldtilecfg` succeeded on this thread.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+impl Tiles {
+    /// QK on tiles: `st[j*r32 + r] = sum_x kp[j*dp + x] * q[r][x]` for `j < n32`, `r < r32`,
+    /// with `qt` the query pairs (`dp/2` rows of `r32`). Sums run over `x` in order, in f32.
+    pub(crate) fn qk_t(
+        &self,
+        kp: &[u16],
+        dp: usize,
+        n32: usize,
+        qt: &[u32],
+        r32: usize,
+        st: &mut [f32],
+    ) {
+        assert!(
+            dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32)
+        );
+        assert!(kp.len() >= n32 * dp && qt.len() >= dp / 2 * r32 && st.len() >= n32 * r32);
+        for jb in (0..n32).step_by(32) {
+            for rb in (0..r32).step_by(32) {
+                // SAFETY: the 32 key rows jb.. of kp (dp each), query-pair rows 0..dp/2 at
+                // columns rb..rb+32, and logit rows jb..jb+32 at columns rb..rb+32 are inside
+                // the slices (asserted above); `self` proves the tile configuration.
+                unsafe {
+                    block(
+                        kp.as_ptr().add(jb * dp) as *const u8,
+                        dp * 2,
+                        qt.as_ptr().add(rb) as *const u8,
+                        r32 * 4,
+                        st.as_mut_ptr().add(jb * r32 + rb) as *mut u8,
+                        r32 * 4,
+                        dp / 32,
+                        false,
+                    )
+                }
+            }
+        }
+    }
+
+    /// PV on tiles: `acc[x*r32 + r] += sum_j vt[x*ldv + j] * p[j][r]` for `x < dp`, `r < r32`,
+    /// `j < n32`, with `pt` the weight pairs (`n32/2` rows of `r32`). Keys summed in order, f32.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pv_t(
+        &self,
+        vt: &[u16],
+        ldv: usize,
+        dp: usize,
+        pt: &[u32],
+        n32: usize,
+        r32: usize,
+        acc: &mut [f32],
+    ) {
+        assert!(
+            dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32)
+        );
+        assert!(ldv >= n32);
+        assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
+        assert!(acc.len() >= dp * r32);
+        for xb in (0..dp).step_by(32) {
+            for rb in (0..r32).step_by(32) {
+                // SAFETY: value rows xb..xb+32 (keys 0..n32, stride ldv), weight-pair rows
+                // 0..n32/2 at columns rb..rb+32, accumulator rows xb..xb+32 at columns
+                // rb..rb+32 are inside the slices (asserted above); `self` proves the tile
+                // configuration.
+                unsafe {
+                    block(
+                        vt.as_ptr().add(xb * ldv) as *const u8,
+                        ldv * 2,
+                        pt.as_ptr().add(rb) as *const u8,
+                        r32 * 4,
+                        acc.as_mut_ptr().add(xb * r32 + rb) as *mut u8,
+                        r32 * 4,
+                        n32 / 32,
+                        true,
+                    )
+                }
+            }
+        }
+    }
+}
+
+/// `ldtilecfg` operand: palette 1, tiles 0..8 of 16 rows x 64 bytes. Tiles 0-3 hold the 2x2
+/// f32 accumulators, 4-5 the A rows, 6-7 the B pair rows.
+#[repr(C, align(64))]
+struct TileCfg {
+    palette: u8,
+    start_row: u8,
+    _reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileCfg {
+    fn new() -> TileCfg {
+        let mut c = TileCfg {
+            palette: 1,
+            start_row: 0,
+            _reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..8 {
+            c.colsb[t] = 64;
+            c.rows[t] = 16;
+        }
+        c
+    }
+}
+
+/// One 32x32 f32 block `C += A * B`: A is 32 rows of bf16 (stride `lda` bytes, rows 16..32
+/// at `a + 16*lda`), read 32 elements (64 bytes) per k-step; B is pair rows (stride `ldb`
+/// bytes), 16 per k-step, columns 0..16 at `b` and 16..32 at `b + 64`; C rows have stride
+/// `ldc` bytes. `load_c` false starts from zero.
+///
+/// # Safety
+/// The tile configuration of [`Amx::tiles`] must be loaded on this thread, `ksteps >= 1`, and
+/// every byte addressed above must be inside live allocations (C writable).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn block(
+    a: *const u8,
+    lda: usize,
+    b: *const u8,
+    ldb: usize,
+    c: *mut u8,
+    ldc: usize,
+    ksteps: usize,
+    load_c: bool,
+) {
+    debug_assert!(ksteps >= 1);
+    // SAFETY (whole function): the caller's contract covers every address below; the tile
+    // registers are outside Rust's register model, so they keep their contents between the
+    // three blocks.
+    unsafe {
+        let c2 = c.add(16 * ldc);
+        let a2 = a.add(16 * lda);
+        if load_c {
+            asm!(
+                "tileloadd tmm0, [{c} + {ldc}]",
+                "tileloadd tmm1, [{c} + {ldc} + 64]",
+                "tileloadd tmm2, [{c2} + {ldc}]",
+                "tileloadd tmm3, [{c2} + {ldc} + 64]",
+                c = in(reg) c,
+                c2 = in(reg) c2,
+                ldc = in(reg) ldc,
+                options(nostack, readonly, preserves_flags),
+            );
+        } else {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem, preserves_flags),
+            );
+        }
+        asm!(
+            "2:",
+            "tileloadd tmm4, [{a} + {lda}]",
+            "tileloadd tmm5, [{a2} + {lda}]",
+            "tileloadd tmm6, [{b} + {ldb}]",
+            "tileloadd tmm7, [{b} + {ldb} + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a}, 64",
+            "add {a2}, 64",
+            "add {b}, {bstep}",
+            "dec {k}",
+            "jnz 2b",
+            "tilestored [{c} + {ldc}], tmm0",
+            "tilestored [{c} + {ldc} + 64], tmm1",
+            "tilestored [{c2} + {ldc}], tmm2",
+            "tilestored [{c2} + {ldc} + 64], tmm3",
+            a = inout(reg) a => _,
+            a2 = inout(reg) a2 => _,
+            b = inout(reg) b => _,
+            k = inout(reg) ksteps => _,
+            lda = in(reg) lda,
+            ldb = in(reg) ldb,
+            bstep = in(reg) 16 * ldb,
+            c = in(reg) c,
+            c2 = in(reg) c2,
+            ldc = in(reg) ldc,
+            options(nostack),
+        );
+    }
+}
+
+/// The CPU side: CPUID leaf 7 (AMX-TILE = EDX bit 24, AMX-BF16 = bit 22), the AVX-512
+/// features the packers use, and XCR0 bits 17-18 (the OS saves tile configuration and data).
+fn cpu_has_amx() -> bool {
+    let l7 = __cpuid_count(7, 0);
+    let amx = l7.edx & (1 << 24) != 0 && l7.edx & (1 << 22) != 0;
+    let vec = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512bf16")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let osxsave = __cpuid(1).ecx & (1 << 27) != 0;
+    amx && vec && osxsave && {
+        // SAFETY: OSXSAVE is set, so XGETBV is enabled.
+        let xcr0 = unsafe { xcr0() };
+        xcr0 & (3 << 17) == 3 << 17
+    }
+}
+
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    _xgetbv(0)
+}
+
+/// Linux keeps tile data disabled until a process asks (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`; the grant covers every thread of the process); a tile instruction
+/// before that raises SIGILL. Other systems: not supported here.
+#[cfg(target_os = "linux")]
+fn os_grants_tile_data() -> bool {
+    const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these codes only reads its integer arguments / writes the u64
+    // whose address it is given.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) != 0
+        {
+            return false;
+        }
+        let mut mask: u64 = 0;
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_GET_XCOMP_PERM,
+            &mut mask as *mut u64,
+        ) == 0
+            && mask & (1 << XFEATURE_XTILEDATA) != 0
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn os_grants_tile_data() -> bool {
+    false
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn round(src: *const f32, dst: *mut u16, n: usize) {
+    let mut i = 0;
+    while i < n {
+        let k = (n - i).min(16);
+        let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
+        // SAFETY: elements i..i+k < n of both, masked.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(mask, src.add(i));
+            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(dst.add(i) as *mut i16, mask, h);
+        }
+        i += k;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn round_split(src: *const f32, hi: *mut u16, lo: *mut u16, n: usize) {
+    let mut i = 0;
+    while i < n {
+        let k = (n - i).min(16);
+        let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
+        // SAFETY: elements i..i+k < n of all three, masked.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(mask, src.add(i));
+            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+            let l: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+            _mm256_mask_storeu_epi16(hi.add(i) as *mut i16, mask, h);
+            _mm256_mask_storeu_epi16(lo.add(i) as *mut i16, mask, l);
+        }
+        i += k;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn pair_rows(st: *const f32, ldt: usize, n: usize, n32: usize, pt: *mut u32) {
+    // Interleaves the 16 low (even key) and 16 high (odd key) bf16 of `cvtne2ps`.
+    let idx = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+        19, 3, 18, 2, 17, 1, 16, 0,
+    );
+    let z = _mm512_setzero_ps();
+    for j2 in 0..n32 / 2 {
+        let (j0, j1) = (2 * j2, 2 * j2 + 1);
+        for r in (0..ldt).step_by(16) {
+            // SAFETY: weight rows j < n (else zeros) and pair row j2 < n32/2, lanes r..r+16
+            // <= ldt, as the caller asserted.
+            unsafe {
+                let e = if j0 < n {
+                    _mm512_loadu_ps(st.add(j0 * ldt + r))
+                } else {
+                    z
+                };
+                let o = if j1 < n {
+                    _mm512_loadu_ps(st.add(j1 * ldt + r))
+                } else {
+                    z
+                };
+                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(o, e));
+                let p = _mm512_permutexvar_epi16(idx, h);
+                _mm512_storeu_si512(pt.add(j2 * ldt + r) as *mut _, p);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The tile products against their scalar twin (`scalar_amx`) on edge shapes.
+    use super::*;
+    use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16, round_bf16, split_bf16};
+
+    struct Rng(u64);
+    impl Rng {
+        fn f(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn v(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.f()).collect()
+        }
+    }
+
+    fn abs(x: &[f32]) -> Vec<f32> {
+        x.iter().map(|v| v.abs()).collect()
+    }
+
+    /// The hardware sums the exact bf16 products in its own order (not documented, and not
+    /// the twin's: about one sum in ten differs in the last bits). Any f32 summation of `n`
+    /// terms is within `n * 2^-24 * sum|terms|` of the exact sum, so the two are within twice
+    /// that (with 2^-23 to cover a final rounding of `mag` itself). A wrong element, pair or
+    /// layout errs by a whole term, far above this.
+    fn order_bound(n: usize, mag: f32) -> f32 {
+        2.0 * n as f32 * f32::EPSILON * mag
+    }
+
+    fn amx() -> Option<Amx> {
+        let a = Amx::detect();
+        if a.is_none() {
+            eprintln!("AMX not available on this machine: tile tests skipped");
+        }
+        a
+    }
+
+    #[test]
+    fn rounding_matches_the_scalar_twin() {
+        let Some(a) = amx() else { return };
+        let mut rng = Rng(7);
+        let mut x = rng.v(1000);
+        // Ties, subnormals, extremes, infinities.
+        x.extend([
+            f32::from_bits(0x3F80_8000),
+            f32::from_bits(0x3F81_8000),
+            f32::from_bits(0x0000_0001),
+            f32::from_bits(0x8040_0000),
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            1e-39,
+        ]);
+        for len in [0, 1, 15, 16, 17, x.len()] {
+            let mut got = vec![0xFFFFu16; len];
+            a.round(&x[..len], &mut got);
+            for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
+                assert_eq!(g, round_bf16(v), "element {i} = {v:e} (len {len})");
+            }
+        }
+    }
+
+    #[test]
+    fn split_rounding_matches_the_scalar_twin_and_is_exact_for_f16() {
+        let Some(a) = amx() else { return };
+        let mut rng = Rng(8);
+        let x: Vec<f32> = rng.v(999).iter().map(|v| v * 7.0).collect();
+        let f16s: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        for src in [&x, &f16s] {
+            let (mut hi, mut lo) = (vec![0u16; src.len()], vec![0u16; src.len()]);
+            a.round_split(src, &mut hi, &mut lo);
+            for (i, &v) in src.iter().enumerate() {
+                assert_eq!((hi[i], lo[i]), split_bf16(v), "element {i} = {v:e}");
+            }
+        }
+        let (mut hi, mut lo) = (vec![0u16; f16s.len()], vec![0u16; f16s.len()]);
+        a.round_split(&f16s, &mut hi, &mut lo);
+        for (i, &v) in f16s.iter().enumerate() {
+            let sum = f32::from_bits((hi[i] as u32) << 16) + f32::from_bits((lo[i] as u32) << 16);
+            assert_eq!(sum, v, "f16 value {v:e} is not hi + lo");
+        }
+    }
+
+    /// Q rows x keys, through the same packing the prefill items use.
+    fn amx_qk(a: Amx, q: &[f32], rows: usize, k: &[f32], n: usize, d: usize) -> Vec<f32> {
+        let (dp, r32, n32) = (
+            d.div_ceil(32) * 32,
+            rows.div_ceil(32) * 32,
+            n.div_ceil(32) * 32,
+        );
+        let mut qb = vec![0u16; r32 * dp];
+        let mut kp = vec![0u16; n32 * dp];
+        for r in 0..rows {
+            a.round(&q[r * d..(r + 1) * d], &mut qb[r * dp..]);
+        }
+        for j in 0..n {
+            a.round(&k[j * d..(j + 1) * d], &mut kp[j * dp..]);
+        }
+        let mut qt = vec![0u32; dp / 2 * r32];
+        for r in 0..r32 {
+            for x2 in 0..dp / 2 {
+                qt[x2 * r32 + r] =
+                    qb[r * dp + 2 * x2] as u32 | (qb[r * dp + 2 * x2 + 1] as u32) << 16;
+            }
+        }
+        let mut st = vec![f32::NAN; n32 * r32];
+        a.tiles().qk_t(&kp, dp, n32, &qt, r32, &mut st);
+        st
+    }
+
+    #[test]
+    fn qk_tiles_match_the_scalar_twin_on_edge_shapes() {
+        let Some(a) = amx() else { return };
+        let mut rng = Rng(11);
+        for d in [16usize, 64, 80, 96, 128, 256, 1, 7, 33, 100] {
+            for rows in [1usize, 15, 16, 17, 33, 64] {
+                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
+                    let q = rng.v(rows * d).iter().map(|x| x * 3.0).collect::<Vec<_>>();
+                    let k = rng.v(n * d);
+                    let r32 = rows.div_ceil(32) * 32;
+                    let got = amx_qk(a, &q, rows, &k, n, d);
+                    let mut want = vec![0f32; n * r32];
+                    qk_t_bf16(&q, rows, &k, n, d, &mut want, r32);
+                    let mut mag = vec![0f32; n * r32];
+                    qk_t_bf16(&abs(&q), rows, &abs(&k), n, d, &mut mag, r32);
+                    for j in 0..n {
+                        for r in 0..rows {
+                            let i = j * r32 + r;
+                            let tol = order_bound(d, mag[i]);
+                            assert!(
+                                (got[i] - want[i]).abs() <= tol,
+                                "D={d} rows={rows} n={n}: st[{j}][{r}] = {:e}, twin {:e}",
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pv_tiles_match_the_scalar_twin_on_edge_shapes() {
+        let Some(a) = amx() else { return };
+        let mut rng = Rng(12);
+        for d in [16usize, 64, 80, 96, 128, 256, 1, 7, 33, 100] {
+            for rows in [1usize, 15, 16, 17, 33, 64] {
+                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
+                    let (dp, r32, n32) = (
+                        d.div_ceil(32) * 32,
+                        rows.div_ceil(32) * 32,
+                        n.div_ceil(32) * 32,
+                    );
+                    // Transposed weights in [0, 1] (softmax weights), values in [-1, 1].
+                    let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
+                    let v = rng.v(n * d);
+                    let acc0 = rng.v(dp * r32);
+                    // Values transposed and rounded, keys padded with garbage the zero
+                    // weights must cancel (finite, as real cache rows are).
+                    let ldv = n32 + 5;
+                    let mut vt = vec![0x3F80u16; dp * ldv];
+                    let mut col = vec![0f32; n];
+                    for x in 0..dp {
+                        for j in 0..n {
+                            col[j] = if x < d { v[j * d + x] } else { 0.0 };
+                        }
+                        a.round(&col, &mut vt[x * ldv..]);
+                    }
+                    let mut pt = vec![0u32; n32 / 2 * r32];
+                    a.pair_rows(&p, r32, n, n32, &mut pt);
+                    let mut got = acc0.clone();
+                    a.tiles().pv_t(&vt, ldv, dp, &pt, n32, r32, &mut got);
+                    let mut want = acc0.clone();
+                    pv_t_bf16(&p, r32, rows, &v, n, d, &mut want, r32);
+                    let mut mag = abs(&acc0);
+                    pv_t_bf16(&p, r32, rows, &abs(&v), n, d, &mut mag, r32);
+                    for x in 0..d {
+                        for r in 0..rows {
+                            let i = x * r32 + r;
+                            let tol = order_bound(n + 1, mag[i]);
+                            assert!(
+                                (got[i] - want[i]).abs() <= tol,
+                                "D={d} rows={rows} n={n}: acc[{x}][{r}] = {:e}, twin {:e}",
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

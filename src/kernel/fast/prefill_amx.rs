@@ -1,0 +1,351 @@
+//! Step 3 for prefill items of a bf16 query on AMX-BF16 tiles: the item of `prefill` (one KV
+//! head, one query tile, all visible keys) with its two products, QK and PV, on tiles.
+//!
+//! Everything else is `prefill`'s: the item geometry, masks and ALiBi (`mask_tile_strided`),
+//! the stash of score logits, the online-softmax step (`TileMicro::softmax_t`, f32) and the
+//! output writing. Keys are visited in spans of up to `SPAN` keys rather than one block at a
+//! time: one softmax step per span means fewer round trips of the accumulator through tiles.
+//!
+//! Precision (see `micro/x86/amx.rs`): the bf16 query is exact; a bf16 cache is exact; an f16
+//! or f32 cache has each key element split into two bf16 (hi + lo: exact for f16, 2^-17
+//! relative for f32) and QK runs over the doubled key width against the query row repeated,
+//! because a key rounded to bf16 moves a logit by up to `scale*sqrt(D)*|q|*2^-9`, which a sharp
+//! softmax turns into more than 1e-2 of output (seen at D=256, scale 0.38, |q| <= 3). Values
+//! are rounded to bf16 once (their error reaches the output unamplified, at most 2^-9 of
+//! |v|), the logits are scaled in f32 after the tile product (the scale is not rounded), and
+//! the softmax weights are rounded to bf16 for PV; all sums are f32.
+//!
+//! Operands are packed once per call ([`prepack`], when the copies fit the same budget as
+//! `prefill::prewiden`), else per span from the cache.
+
+use super::attention::{mask_tile_strided, tiles, Ctx};
+use super::micro::x86::amx::{Amx, Tiles};
+use super::micro::TileMicro;
+use super::partition::Item;
+use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRows};
+use super::shared::SharedMut;
+use crate::dtype::Float;
+use crate::kernel::reference::cache_row;
+use std::any::TypeId;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Keys per softmax step.
+const SPAN: usize = 256;
+
+/// Items run on tiles so far (see `amx_items_run`).
+pub(crate) static ITEMS: AtomicU64 = AtomicU64::new(0);
+
+/// bf16 K and V rows of the prefill sequences in tile layouts, per (sequence, KV head): keys
+/// `[ctx + 32][kw]` and values transposed `[dp][ctx + 32]` (the 32 spare keys are zeros, so a
+/// span's last k-step may read past the context).
+pub(crate) struct Packed {
+    k: Vec<u16>,
+    v: Vec<u16>,
+    base: Vec<Option<(usize, usize)>>,
+}
+
+/// Padded head size (a whole QK k-step).
+fn dp_of(d: usize) -> usize {
+    d.div_ceil(32) * 32
+}
+
+/// Whether keys of cache type `C` are split into two bf16 (every type but bf16).
+fn split<C: Float>() -> bool {
+    TypeId::of::<C>() != TypeId::of::<half::bf16>()
+}
+
+/// Width of a packed key row: `dp`, or `2*dp` for split keys (hi in `0..dp`, lo after).
+fn kw_of<C: Float>(d: usize) -> usize {
+    if split::<C>() {
+        2 * dp_of(d)
+    } else {
+        dp_of(d)
+    }
+}
+
+/// Packs the K and V rows of every prefill sequence once per call when the copies stay within
+/// `2*T*H*D` elements each (as `prewiden`), else `None` and items pack span by span.
+pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    amx: Amx,
+    ctx: &Ctx<'_, Q, C>,
+) -> Option<Packed> {
+    let plan = ctx.plan;
+    let (dp, kw) = (dp_of(plan.d), kw_of::<C>(plan.d));
+    let budget = 2 * plan.t * plan.h * plan.d;
+    let (k, v, base) = per_head_regions(
+        ctx,
+        |sp| ((sp.ctx() + 32) * kw, (sp.ctx() + 32) * dp),
+        budget,
+        |s, kvh, ka: &mut [u16], va: &mut [u16]| {
+            let n = plan.seqs[s].ctx();
+            PACK.with(|p| {
+                pack_keys(
+                    m,
+                    amx,
+                    ctx,
+                    s,
+                    kvh,
+                    0,
+                    n,
+                    ka,
+                    va,
+                    n + 32,
+                    &mut p.borrow_mut(),
+                )
+            })
+        },
+    )?;
+    Some(Packed { k, v, base })
+}
+
+/// f32 staging buffers of the packers.
+#[derive(Default)]
+struct PackScratch {
+    rows: Vec<f32>,
+    cols: Vec<f32>,
+}
+
+thread_local! {
+    static PACK: RefCell<PackScratch> = RefCell::new(PackScratch::default());
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Keys `j0..j1` of KV head `kvh` of sequence `s`, rounded to bf16: key `j` into row `j - j0`
+/// of `kp` (`kw` wide, split when `C` is not bf16) and column `j - j0` of `vt` (`ld` wide).
+/// Padding columns of `kp` and rows `D..dp` of `vt` are left as they are (zero in the callers'
+/// buffers).
+#[allow(clippy::too_many_arguments)]
+fn pack_keys<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    amx: Amx,
+    ctx: &Ctx<'_, Q, C>,
+    s: usize,
+    kvh: usize,
+    j0: usize,
+    j1: usize,
+    kp: &mut [u16],
+    vt: &mut [u16],
+    ld: usize,
+    sc: &mut PackScratch,
+) {
+    let plan = ctx.plan;
+    let (d, bs) = (plan.d, plan.bs);
+    let (dp, kw) = (dp_of(d), kw_of::<C>(d));
+    let sp = &plan.seqs[s];
+    // Values go through an f32 transpose 64 keys at a time (whole 8-row blocks for it).
+    const CH: usize = 64;
+    let rows = aligned(&mut sc.rows, CH * d);
+    let cols = aligned(&mut sc.cols, d * CH);
+    let mut c0 = j0;
+    while c0 < j1 {
+        let c1 = (c0 + CH).min(j1);
+        let n = c1 - c0;
+        for (a, b) in tiles(c0, c1, bs) {
+            let phys = ctx.block_indices[sp.block_begin + a / bs] as usize;
+            let off = cache_row(plan, phys, kvh, a % bs);
+            let len = (b - a) * d;
+            let stage = &mut rows[(a - c0) * d..(b - c0) * d];
+            m.widen(&ctx.kc[off..off + len], stage);
+            for (jj, row) in stage.chunks_exact(d).enumerate() {
+                let dst = &mut kp[(a - j0 + jj) * kw..][..kw];
+                if split::<C>() {
+                    let (hi, lo) = dst.split_at_mut(dp);
+                    amx.round_split(row, hi, lo);
+                } else {
+                    amx.round(row, dst);
+                }
+            }
+            m.widen(&ctx.vc[off..off + len], stage);
+        }
+        let n8 = n.div_ceil(8) * 8;
+        rows[n * d..n8 * d].fill(0.0);
+        m.transpose(rows, n, d, cols, n8);
+        for x in 0..d {
+            amx.round(&cols[x * n8..x * n8 + n], &mut vt[x * ld + c0 - j0..]);
+        }
+        c0 = c1;
+    }
+}
+
+/// Per-thread buffers of AMX items, grown on demand.
+#[derive(Default)]
+struct Scratch {
+    qf: Vec<f32>,
+    qb: Vec<u32>,
+    qt: Vec<u32>,
+    st: Vec<f32>,
+    pt: Vec<u32>,
+    acc_t: Vec<f32>,
+    acc: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    c: Vec<f32>,
+    kp: Vec<u16>,
+    vt: Vec<u16>,
+    pack: PackScratch,
+}
+
+/// `u32` elements as their bit patterns in `f32` (the transposes only move bits).
+fn as_f32(v: &[u32]) -> &[f32] {
+    // SAFETY: same size and alignment, and every bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const f32, v.len()) }
+}
+
+fn as_f32_mut(v: &mut [u32]) -> &mut [f32] {
+    // SAFETY: as in `as_f32`; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut f32, v.len()) }
+}
+
+/// `u32` pair rows as their two bf16 halves (x86_64 is little-endian: the first element of a
+/// pair is the low half, as the tiles want it).
+fn as_u16_mut(v: &mut [u32]) -> &mut [u16] {
+    // SAFETY: a u32 is two u16 with u16 alignment; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u16, v.len() * 2) }
+}
+
+/// [`prefill::run_item`](super::prefill::run_item) on tiles.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    amx: Amx,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
+    sw: Option<&SharedMut<'_, f32>>,
+    packed: Option<&Packed>,
+) {
+    let tl = amx.tiles();
+    SCRATCH.with(|s| {
+        let sc = &mut *s.borrow_mut();
+        for kvh in it.kvh0 as usize..it.kvh1 as usize {
+            run_head(m, amx, &tl, ctx, it, kvh, pw, out, sw, packed, sc);
+        }
+    });
+    ITEMS.fetch_add(1, Ordering::Relaxed);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_head<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    amx: Amx,
+    tl: &Tiles,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    kvh: usize,
+    pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
+    sw: Option<&SharedMut<'_, f32>>,
+    packed: Option<&Packed>,
+    sc: &mut Scratch,
+) {
+    let plan = ctx.plan;
+    let (h, d, g) = (plan.h, plan.d, plan.g);
+    let (dp, kw) = (dp_of(d), kw_of::<C>(d));
+    let ir = ItemRows::new(ctx, it);
+    let sp = &plan.seqs[ir.si];
+    let (rows, r32) = (ir.rows, ir.rows.div_ceil(32) * 32);
+    let Scratch {
+        qf,
+        qb,
+        qt,
+        st,
+        pt,
+        acc_t,
+        acc,
+        m: mb,
+        l: lb,
+        c: cb,
+        kp,
+        vt,
+        pack,
+    } = sc;
+
+    // Query pairs [kw/2][r32]: rows rounded (exact for bf16) into [r32][kw] (twice over for
+    // split keys), then transposed as u32 pairs. Not scaled: the scale multiplies the f32
+    // logits.
+    let qf = aligned(qf, g * d);
+    let qb = aligned(qb, r32 * kw / 2);
+    qb.fill(0);
+    for ti in 0..ir.nt {
+        let src = &ctx.query[((sp.begin + ir.t0 + ti) * h + kvh * g) * d..][..g * d];
+        m.widen(src, qf);
+        let qb16 = as_u16_mut(qb);
+        for (gi, row) in qf.chunks_exact(d).enumerate() {
+            for half in (0..kw).step_by(dp) {
+                amx.round(row, &mut qb16[(ti * g + gi) * kw + half..]);
+            }
+        }
+    }
+    let qt = aligned(qt, kw / 2 * r32);
+    m.transpose(as_f32(qb), r32, kw / 2, as_f32_mut(qt), r32);
+
+    let acc_t = aligned(acc_t, dp * r32);
+    acc_t.fill(0.0);
+    let (mb, lb, cb) = (aligned(mb, r32), aligned(lb, r32), aligned(cb, r32));
+    mb.fill(f32::NEG_INFINITY);
+    lb.fill(0.0);
+    // Rows past the softmax's `rows8` keep factor 1.
+    cb.fill(1.0);
+    let st = aligned(st, SPAN * r32);
+    let pt = aligned(pt, SPAN / 2 * r32);
+    let ctx_len = sp.ctx();
+    let heads = packed
+        .and_then(|p| p.base[ir.si].map(|b| (p, b)))
+        .map(|(p, (bk, bv))| {
+            let (ok, ov) = (
+                bk + kvh * (ctx_len + 32) * kw,
+                bv + kvh * (ctx_len + 32) * dp,
+            );
+            (
+                &p.k[ok..ok + (ctx_len + 32) * kw],
+                &p.v[ov..ov + (ctx_len + 32) * dp],
+            )
+        });
+
+    let mut j0 = ir.lo;
+    while j0 < ir.hi {
+        let j1 = (j0 + SPAN).min(ir.hi);
+        let (n, n32) = (j1 - j0, (j1 - j0).div_ceil(32) * 32);
+        let (ks, vs, ldv): (&[u16], &[u16], usize) = match heads {
+            Some((k, v)) => (&k[j0 * kw..], &v[j0..], ctx_len + 32),
+            None => {
+                let kp = aligned(kp, SPAN * kw);
+                let vt = aligned(vt, dp * SPAN);
+                // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
+                kp.fill(0);
+                vt.fill(0);
+                pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
+                (kp, vt, SPAN)
+            }
+        };
+        tl.qk_t(ks, kw, n32, qt, r32, st);
+        m.scale(&mut st[..n * r32], plan.scale);
+        // A block's worth of keys at a time, so only the pieces the causal edge or the window
+        // cuts take the per-element path (one span may cover the whole diagonal).
+        for off in (0..n).step_by(32) {
+            let piece = 32.min(n - off);
+            let s = &mut st[off * r32..];
+            mask_tile_strided(plan, s, (1, r32), rows, piece, kvh, ir.pos0, j0 + off);
+        }
+        if let Some(sw) = sw {
+            stash_logits(ctx, &ir, kvh, st, r32, j0, n, sw);
+        }
+        m.softmax_t(st, r32, rows, n, mb, lb, cb);
+        if cb.iter().any(|&c| c != 1.0) {
+            for row in acc_t.chunks_exact_mut(r32) {
+                for (a, c) in row.iter_mut().zip(cb.iter()) {
+                    *a *= c;
+                }
+            }
+        }
+        amx.pair_rows(st, r32, n, n32, pt);
+        tl.pv_t(vs, ldv, dp, pt, n32, r32, acc_t);
+        j0 = j1;
+    }
+    let acc = aligned(acc, r32 * dp);
+    m.transpose(acc_t, dp, r32, acc, dp);
+    write_rows(ctx, &ir, kvh, acc, dp, mb, lb, pw, out);
+}

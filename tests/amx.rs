@@ -1,0 +1,299 @@
+//! The AMX tier: prefill items of a bf16 query with their QK and PV products on AMX-BF16
+//! tiles, through the whole op, against the float64 reference of `common/ref64.rs` fed the
+//! same rounded values (bf16 query, cache-typed caches).
+//!
+//! Tolerance (the precision rule for a bf16 query): outputs within 1e-2 absolute, scores
+//! within 1e-2 relative to max(1, |score|). Caches are checked by `tests/reference.rs`, whose
+//! `execute` runs the same path.
+//!
+//! On a machine without AMX (or with `PA_SIMD` capping it) the same cases run on the next tier
+//! and the tests say so; where the CPU and OS grant AMX, a test fails unless the tiles ran.
+//! Tests here hold one lock, so the process-wide AMX item counter measures one test at a time.
+
+mod common;
+
+use common::call::{round_to, Call};
+use common::ref64::{gen_case, reference, Case, Features, Geometry, ScoreWindow, Seq, SeqKind};
+use paged_attention::kernel::fast::{
+    amx_items_run, execute_with, FastOptions, ScoresMode, SimdLevel,
+};
+use paged_attention::ElemType::{self, BF16, F16, F32};
+use std::sync::Mutex;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn amx_present() -> bool {
+    SimdLevel::detected() == SimdLevel::Amx
+}
+
+fn run_at(call: &Call, simd: SimdLevel) -> Call {
+    let mut c = call.clone();
+    let opts = FastOptions {
+        simd,
+        scores: ScoresMode::Auto,
+        ..FastOptions::default()
+    };
+    c.with_api(|inputs, mut outputs| execute_with(opts, &mut inputs?, &mut outputs))
+        .expect("valid call");
+    c
+}
+
+/// Runs `case` at the AMX level and checks outputs and scores against the f64 reference.
+fn check(case: &Case) -> f64 {
+    let exp = reference(case);
+    let got = run_at(&case.to_call(), SimdLevel::Amx);
+    let mut worst = 0f64;
+    let out = got.outputs[0].data.to_f64();
+    for (i, (&g, &e)) in out.iter().zip(&exp.output).enumerate() {
+        let err = (g - e).abs();
+        assert!(
+            err <= 1e-2,
+            "output[{}, {}] = {g}, expected {e} (error {err:e})\n{}",
+            i / (case.h * case.d),
+            i % (case.h * case.d),
+            case.describe()
+        );
+        worst = worst.max(err);
+    }
+    let sc = got.outputs[1].data.to_f64();
+    for (j, (&g, &e)) in sc.iter().zip(&exp.scores).enumerate() {
+        let err = (g - e).abs() / e.abs().max(1.0);
+        assert!(
+            err <= 1e-2,
+            "scores[{j}] = {g}, expected {e} (relative error {err:e})\n{}",
+            case.describe()
+        );
+    }
+    worst
+}
+
+/// Fails when the CPU and OS grant AMX but no item ran on tiles since `before`; prints which
+/// tier the test exercised.
+fn require_tiles(test: &str, before: u64) {
+    let items = amx_items_run() - before;
+    if amx_present() {
+        assert!(
+            items > 0,
+            "{test}: the CPU and OS grant AMX, but no prefill item ran on tiles"
+        );
+        eprintln!("TIER {test}: amx ({items} items on AMX-BF16 tiles)");
+    } else {
+        eprintln!(
+            "TIER {test}: {:?} (AMX not available here: tiles not exercised)",
+            SimdLevel::detected()
+        );
+    }
+}
+
+/// A case with the given sequences (past, new) and fresh values, on the geometry of `geo`.
+fn with_seqs(geo: &Geometry, f: &Features, seqs: &[(usize, usize)], seed: u64) -> Case {
+    let mut case = gen_case(
+        seed,
+        geo,
+        &Features {
+            seqs: Some(vec![SeqKind::Prefill]),
+            rotation: Some(false),
+            ..f.clone()
+        },
+    );
+    let mut rng = common::ref64::Rng::new(seed ^ 0xA3);
+    let bs = case.bs;
+    let need: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(bs)).collect();
+    let nb = need.iter().sum::<usize>() + 1;
+    let mut blocks: Vec<i32> = (0..nb as i32).collect();
+    rng.shuffle(&mut blocks);
+    let (mut bi, mut bib) = (vec![], vec![0i32]);
+    let mut it = blocks.iter();
+    for &n in &need {
+        bi.extend(it.by_ref().take(n));
+        bib.push(bi.len() as i32);
+    }
+    let (h, hkv, d) = (case.h, case.hkv, case.d);
+    let t: usize = seqs.iter().map(|s| s.1).sum();
+    let mut r = |len: usize, ty: ElemType, a: f64| -> Vec<f64> {
+        (0..len).map(|_| round_to(ty, rng.uniform(-a, a))).collect()
+    };
+    case.nb = nb;
+    case.seqs = seqs.iter().map(|&(past, n)| Seq { past, n }).collect();
+    case.query = r(t * h * d, case.qt, 3.0);
+    case.key = r(t * hkv * d, case.qt, 1.0);
+    case.value = r(t * hkv * d, case.qt, 1.0);
+    case.key_cache = r(nb * hkv * bs * d, case.ct, 1.0);
+    case.value_cache = r(nb * hkv * bs * d, case.ct, 1.0);
+    case.block_indices = bi;
+    case.block_indices_begins = bib;
+    if let Some(w) = case.sliding_window {
+        let max_ctx = seqs.iter().map(|s| s.0 + s.1).max().unwrap_or(1);
+        case.sliding_window = Some(w.min(max_ctx as i32));
+    }
+    if let Some(ScoreWindow::PerSeq(_)) = case.score_window {
+        case.score_window = Some(ScoreWindow::PerSeq(vec![-1; seqs.len()]));
+    }
+    case
+}
+
+const BLOCK_SIZES: [usize; 4] = [1, 16, 32, 48];
+const GROUPS: [usize; 3] = [1, 4, 8];
+const HEAD_SIZES: [usize; 9] = [16, 64, 80, 96, 128, 256, 7, 33, 100];
+const CACHES: [ElemType; 3] = [BF16, F16, F32];
+
+#[test]
+fn bf16_prefill_matches_f64_reference_for_every_block_size_group_head_size_and_cache() {
+    let _g = lock();
+    let before = amx_items_run();
+    let mut worst = 0f64;
+    let mut k = 0;
+    for &bs in &BLOCK_SIZES {
+        for &g in &GROUPS {
+            for &ct in &CACHES {
+                let d = HEAD_SIZES[k % HEAD_SIZES.len()];
+                let hkv = if g == 1 { 2 } else { 1 };
+                let geo = Geometry::new(BF16, ct, hkv, g, d, bs);
+                // A prefill of more than one item and a chunked prefill after a past.
+                let seqs = [(0, 70 + k % 7), (21 + k, 33 + k % 5)];
+                let case = with_seqs(&geo, &Features::default(), &seqs, 40_000 + k as u64);
+                worst = worst.max(check(&case));
+                k += 1;
+            }
+        }
+    }
+    eprintln!("WORST bf16 prefill output error {worst:.3e}");
+    require_tiles("block sizes x groups x head sizes x caches", before);
+}
+
+#[test]
+fn bf16_prefill_matches_f64_reference_with_sliding_window_alibi_and_scores() {
+    let _g = lock();
+    let before = amx_items_run();
+    for (k, (window, alibi)) in [(true, false), (false, true), (true, true)]
+        .into_iter()
+        .enumerate()
+    {
+        for &ct in &CACHES {
+            let geo = Geometry::new(BF16, ct, 2, 4, [64, 80, 33][k], [16, 32, 1][k]);
+            let f = Features {
+                sliding_window: Some(window),
+                alibi: Some(alibi),
+                score_window: Some(Some(ScoreWindow::PerSeq(vec![]))),
+                ..Features::default()
+            };
+            for seed in 0..3u64 {
+                let case = with_seqs(&geo, &f, &[(0, 90), (50, 40)], 41_000 + seed);
+                assert!(case.sliding_window.is_some() == window && case.alibi.is_some() == alibi);
+                check(&case);
+            }
+        }
+    }
+    require_tiles("window, alibi, scores", before);
+}
+
+/// Spans of more than one softmax step (more than 256 keys), and a chunked prefill whose past
+/// is too long for the per-call packing (items then pack span by span from the cache).
+#[test]
+fn bf16_long_prefill_and_long_past_match_f64_reference() {
+    let _g = lock();
+    let before = amx_items_run();
+    for &ct in &CACHES {
+        let geo = Geometry::new(BF16, ct, 1, 2, 64, 32);
+        let case = with_seqs(&geo, &Features::default(), &[(0, 600)], 42_000);
+        check(&case);
+        let f = Features {
+            sliding_window: Some(false),
+            score_window: Some(Some(ScoreWindow::PerSeq(vec![]))),
+            ..Features::default()
+        };
+        let case = with_seqs(&geo, &f, &[(1500, 40)], 42_001);
+        check(&case);
+    }
+    require_tiles("long prefill, long past", before);
+}
+
+#[test]
+fn bf16_mixed_batch_matches_f64_reference() {
+    let _g = lock();
+    let before = amx_items_run();
+    for (k, &ct) in CACHES.iter().enumerate() {
+        let geo = Geometry::new(BF16, ct, 2, 4, 128, 16);
+        let case = with_seqs(
+            &geo,
+            &Features::default(),
+            &[(300, 1), (0, 45), (17, 0), (64, 1), (40, 23), (5, 2)],
+            43_000 + k as u64,
+        );
+        check(&case);
+    }
+    require_tiles("mixed batch", before);
+}
+
+#[test]
+fn bf16_prefill_on_amx_gives_bit_identical_results_for_1_2_and_3_threads() {
+    let _g = lock();
+    let before = amx_items_run();
+    let geo = Geometry::new(BF16, F16, 2, 4, 80, 32);
+    let f = Features {
+        alibi: Some(true),
+        score_window: Some(Some(ScoreWindow::PerSeq(vec![]))),
+        ..Features::default()
+    };
+    let case = with_seqs(&geo, &f, &[(0, 130), (12, 1), (33, 50)], 44_000);
+    let call = case.to_call();
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    let one = pool(1).install(|| run_at(&call, SimdLevel::Amx));
+    for n in [2, 3] {
+        let many = pool(n).install(|| run_at(&call, SimdLevel::Amx));
+        assert!(
+            one.snapshot() == many.snapshot(),
+            "1 and {n} threads differ on the AMX tier\n{}",
+            case.describe()
+        );
+    }
+    require_tiles("threads", before);
+}
+
+/// Where AMX runs, a bf16-query prefill gives other bits than the AVX2 tier (the products
+/// round their operands): a second proof, besides the counter, that tiles ran. And the
+/// precision rule: f32 and f16 queries never use tiles, so the AMX level is bit-identical
+/// to AVX2 for them and no item is counted.
+#[test]
+fn tiles_run_only_for_a_bf16_query() {
+    let _g = lock();
+    for (qt, ct) in [(F32, F32), (F32, BF16), (F16, F16), (F16, BF16)] {
+        let geo = Geometry::new(qt, ct, 2, 4, 64, 16);
+        let case = with_seqs(&geo, &Features::default(), &[(0, 80), (20, 30)], 45_000);
+        let call = case.to_call();
+        let before = amx_items_run();
+        let a = run_at(&call, SimdLevel::Amx);
+        assert_eq!(
+            amx_items_run(),
+            before,
+            "q={qt} c={ct}: a non-bf16 query ran on AMX tiles"
+        );
+        let b = run_at(&call, SimdLevel::Avx512);
+        assert!(
+            a.snapshot() == b.snapshot(),
+            "q={qt} c={ct}: the AMX level changed a non-bf16 query's result"
+        );
+    }
+    let geo = Geometry::new(BF16, BF16, 2, 4, 64, 16);
+    let case = with_seqs(&geo, &Features::default(), &[(0, 80), (20, 30)], 45_001);
+    let call = case.to_call();
+    let before = amx_items_run();
+    let a = run_at(&call, SimdLevel::Amx);
+    if amx_present() {
+        let b = run_at(&call, SimdLevel::Avx512);
+        assert!(
+            a.outputs[0].data.bits() != b.outputs[0].data.bits(),
+            "bf16 query: the AMX level gave the AVX-512 tier's exact bits (tiles did not run)"
+        );
+    }
+    require_tiles("bf16 only", before);
+}
