@@ -8,6 +8,7 @@
 
 #include <openvino/core/except.hpp>
 #include <openvino/core/parallel.hpp>
+#include <openvino/op/constant.hpp>
 
 #include "cache_inputs.hpp"
 #include "paged_attention.h"
@@ -82,6 +83,29 @@ ov::PartialShape to_ov(const pa_partial_shape& s) {
     return ov::PartialShape(dims);
 }
 
+// The scores length, sum(past_lens) + T, depends on the values of past_lens. At run time the
+// CPU plugin infers shapes on a copy of the node whose inputs are Constants holding the call's
+// tensors: computing the length there makes both output shapes static, so the plugin hands
+// evaluate() its own output buffers. Left dynamic, it would give evaluate() temporary tensors
+// and copy them afterwards (the whole [T, H*D] output, every call). Invalid values (a negative
+// length, a wrong rank or type) are left to pa_validate in evaluate(), which names them.
+void known_scores_length(const ov::Node& node, pa_partial_shape& scores) {
+    const auto past = ov::as_type_ptr<ov::op::v0::Constant>(node.get_input_node_shared_ptr(5));
+    const ov::PartialShape& query = node.get_input_partial_shape(0);
+    if (!past || scores.rank != 1 || scores.dims[0] >= 0 || past->get_element_type() != ov::element::i32 ||
+        past->get_shape().size() != 1 || query.rank().is_dynamic() || query.size() != 2 || query[0].is_dynamic()) {
+        return;
+    }
+    int64_t total = query[0].get_length();
+    for (const int32_t p : past->cast_vector<int32_t>()) {
+        if (p < 0) {
+            return;
+        }
+        total += p;
+    }
+    scores.dims[0] = total;
+}
+
 }  // namespace
 
 PagedAttention::PagedAttention(const ov::OutputVector& args) : ov::op::Op(args) {
@@ -122,6 +146,9 @@ void PagedAttention::validate_and_infer_types() {
     }
     std::array<pa_partial_shape, PA_NUM_OUTPUTS> out{};
     const pa_status st = pa_infer_shapes(in.data(), n, out.data());
+    if (st == PA_STATUS_OK) {
+        known_scores_length(*this, out[1]);
+    }
     NODE_VALIDATION_CHECK(this, st == PA_STATUS_OK, last_error(st), unsupported_types(types));
     for (size_t i = 0; i < out.size(); ++i) {
         set_output_type(i, elem_type(out[i].elem_type), to_ov(out[i]));
