@@ -17,6 +17,12 @@ cargo build --release --features openvino --bins --lib
 echo "== rust tests"
 cargo test --release --features openvino
 
+echo "== instruction-set tiers this machine exercised against their scalar twins"
+# (Informational: the tests above already assert that every tier the CPU has was run.)
+{ grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_fp16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo; } || true
+cargo test --release --features openvino -q --test fast_vs_reference every_tier -- --nocapture 2>&1 | grep -E '^tiers exercised' || true
+cargo test --release --features openvino -q --test amx -- --nocapture 2>&1 | grep -E '^TIER' | sort -u | head -3 || true
+
 if [ -d tests/python ] || ls tools/test_*.py >/dev/null 2>&1; then
   echo "== python tests (OpenVINO)"
   export PA_EXTENSION_LIB="$PWD/target/release/libpaged_attention.so"
