@@ -2,8 +2,8 @@
 //! tools/bench.py): one sequence of 1024 new tokens, H=32, Hkv=8, D=128, block 32, bf16 query,
 //! `f32`/`f16`/`bf16` cache (first argument, default bf16), min ms over `reps` (second, default
 //! 20). The tier is the process's (`PA_SIMD` caps it), the threads rayon's
-//! (`RAYON_NUM_THREADS`):
-//! `RAYON_NUM_THREADS=2 PA_SIMD=avx2 target/release/examples/prefill_probe bf16 20`.
+//! (`PA_NUM_THREADS`):
+//! `PA_NUM_THREADS=2 PA_SIMD=avx2 target/release/examples/prefill_probe bf16 20`.
 
 use half::{bf16, f16};
 use paged_attention::kernel::fast::{amx_items_run, SimdLevel};
