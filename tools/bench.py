@@ -71,8 +71,8 @@ def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
 class Call:
     """One workload's inputs, in buffers both implementations use."""
 
-    def __init__(self, seqs, cache: str, rng):
-        self.seqs, self.cache = seqs, cache
+    def __init__(self, seqs, cache: str, rng, qtype: str = "f32"):
+        self.seqs, self.cache, self.qtype = seqs, cache, qtype
         n = [s[1] for s in seqs]
         self.T = sum(n)
         self.B = len(seqs)
@@ -82,6 +82,11 @@ class Call:
         self.q = rng.uniform(-1, 1, (self.T, H * D)).astype(np.float32)
         self.k = rng.uniform(-1, 1, (self.T, HKV * D)).astype(np.float32)
         self.v = rng.uniform(-1, 1, (self.T, HKV * D)).astype(np.float32)
+        # A bf16 query (and key/value) for our paths; the built-in op gets the same values as f32.
+        self.qkv = [self.q, self.k, self.v]
+        if qtype == "bf16":
+            self.qkv = [f32_to_bf16_bits(a) for a in self.qkv]
+            self.q, self.k, self.v = [(b.astype(np.uint32) << 16).view(np.float32) for b in self.qkv]
         kc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
         vc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
         if cache == "f16":
@@ -93,20 +98,22 @@ class Call:
         self.sb = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
         self.bi = perm
         self.bib = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int32)
-        self.out = np.zeros((self.T, H * D), np.float32)
-        self.scores = np.zeros(int(self.past.sum()) + self.T, np.float32)
+        odt = np.uint16 if qtype == "bf16" else np.float32
+        self.out = np.zeros((self.T, H * D), odt)
+        self.scores = np.zeros(int(self.past.sum()) + self.T, odt)
         esize = 4 if cache == "f32" else 2
         self.kv_bytes = sum((p + k) for p, k in seqs) * HKV * D * 2 * esize
         self.flops = sum(sum(p + i + 1 for i in range(k)) for p, k in seqs) * H * D * 4
 
     # --- ours, C ABI
     def bind_ours(self, lib):
-        ins = [pa_tensor(self.q, "f32"), pa_tensor(self.k, "f32"), pa_tensor(self.v, "f32"),
+        qt = self.qtype
+        ins = [pa_tensor(self.qkv[0], qt), pa_tensor(self.qkv[1], qt), pa_tensor(self.qkv[2], qt),
                pa_tensor(self.kc, self.cache), pa_tensor(self.vc, self.cache),
                pa_tensor(self.past, "i32"), pa_tensor(self.sb, "i32"), pa_tensor(self.bi, "i32"),
                pa_tensor(self.bib, "i32")]
         self._ins = (PaTensor * len(ins))(*ins)
-        self._outs = (PaTensor * 2)(pa_tensor(self.out, "f32"), pa_tensor(self.scores, "f32"))
+        self._outs = (PaTensor * 2)(pa_tensor(self.out, qt), pa_tensor(self.scores, qt))
         self._lib = lib
 
     def run_ours(self):
@@ -164,8 +171,9 @@ class Call:
         sys.path.insert(0, str(ROOT / "tools"))
         from ir_writer import IRBuilder, Port
         b = IRBuilder("pa_ext_bench")
-        ins = [("query", "f32", [-1, H * D], self.q), ("key", "f32", [-1, HKV * D], self.k),
-               ("value", "f32", [-1, HKV * D], self.v),
+        qt = self.qtype
+        ins = [("query", qt, [-1, H * D], self.qkv[0]), ("key", qt, [-1, HKV * D], self.qkv[1]),
+               ("value", qt, [-1, HKV * D], self.qkv[2]),
                ("key_cache", self.cache, [-1, HKV, BS, D], self.kc),
                ("value_cache", self.cache, [-1, HKV, BS, D], self.vc),
                ("past_lens", "i32", [-1], self.past), ("subsequence_begins", "i32", [-1], self.sb),
@@ -173,7 +181,7 @@ class Call:
         srcs = [b.parameter(nm, et, dims) for nm, et, dims, _ in ins]
         node = b.op("pa", "PagedAttention", "ie_internal_opset", srcs,
                     [Port(i, et, dims) for i, (_, et, dims, _) in enumerate(ins)],
-                    [Port(len(ins), "f32", [-1, H * D]), Port(len(ins) + 1, "f32", [-1])])
+                    [Port(len(ins), qt, [-1, H * D]), Port(len(ins) + 1, qt, [-1])])
         b.result("output", (node, len(ins)))
         b.result("scores", (node, len(ins) + 1))
         xml = Path(tmpdir) / f"pa_{id(self)}.xml"
@@ -195,6 +203,11 @@ class Call:
     def run_ov(self):
         self._ov_req.infer()
 
+    def our_outputs(self):
+        if self.qtype == "bf16":
+            return [(a.astype(np.uint32) << 16).view(np.float32) for a in (self.out, self.scores)]
+        return [self.out, self.scores]
+
     def ov_outputs(self):
         return (np.array(self._ov_req.get_output_tensor(0).data, np.float32),
                 np.array(self._ov_req.get_output_tensor(1).data, np.float32))
@@ -210,7 +223,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--only", default=",".join(WORKLOADS))
-    ap.add_argument("--types", default="f32,f16,bf16")
+    ap.add_argument("--types", default="f32,f16,bf16,bf16q",
+                    help="cache types; bf16q = a bf16 cache with the query, key and value declared bf16 "
+                         "for our op (the built-in op gets the same values as f32 under the bf16 hint)")
     ap.add_argument("--threads", default="2,all", help="thread counts, 'all' = the CPUs of this process")
     ap.add_argument("--hint", default="cache",
                     help="INFERENCE_PRECISION_HINT for both OpenVINO models: f32, f16, bf16, or 'cache' = "
@@ -247,8 +262,9 @@ def main():
         rng = np.random.default_rng(0)
         for key in args.only.split(","):
             label, seqs = WORKLOADS[key]
-            for cache in args.types.split(","):
-                call = Call(seqs, cache, rng)
+            for ctype in args.types.split(","):
+                cache, qtype = ("bf16", "bf16") if ctype == "bf16q" else (ctype, "f32")
+                call = Call(seqs, cache, rng, qtype)
                 call.bind_ours(lib)
                 hint = cache if args.hint == "cache" else args.hint
                 try:
@@ -283,12 +299,13 @@ def main():
                 diff = float("nan")
                 if ov_err is None:
                     v_out, v_sc = call.ov_outputs()
-                    diff = max(float(np.abs(call.out - v_out).max()), float(np.abs(call.scores - v_sc).max()))
+                    o_out, o_sc = call.our_outputs()
+                    diff = max(float(np.abs(o_out - v_out).max()), float(np.abs(o_sc - v_sc).max()))
                 emin = min(ext) if ext else None
                 vmin = min(ovt) if ovt else None
                 t = emin if emin is not None else omin
                 gbs, gfl = call.kv_bytes / t / 1e6, call.flops / t / 1e6
-                row = dict(workload=label, key=key, cache=cache, threads=nthr, hint=hint, ours_min=omin,
+                row = dict(workload=label, key=key, cache=ctype, threads=nthr, hint=hint, ours_min=omin,
                            ours_med=statistics.median(ours), ov_min=vmin,
                            ov_med=statistics.median(ovt) if ovt else None, ext_min=emin,
                            ext_med=statistics.median(ext) if ext else None,
@@ -301,7 +318,7 @@ def main():
                 ratio_txt = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
                 vs = f" ({100 * (emin / omin - 1):+.0f}%)" if emin else ""
                 ov_gbs = f"{call.kv_bytes / vmin / 1e6:.1f}" if vmin else "-"
-                print(f"| {label} | {cache} | {nthr} | {ext_txt} | {ov_txt} | {ratio_txt} | {omin:.2f}{vs} "
+                print(f"| {label} | {ctype} | {nthr} | {ext_txt} | {ov_txt} | {ratio_txt} | {omin:.2f}{vs} "
                       f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {ov_gbs} "
                       f"| {diff:.1e} |", flush=True)
                 del call
