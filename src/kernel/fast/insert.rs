@@ -1,6 +1,6 @@
 //! Step 2: writes the new tokens' key/value rows (`[T, Hkv*D]`) into a cache.
 //!
-//! One task per KV head: rows of different KV heads never overlap, and inside a task tokens are
+//! One task per (cache, KV head): rows of different KV heads never overlap, and inside a task tokens are
 //! written in the reference's order, so block tables that alias give the reference's result.
 
 use super::shared::SharedMut;
@@ -9,7 +9,8 @@ use crate::kernel::reference::{block_of, cache_row};
 use crate::op::Plan;
 use crate::threads::Runner;
 
-/// Safe for any plan: rows are disjoint by construction and every slice access is checked.
+/// Writes `src` into `cache`. Safe for any plan: rows are disjoint by construction and every
+/// slice access is checked.
 pub fn insert<Q: Float, C: Float>(
     runner: Runner,
     plan: &Plan,
@@ -17,9 +18,24 @@ pub fn insert<Q: Float, C: Float>(
     cache: &mut [C],
     block_indices: &[i32],
 ) {
+    insert_all(runner, plan, &mut [(src, cache)], block_indices)
+}
+
+/// Writes every `(src, cache)` pair (the keys and the values of a call) in one parallel region,
+/// one task per (pair, KV head): a region less for the threads to meet at.
+pub fn insert_all<Q: Float, C: Float>(
+    runner: Runner,
+    plan: &Plan,
+    pairs: &mut [(&[Q], &mut [C])],
+    block_indices: &[i32],
+) {
     let (d, hkv, bs) = (plan.d, plan.hkv, plan.bs);
-    let w = SharedMut::new(cache);
-    runner.for_each(hkv, &|head| {
+    let jobs: Vec<(&[Q], SharedMut<'_, C>)> = pairs
+        .iter_mut()
+        .map(|(src, cache)| (*src, SharedMut::new(&mut **cache)))
+        .collect();
+    runner.for_each(jobs.len() * hkv, &|task| {
+        let ((src, w), head) = (&jobs[task / hkv.max(1)], task % hkv.max(1));
         for sp in &plan.seqs {
             for i in 0..sp.n {
                 let pos = sp.past + i;
@@ -29,8 +45,8 @@ pub fn insert<Q: Float, C: Float>(
                     head,
                     pos % bs,
                 );
-                // SAFETY: the row includes `head`, so rows written by different tasks are
-                // disjoint; this task holds one row at a time.
+                // SAFETY: each pair has its own cache, and the row includes `head`, so rows
+                // written by different tasks are disjoint; this task holds one row at a time.
                 let row = unsafe { w.part(dst, d) };
                 let s = &src[((sp.begin + i) * hkv + head) * d..][..d];
                 copy_row(s, row);

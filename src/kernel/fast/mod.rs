@@ -306,14 +306,16 @@ fn run_typed<M: TileMicro, Q: Float, C: Float>(
             .key_cache
             .as_float_mut::<C>()
             .ok_or_else(|| missing("key_cache"))?;
-        insert::insert(opts.runner, plan, key, kc, block_indices);
-    }
-    {
         let vc = inputs
             .value_cache
             .as_float_mut::<C>()
             .ok_or_else(|| missing("value_cache"))?;
-        insert::insert(opts.runner, plan, value, vc, block_indices);
+        insert::insert_all(
+            opts.runner,
+            plan,
+            &mut [(key, kc), (value, vc)],
+            block_indices,
+        );
     }
     let query = inputs
         .query
