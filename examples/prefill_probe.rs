@@ -1,9 +1,9 @@
-//! Quick A/B probe of prefill with a bf16 query (not the benchmark of record, which is
-//! tools/bench.py): one sequence of 1024 new tokens, H=32, Hkv=8, D=128, block 32, bf16 query,
-//! `f32`/`f16`/`bf16` cache (first argument, default bf16), min ms over `reps` (second, default
-//! 20). The tier is the process's (`PA_SIMD` caps it), the threads rayon's
-//! (`PA_NUM_THREADS`):
-//! `PA_NUM_THREADS=2 PA_SIMD=avx2 target/release/examples/prefill_probe bf16 20`.
+//! Quick A/B probe of prefill (not the benchmark of record, which is tools/bench.py): one
+//! sequence of 1024 new tokens, H=32, Hkv=8, D=128, block 32, `f32`/`f16`/`bf16` cache (first
+//! argument, default bf16), min ms over `reps` (second, default 20), `bf16`/`f32` query (third,
+//! default bf16). The tier is the process's (`PA_SIMD` caps it), the threads the library
+//! pool's (`PA_NUM_THREADS`):
+//! `PA_NUM_THREADS=2 PA_SIMD=avx2 target/release/examples/prefill_probe bf16 20 f32`.
 
 use half::{bf16, f16};
 use paged_attention::kernel::fast::{amx_items_run, SimdLevel};
@@ -16,14 +16,14 @@ const D: usize = 128;
 const BS: usize = 32;
 const T: usize = 1024;
 
-fn noise(n: usize, seed: u64) -> Vec<bf16> {
+fn noise<Q: Float>(n: usize, seed: u64) -> Vec<Q> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            Q::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         })
         .collect()
 }
@@ -42,21 +42,22 @@ fn cpu_ms() -> f64 {
 
 /// Min wall ms and mean CPU ms per call (CPU time is what other processes' load disturbs
 /// least; with more than one thread it includes the pool's idle spinning).
-fn bench<C: Float>(reps: usize) -> (f64, f64)
+fn bench<Q: Float, C: Float>(reps: usize) -> (f64, f64)
 where
-    for<'a> paged_attention::ElemsMut<'a>: From<&'a mut Vec<C>>,
+    for<'a> paged_attention::ElemsMut<'a>: From<&'a mut Vec<C>> + From<&'a mut Vec<Q>>,
+    for<'a> paged_attention::Elems<'a>: From<&'a Vec<Q>>,
 {
     let nb = T.div_ceil(BS);
     let bi: Vec<i32> = (0..nb).map(|i| ((i * 7919) % nb) as i32).collect();
     let (q, k, v) = (
-        noise(T * H * D, 1),
-        noise(T * HKV * D, 2),
-        noise(T * HKV * D, 3),
+        noise::<Q>(T * H * D, 1),
+        noise::<Q>(T * HKV * D, 2),
+        noise::<Q>(T * HKV * D, 3),
     );
     let mut kc: Vec<C> = vec![C::from_f32(0.0); nb * HKV * BS * D];
     let mut vc = kc.clone();
-    let mut out = vec![bf16::ZERO; T * H * D];
-    let mut scores = vec![bf16::ZERO; T];
+    let mut out = vec![Q::from_f32(0.0); T * H * D];
+    let mut scores = vec![Q::from_f32(0.0); T];
     let (past, begins, bib) = ([0i32], [0i32, T as i32], [0i32, nb as i32]);
     let mut best = f64::INFINITY;
     let mut cpu = 0.0;
@@ -95,16 +96,20 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let cache = args.get(1).map(String::as_str).unwrap_or("bf16");
     let reps = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);
+    let query = args.get(3).map(String::as_str).unwrap_or("bf16");
     let before = amx_items_run();
-    let (ms, cpu) = match cache {
-        "f32" => bench::<f32>(reps),
-        "f16" => bench::<f16>(reps),
-        _ => bench::<bf16>(reps),
+    let (ms, cpu) = match (query, cache) {
+        ("f32", "f32") => bench::<f32, f32>(reps),
+        ("f32", "f16") => bench::<f32, f16>(reps),
+        ("f32", _) => bench::<f32, bf16>(reps),
+        (_, "f32") => bench::<bf16, f32>(reps),
+        (_, "f16") => bench::<bf16, f16>(reps),
+        _ => bench::<bf16, bf16>(reps),
     };
     println!(
-        "prefill 1x{T} H={H} Hkv={HKV} D={D} BS={BS} q=bf16 c={cache}: {ms:.2} ms (min of {reps}), CPU {cpu:.2} ms/call, tier {:?}, threads {}, AMX items {}",
+        "prefill 1x{T} H={H} Hkv={HKV} D={D} BS={BS} q={query} c={cache}: {ms:.2} ms (min of {reps}), CPU {cpu:.2} ms/call, tier {:?}, PA_NUM_THREADS={}, AMX items {}",
         SimdLevel::from_env(),
-        rayon::current_num_threads(),
+        std::env::var("PA_NUM_THREADS").unwrap_or_else(|_| "(default)".into()),
         amx_items_run() - before
     );
 }

@@ -379,8 +379,9 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         )
     };
     // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: this
-    // tile's V block is requested a slice at a time between the QK row blocks, and the next
-    // tile's K block between the PV row blocks.
+    // tile's V block is requested a slice after each QK call (one slice, the whole block, when
+    // one call covers the tile's rows, as AVX-512's 64-row calls do for 64-row tiles), and the
+    // next tile's K block a slice at a time between the PV row blocks.
     let mut next = tiles(lo, hi, bs);
     next.next();
     for (j0, j1) in tiles(lo, hi, bs) {

@@ -233,14 +233,18 @@ fn elementwise<M: Micro>(m: M, tier: &str) {
 }
 
 /// qk_t, softmax_t, transpose and pv_t on panels whose row counts end in full, half (8 of 16)
-/// and no vectors, with lanes past `rows8` holding sentinels.
+/// and no vectors, in every row-vector count of a kernel block (up to 4) and past one block,
+/// key counts that leave short key blocks, and the head sizes kernels specialize (64, 128);
+/// lanes past `rows8` hold sentinels.
 fn tile<M: TileMicro>(m: M, tier: &str) {
     let mut rng = Rng(0x711e);
-    for rows in [1usize, 5, 8, 9, 16, 17, 24, 31, 32, 33, 40, 64] {
+    for rows in [
+        1usize, 5, 8, 9, 16, 17, 24, 31, 32, 33, 40, 47, 56, 64, 72, 100,
+    ] {
         let rows8 = rows.div_ceil(8) * 8;
         let ld = rows8 + 8;
-        for n in [1, 2, 5, 7, 12, 13, 16, 25] {
-            for d in [1, 7, 16, 17, 33, 128] {
+        for n in [1, 2, 5, 6, 7, 12, 13, 16, 25, 32, 48] {
+            for d in [1, 7, 16, 17, 33, 64, 128] {
                 let what = format!("{tier} rows={rows} n={n} d={d}");
                 // Query panel [d][ld]: rows..rows8 zero (the contract), past rows8 NaN.
                 let mut qt = vec![f32::NAN; d * ld];

@@ -1,8 +1,10 @@
 //! AVX-512 [`TileMicro`]: prefill tiles on transposed logits (`st[key][row]`).
 //!
-//! Register blocking (32 zmm registers): `qk_t` computes 16 or 32 rows x up to 12 keys per pass
-//! (up to 24 accumulators; per `x`, one or two panel loads and up to 12 key broadcasts), key
-//! blocks balanced so no block is left with too few accumulators to hide the FMA latency;
+//! Register blocking (32 zmm registers): `qk_t` computes up to 64 rows (1 to 4 row vectors) x
+//! up to 24 / vectors keys (at most 12) per pass (up to 24 accumulators; per `x`, one panel load
+//! per row vector and one broadcast per key: 4 x 6 needs 10 loads per 24 FMAs where 2 x 12
+//! needs 14, and loads, not FMAs, are what such blocks wait on), key blocks balanced so no
+//! block is left with too few accumulators to hide the FMA latency;
 //! `softmax_t` runs 16 rows per vector, two vectors per pass; `pv_t` keeps up to 6 rows x 64
 //! columns in 24 accumulators over all keys of a tile (the shared [`pv_cols`] block, weights
 //! read transposed). A row count that is a multiple of 8 but not of 16 ends in a half-masked
@@ -15,14 +17,20 @@ use super::avx512::{exp16_nonpos, pv_cols, tail, Avx512, ALL};
 use super::prefetch::Pf;
 use super::{bounds, TileMicro};
 
-/// Keys per `qk_t` block at most (12 accumulators per row vector).
+/// Row vectors per `qk_t` block at most.
+const QK_VECS: usize = 4;
+/// Accumulators per `qk_t` block at most (of the 32 zmm registers; the rest hold the panel
+/// vectors and a broadcast).
+const QK_ACC: usize = 24;
+/// Keys per `qk_t` block at most.
 const QK_KEYS: usize = 12;
 /// Rows per `pv_t` block at most (6 rows x 4 column vectors = 24 accumulators).
 const PV_ROWS: usize = 6;
 
 impl TileMicro for Avx512 {
-    // Two row vectors x 12 keys: each broadcast feeds two FMAs.
-    const QK_ROWS: usize = 32;
+    // Four row vectors x 6 keys: each broadcast feeds four FMAs and each panel load six, the
+    // fewest loads per FMA 24 accumulators allow.
+    const QK_ROWS: usize = 64;
 
     fn qk_t(
         self,
@@ -142,52 +150,50 @@ unsafe fn qk_t(
     let mut r = 0;
     while r < rows8 {
         let left = rows8 - r;
-        let two = left > 16;
-        let last = tail((if two { left - 16 } else { left }).min(16));
+        let nv = left.div_ceil(16).min(QK_VECS);
+        let last = tail((left - 16 * (nv - 1)).min(16));
+        // As many keys as keep the block within QK_ACC accumulators.
+        let most = (QK_ACC / nv).min(QK_KEYS);
         let mut j = 0;
         while j < n {
             let kl = n - j;
-            let kk = kl.div_ceil(kl.div_ceil(QK_KEYS));
-            // SAFETY: panel lanes r..r+min(left, 32) (the last vector masked to < rows8), keys
-            // j..j+kk of k and the matching st entries are inside the ranges `bounds::qk_t`
-            // asserted.
+            let kk = kl.div_ceil(kl.div_ceil(most));
+            // SAFETY: panel lanes r..r+min(left, 16*nv) (the last vector masked to < rows8),
+            // keys j..j+kk of k and the matching st entries are inside the ranges
+            // `bounds::qk_t` asserted.
             unsafe {
                 let (qp, kp, sp) = (qt.add(r), k.add(j * d), st.add(j * ldt + r));
                 macro_rules! go {
-                    ($rv:literal) => {
+                    ($rv:literal, $ds:literal; $($k:literal)*) => {
                         match kk {
-                            12 => qk_t_block::<$rv, 12>(qp, ldq, kp, d, sp, ldt, last),
-                            11 => qk_t_block::<$rv, 11>(qp, ldq, kp, d, sp, ldt, last),
-                            10 => qk_t_block::<$rv, 10>(qp, ldq, kp, d, sp, ldt, last),
-                            9 => qk_t_block::<$rv, 9>(qp, ldq, kp, d, sp, ldt, last),
-                            8 => qk_t_block::<$rv, 8>(qp, ldq, kp, d, sp, ldt, last),
-                            7 => qk_t_block::<$rv, 7>(qp, ldq, kp, d, sp, ldt, last),
-                            6 => qk_t_block::<$rv, 6>(qp, ldq, kp, d, sp, ldt, last),
-                            5 => qk_t_block::<$rv, 5>(qp, ldq, kp, d, sp, ldt, last),
-                            4 => qk_t_block::<$rv, 4>(qp, ldq, kp, d, sp, ldt, last),
-                            3 => qk_t_block::<$rv, 3>(qp, ldq, kp, d, sp, ldt, last),
-                            2 => qk_t_block::<$rv, 2>(qp, ldq, kp, d, sp, ldt, last),
-                            _ => qk_t_block::<$rv, 1>(qp, ldq, kp, d, sp, ldt, last),
+                            $($k => qk_t_block::<$rv, $k, $ds>(qp, ldq, kp, d, sp, ldt, last),)*
+                            _ => qk_t_block::<$rv, 1, 0>(qp, ldq, kp, d, sp, ldt, last),
                         }
                     };
                 }
-                if two {
-                    go!(2)
-                } else {
-                    go!(1)
+                // The common head sizes get the key stride as a constant: the key broadcasts
+                // then address their rows by immediate offsets from one pointer, leaving the
+                // ports the FMAs share free of address arithmetic.
+                match (nv, d) {
+                    (4, 128) => go!(4, 128; 6 5 4 3 2),
+                    (4, 64) => go!(4, 64; 6 5 4 3 2),
+                    (4, _) => go!(4, 0; 6 5 4 3 2),
+                    (3, _) => go!(3, 0; 8 7 6 5 4 3 2),
+                    (2, _) => go!(2, 0; 12 11 10 9 8 7 6 5 4 3 2),
+                    _ => go!(1, 0; 12 11 10 9 8 7 6 5 4 3 2),
                 }
             }
             j += kk;
         }
-        r += 32;
+        r += 16 * nv;
     }
 }
 
 /// `16*RV` rows (the last vector masked by `last`) x `K` keys of `st` (stride `ldt`) from the
-/// query panel (stride `ldq`) and `K` key rows (stride `d`).
+/// query panel (stride `ldq`) and `K` key rows (stride `d`, which equals `DS` unless `DS` is 0).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn qk_t_block<const RV: usize, const K: usize>(
+unsafe fn qk_t_block<const RV: usize, const K: usize, const DS: usize>(
     qt: *const f32,
     ldq: usize,
     k: *const f32,
@@ -196,6 +202,8 @@ unsafe fn qk_t_block<const RV: usize, const K: usize>(
     ldt: usize,
     last: __mmask16,
 ) {
+    debug_assert!(DS == 0 || DS == d);
+    let d = if DS == 0 { d } else { DS };
     let z = _mm512_setzero_ps();
     let mask = |i: usize| if i + 1 == RV { last } else { ALL };
     let mut a = [[z; RV]; K];
