@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the fuzz targets' seed corpora into fuzz/corpus/<target>/ from the golden models in
-models/ (IR + weights, .npy inputs, the calls they describe) and a few small generated inputs.
+models/ (IR + weights, .npy inputs, the calls they describe), a few small generated inputs, and
+every input in fuzz/regressions/<target>/ (each one found a bug; every run replays them first).
 Standard library only, so it runs before any venv exists. Idempotent."""
 import ast
 import hashlib
@@ -75,6 +76,10 @@ def main():
             if total <= 1 << 20:
                 put("execute", call_bytes(tensors))
             put("infer_shapes", shapes_bytes(tensors))
+    reg = os.path.join(ROOT, "fuzz", "regressions")
+    for target in sorted(os.listdir(reg)) if os.path.isdir(reg) else []:
+        for f in sorted(os.listdir(os.path.join(reg, target))):
+            put(target, open(os.path.join(reg, target, f), "rb").read())
     rng = random.Random(11)
     for target in ("cache_manager", "scheduler"):
         for n in (8, 32, 128, 512):

@@ -29,14 +29,25 @@ impl Sim {
         let mut n = 0usize;
         // SAFETY: live handle; buffers sized as passed.
         let st = unsafe {
-            pa_cache_block_inputs(self.m, &seq, 1, blocks.as_mut_ptr(), blocks.len(), begins.as_mut_ptr(), &mut n)
+            pa_cache_block_inputs(
+                self.m,
+                &seq,
+                1,
+                blocks.as_mut_ptr(),
+                blocks.len(),
+                begins.as_mut_ptr(),
+                &mut n,
+            )
         };
         assert_eq!(st, 0, "block_inputs of a live sequence");
         assert_eq!(begins, [0, n as i32]);
         blocks[..n]
             .iter()
             .map(|&b| {
-                assert!((0..self.nb as i32).contains(&b), "block id {b} out of range");
+                assert!(
+                    (0..self.nb as i32).contains(&b),
+                    "block id {b} out of range"
+                );
                 b as usize
             })
             .collect()
@@ -44,7 +55,9 @@ impl Sim {
     fn read(&self, seq: u64, len: usize) -> Vec<u32> {
         let t = self.table(seq);
         assert!(t.len() * self.bs >= len, "table too short for {len} tokens");
-        (0..len).map(|p| self.slots[t[p / self.bs] * self.bs + p % self.bs]).collect()
+        (0..len)
+            .map(|p| self.slots[t[p / self.bs] * self.bs + p % self.bs])
+            .collect()
     }
     fn copy(&mut self, copies: &[BlockCopy]) {
         for c in copies {
@@ -55,7 +68,10 @@ impl Sim {
     fn len(&self, seq: u64) -> usize {
         let mut len = 0;
         // SAFETY: live handle.
-        assert_eq!(unsafe { pa_cache_sequence_info(self.m, seq, &mut len, std::ptr::null_mut()) }, 0);
+        assert_eq!(
+            unsafe { pa_cache_sequence_info(self.m, seq, &mut len, std::ptr::null_mut()) },
+            0
+        );
         len
     }
     fn append(&mut self, seq: u64, tokens: &[u32]) -> i32 {
@@ -64,10 +80,22 @@ impl Sim {
         let mut nc = 0usize;
         // SAFETY: live handle; tokens and copies sized as passed.
         let st = unsafe {
-            pa_cache_append(self.m, seq, tokens.as_ptr(), tokens.len(), &mut past, copies.as_mut_ptr(), 1, &mut nc)
+            pa_cache_append(
+                self.m,
+                seq,
+                tokens.as_ptr(),
+                tokens.len(),
+                &mut past,
+                copies.as_mut_ptr(),
+                1,
+                &mut nc,
+            )
         };
         if st == 0 {
-            let model = self.seqs.get_mut(&seq).expect("append succeeded on an unknown sequence");
+            let model = self
+                .seqs
+                .get_mut(&seq)
+                .expect("append succeeded on an unknown sequence");
             assert_eq!(past, model.len(), "past_len");
             model.extend_from_slice(tokens);
             self.copy(&copies[..nc]);
@@ -85,10 +113,17 @@ impl Sim {
         assert_eq!(unsafe { pa_cache_get_stats(self.m, &mut stats) }, 0);
         assert_eq!(stats.sequences, self.seqs.len());
         assert_eq!(stats.total_blocks, self.nb);
-        assert!(stats.used_blocks + stats.free_blocks + stats.cached_blocks <= self.nb, "{stats:?}");
+        assert!(
+            stats.used_blocks + stats.free_blocks + stats.cached_blocks <= self.nb,
+            "{stats:?}"
+        );
         for (&seq, toks) in &self.seqs {
             assert_eq!(self.len(seq), toks.len(), "length of sequence {seq}");
-            assert_eq!(&self.read(seq, toks.len()), toks, "tokens of sequence {seq} do not read back");
+            assert_eq!(
+                &self.read(seq, toks.len()),
+                toks,
+                "tokens of sequence {seq} do not read back"
+            );
         }
     }
 }
@@ -105,8 +140,17 @@ fuzz_target!(|data: &[u8]| {
     let prefix = b.u8() as i32 & 1;
     let mut m = std::ptr::null_mut();
     // SAFETY: `m` is writable.
-    assert_eq!(unsafe { pa_cache_manager_create(nb, bs, prefix, &mut m) }, 0);
-    let mut sim = Sim { m, bs, nb, slots: vec![NONE; nb * bs], seqs: BTreeMap::new() };
+    assert_eq!(
+        unsafe { pa_cache_manager_create(nb, bs, prefix, &mut m) },
+        0
+    );
+    let mut sim = Sim {
+        m,
+        bs,
+        nb,
+        slots: vec![NONE; nb * bs],
+        seqs: BTreeMap::new(),
+    };
     let mut steps = 0;
     while !b.is_empty() && steps < 200 {
         steps += 1;
@@ -120,7 +164,10 @@ fuzz_target!(|data: &[u8]| {
                 // SAFETY: live handle; prompt holds n tokens.
                 let st = unsafe { pa_cache_add_sequence(m, seq, prompt.as_ptr(), n, &mut cached) };
                 if st == 0 {
-                    assert!(cached % bs == 0 && (cached < n || cached == 0), "cached {cached} of {n}");
+                    assert!(
+                        cached % bs == 0 && (cached < n || cached == 0),
+                        "cached {cached} of {n}"
+                    );
                     sim.seqs.insert(seq, prompt[..cached].to_vec());
                     if sim.append(seq, &prompt[cached..]) != 0 {
                         // Out of blocks for the rest of the prompt: give the sequence up.
@@ -136,7 +183,10 @@ fuzz_target!(|data: &[u8]| {
                 let n = b.below(2 * bs + 1);
                 let t = tokens(&mut b, n);
                 let st = sim.append(seq, &t);
-                assert!(st == 0 || st == 11 || !sim.seqs.contains_key(&seq), "append failed: {st}");
+                assert!(
+                    st == 0 || st == 11 || !sim.seqs.contains_key(&seq),
+                    "append failed: {st}"
+                );
             }
             2 => {
                 // SAFETY: live handle.
@@ -148,7 +198,10 @@ fuzz_target!(|data: &[u8]| {
                 let st = unsafe { pa_cache_fork(m, seq, child) };
                 if st == 0 {
                     let toks = sim.seqs[&seq].clone();
-                    assert!(sim.seqs.insert(child, toks).is_none(), "fork over a live child");
+                    assert!(
+                        sim.seqs.insert(child, toks).is_none(),
+                        "fork over a live child"
+                    );
                 }
             }
             4 => {
@@ -161,7 +214,10 @@ fuzz_target!(|data: &[u8]| {
                 // SAFETY: live handle.
                 let st = unsafe { pa_cache_truncate(m, seq, new_len) };
                 if st == 0 {
-                    let s = sim.seqs.get_mut(&seq).expect("truncate of an unknown sequence");
+                    let s = sim
+                        .seqs
+                        .get_mut(&seq)
+                        .expect("truncate of an unknown sequence");
                     assert!(new_len <= s.len());
                     s.truncate(new_len);
                 }
@@ -179,7 +235,17 @@ fuzz_target!(|data: &[u8]| {
                 let (mut nc, mut ev) = (0usize, 0usize);
                 // SAFETY: live handle; copies holds copies.len() entries.
                 let st = unsafe {
-                    pa_cache_evict(m, seq, start, recent, budget, copies.as_mut_ptr(), copies.len(), &mut nc, &mut ev)
+                    pa_cache_evict(
+                        m,
+                        seq,
+                        start,
+                        recent,
+                        budget,
+                        copies.as_mut_ptr(),
+                        copies.len(),
+                        &mut nc,
+                        &mut ev,
+                    )
                 };
                 if st == 0 {
                     let old = old.expect("evict of an unknown sequence");
@@ -208,13 +274,23 @@ fuzz_target!(|data: &[u8]| {
                     sim.seqs.insert(seq, now);
                     let (mut r, mut rows) = (0usize, 0usize);
                     // SAFETY: live handle.
-                    assert_eq!(unsafe { pa_cache_pending_rotation(m, &mut r, &mut rows) }, 0);
+                    assert_eq!(
+                        unsafe { pa_cache_pending_rotation(m, &mut r, &mut rows) },
+                        0
+                    );
                     let mut idx = vec![0i32; r];
                     let mut deltas = vec![0i32; r * bs];
                     let mut got = 0usize;
                     // SAFETY: live handle; buffers sized as passed.
                     let st = unsafe {
-                        pa_cache_take_rotation(m, idx.as_mut_ptr(), r, deltas.as_mut_ptr(), r * bs, &mut got)
+                        pa_cache_take_rotation(
+                            m,
+                            idx.as_mut_ptr(),
+                            r,
+                            deltas.as_mut_ptr(),
+                            r * bs,
+                            &mut got,
+                        )
                     };
                     assert_eq!((st, got), (0, r));
                     assert!(idx.iter().all(|&i| (0..nb as i32).contains(&i)));

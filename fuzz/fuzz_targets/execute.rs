@@ -38,9 +38,17 @@ fn declared_bytes(t: &PaTensor) -> Option<u64> {
 
 fn tensor_header(b: &mut Bytes) -> PaTensor {
     let e = b.u8();
-    let elem_type = if e < 0xF0 { (e % 4) as i32 } else { e as i8 as i32 };
+    let elem_type = if e < 0xF0 {
+        (e % 4) as i32
+    } else {
+        e as i8 as i32
+    };
     let r = b.u8();
-    let rank = if r < 0xF0 { (r % 9) as i32 } else { r as i8 as i32 };
+    let rank = if r < 0xF0 {
+        (r % 9) as i32
+    } else {
+        r as i8 as i32
+    };
     let mut dims = [0i64; 8];
     for d in dims.iter_mut().take(rank.clamp(0, 8) as usize) {
         *d = b.i64();

@@ -39,6 +39,9 @@ fuzz_target!(|data: &[u8]| {
             assert!(s.dims[..s.rank as usize].iter().all(|&d| d >= -1));
         }
     } else {
-        assert!(out.iter().all(|s| s.rank == 77), "a failed call wrote its outputs");
+        assert!(
+            out.iter().all(|s| s.rank == 77),
+            "a failed call wrote its outputs"
+        );
     }
 });

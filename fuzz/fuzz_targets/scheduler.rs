@@ -63,7 +63,11 @@ fuzz_target!(|data: &[u8]| {
         // SAFETY: an all-zero step is a valid value of this plain C struct.
         let mut step: PaSchedulerStep = unsafe { std::mem::zeroed() };
         // SAFETY: live handle; step is writable.
-        assert_eq!(unsafe { pa_scheduler_schedule(s, &mut step) }, 0, "schedule");
+        assert_eq!(
+            unsafe { pa_scheduler_schedule(s, &mut step) },
+            0,
+            "schedule"
+        );
         let nb = step.num_seqs;
         // SAFETY: the step's arrays have the documented lengths until the next schedule.
         let (ids, past, sub, blk, begins, emits, toks, tseq, tpos, copies, preempted) = unsafe {
@@ -91,13 +95,18 @@ fuzz_target!(|data: &[u8]| {
         let table = |i: usize| &blk[begins[i] as usize..begins[i + 1] as usize];
         for t in 0..step.num_tokens {
             let i = tseq[t] as usize;
-            let done = processed.get_mut(&ids[i]).expect("scheduled an unknown request");
+            let done = processed
+                .get_mut(&ids[i])
+                .expect("scheduled an unknown request");
             if *done == 0 {
                 // A (re)started request may begin after a prefix found in the prefix cache.
                 *done = past[i] as usize;
                 assert!(*done % bs == 0, "a reused prefix is whole blocks");
             }
-            assert_eq!(toks[t], reqs[&ids[i]][*done], "row {t} carries the wrong token");
+            assert_eq!(
+                toks[t], reqs[&ids[i]][*done],
+                "row {t} carries the wrong token"
+            );
             *done += 1;
             let p = past[i] as usize + t - sub[i] as usize;
             assert_eq!(tpos[t] as usize, p, "row {t}'s position");
@@ -109,13 +118,23 @@ fuzz_target!(|data: &[u8]| {
             for i in 0..nb {
                 let len = past[i] as usize + (sub[i + 1] - sub[i]) as usize;
                 let blocks = table(i);
-                let got: Vec<u32> = (0..len).map(|p| slots[blocks[p / bs] as usize * bs + p % bs]).collect();
-                assert_eq!(got, reqs[&ids[i]][..len], "sequence {} does not read back", ids[i]);
+                let got: Vec<u32> = (0..len)
+                    .map(|p| slots[blocks[p / bs] as usize * bs + p % bs])
+                    .collect();
+                assert_eq!(
+                    got,
+                    reqs[&ids[i]][..len],
+                    "sequence {} does not read back",
+                    ids[i]
+                );
             }
         }
         let scores: Vec<f32> = (0..step.scores_len).map(|_| b.u8() as f32 / 16.0).collect();
         // SAFETY: live handle; scores holds scores_len floats.
-        assert_eq!(unsafe { pa_scheduler_accumulate_scores(s, scores.as_ptr(), scores.len()) }, 0);
+        assert_eq!(
+            unsafe { pa_scheduler_accumulate_scores(s, scores.as_ptr(), scores.len()) },
+            0
+        );
         let mut out_ids = Vec::new();
         let mut out_toks = Vec::new();
         for i in 0..nb {
@@ -123,13 +142,21 @@ fuzz_target!(|data: &[u8]| {
                 let tok = b.below(4) as u32;
                 out_ids.push(ids[i]);
                 out_toks.push(tok);
-                reqs.get_mut(&ids[i]).expect("scheduled an unknown request").push(tok);
+                reqs.get_mut(&ids[i])
+                    .expect("scheduled an unknown request")
+                    .push(tok);
             }
         }
         let mut finished = 0usize;
         // SAFETY: live handle; parallel arrays of out_ids.len() entries.
         let st = unsafe {
-            pa_scheduler_complete_step(s, out_ids.as_ptr(), out_toks.as_ptr(), out_ids.len(), &mut finished)
+            pa_scheduler_complete_step(
+                s,
+                out_ids.as_ptr(),
+                out_toks.as_ptr(),
+                out_ids.len(),
+                &mut finished,
+            )
         };
         assert_eq!(st, 0, "complete_step");
     }
