@@ -101,7 +101,7 @@ fuzz_target!(|data: &[u8]| {
             if *done == 0 {
                 // A (re)started request may begin after a prefix found in the prefix cache.
                 *done = past[i] as usize;
-                assert!(*done % bs == 0, "a reused prefix is whole blocks");
+                assert!(done.is_multiple_of(bs), "a reused prefix is whole blocks");
             }
             assert_eq!(
                 toks[t], reqs[&ids[i]][*done],
