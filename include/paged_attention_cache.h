@@ -181,7 +181,9 @@ typedef struct pa_scheduler_step {
     const uint8_t *emits;                /* [B] 1: sample a token from the sequence's last row */
     const uint32_t *token_ids;           /* [T] token id of each packed row */
     const int32_t *token_seq;            /* [T] batch index of each row */
-    const int32_t *token_pos;            /* [T] logical position of each row */
+    const int32_t *token_pos;            /* [T] position of each row in its cache: past_len + i
+                                          * (after an eviction the kept tokens are renumbered
+                                          * from 0, as the rotation of their keys does) */
     size_t num_copies;
     const pa_block_copy *copies;         /* perform before the op call, in order */
     size_t num_rotated;                  /* R (0: pass no rotation inputs) */

@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Installs what the tests need into the project: a venv at .venv with OpenVINO 2026.4.1 (pinned,
-# from PyPI), numpy and pytest. Idempotent; safe to run on a fresh machine.
+# Installs what the tests need: a venv at .venv with OpenVINO 2026.4.1 (pinned, from PyPI), numpy
+# and pytest; valgrind (tests/valgrind.rs) and a C/C++ compiler (the C tests, the OpenVINO shim,
+# libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent; safe to run on a
+# fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+missing=()
+command -v valgrind >/dev/null || missing+=(valgrind)
+command -v cc >/dev/null || missing+=(gcc)
+command -v c++ >/dev/null || missing+=(g++)
+if [ ${#missing[@]} -ne 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -2,8 +2,10 @@
 # The project's test command (README "Test"); .ci/run calls it. On a fresh machine it installs
 # what it needs (OpenVINO 2026.4.1 from PyPI into .venv), builds the library and the OpenVINO
 # extension, and runs every suite: Rust tests (kernel vs float64 reference, validation, shape
-# inference, C ABI, C/C++ programs, IR loader, cache manager), Python tests in OpenVINO, and the
-# golden conformance suite through both our executor and OpenVINO with the extension.
+# inference, C ABI, C/C++ programs, the C programs under valgrind, IR loader, cache manager),
+# Python tests in OpenVINO, the golden conformance suite through both our executor and OpenVINO
+# with the extension, and a short run of every fuzz target (FUZZ_SECONDS each, default 25; 0
+# skips it), which fails the command if it finds a crash.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -32,4 +34,9 @@ fi
 if [ -x target/release/pa ] && [ -d models ]; then
   echo "== conformance suite"
   target/release/pa conformance --require-openvino models
+fi
+
+if [ "${FUZZ_SECONDS:-25}" -gt 0 ]; then
+  echo "== fuzz (short run of each target)"
+  scripts/fuzz.sh all "${FUZZ_SECONDS:-25}"
 fi

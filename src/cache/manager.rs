@@ -248,6 +248,10 @@ impl BlockManager {
             }
             copies.push(BlockCopy { src, dst });
             self.seq_mut(id)?.blocks[i] = dst;
+        } else if past_len % bs != 0 {
+            // Written in place (this sequence alone holds it): its tokens change, so a hash
+            // registered for its old contents (a computed block truncated into) must go.
+            self.pool.unregister(self.seq(id)?.blocks[past_len / bs]);
         }
         let new_blocks = self.blocks_for(past_len + tokens.len()) - self.seq(id)?.blocks.len();
         for _ in 0..new_blocks {
@@ -317,8 +321,9 @@ impl BlockManager {
     }
 
     /// Shortens the sequence to `new_len` tokens (speculative decoding: rejected draft tokens).
-    /// Blocks past the new end are released; a kept block that becomes partially filled loses
-    /// its prefix-cache registration if this sequence alone holds it.
+    /// Blocks past the new end are released. A kept block that becomes partially filled keeps
+    /// its prefix-cache registration (its slots still hold those tokens) until [`Self::append`]
+    /// writes into it in place; a shared one is copied on that write instead.
     pub fn truncate(&mut self, id: SeqId, new_len: usize) -> Result<()> {
         let bs = self.cfg.block_size;
         let s = self.seq(id)?;
@@ -334,12 +339,6 @@ impl BlockManager {
         let dropped: Vec<BlockId> = s.blocks[keep..].to_vec();
         for &b in dropped.iter().rev() {
             self.release_block(b)?;
-        }
-        if new_len % bs != 0 {
-            let b = self.seq(id)?.blocks[new_len / bs];
-            if self.pool.ref_count(b) == 1 {
-                self.pool.unregister(b);
-            }
         }
         let s = self.seq_mut(id)?;
         s.blocks.truncate(keep);
@@ -651,6 +650,28 @@ mod tests {
             "block 1 is shared with seq 1: copy before writing"
         );
         assert_eq!(m.len(1).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    /// Found by the cache_manager fuzz target: a computed block truncated into while shared
+    /// kept its prefix-cache entry; once the other holder was freed, the next append wrote it
+    /// in place (no copy, one reference) and a later prompt reused its old hash with new tokens.
+    #[test]
+    fn a_block_written_in_place_leaves_the_prefix_cache() {
+        let mut m = mgr(8, 2);
+        let prompt = [1, 2, 3, 4, 5];
+        m.add_sequence(1, &prompt).unwrap();
+        m.append(1, &prompt).unwrap();
+        m.mark_computed();
+        m.fork(1, 2).unwrap();
+        // Block 1 ([3, 4]) becomes sequence 1's partial last block while sequence 2 shares it.
+        m.truncate(1, 3).unwrap();
+        m.free(2).unwrap();
+        let a = m.append(1, &[9]).unwrap();
+        assert!(a.copies.is_empty(), "sole holder: written in place");
+        m.mark_computed();
+        // Block 1 now holds [3, 9]: a prompt starting [1, 2, 3, 4] may reuse block 0 only.
+        assert_eq!(m.add_sequence(3, &[1, 2, 3, 4, 7]).unwrap(), 2);
         m.check_invariants().unwrap();
     }
 

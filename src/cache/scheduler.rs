@@ -73,7 +73,8 @@ pub struct Step {
     pub token_ids: Vec<u32>,
     /// Batch index (into `seqs`) of each packed row, `[T]`.
     pub token_seq: Vec<i32>,
-    /// Logical position of each packed row in its sequence, `[T]`.
+    /// Position of each packed row in its sequence's cache (`past_len + i`; after an eviction
+    /// the kept tokens are renumbered from 0, matching the rotation of their keys), `[T]`.
     pub token_pos: Vec<i32>,
     /// Block copies to perform on both caches before the op call, in order.
     pub copies: Vec<BlockCopy>,

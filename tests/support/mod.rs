@@ -50,6 +50,20 @@ pub fn build_and_run(
     sources: &[PathBuf],
     exe_name: &str,
 ) -> Output {
+    let exe = build(compiler, flags, sources, exe_name);
+    run_program(&mut Command::new(&exe))
+}
+
+/// Runs a program built by [`build`] (`cmd` may wrap it, e.g. in valgrind) and returns its
+/// output, failing the test if it fails.
+pub fn run_program(cmd: &mut Command) -> Output {
+    // Cargo's LD_LIBRARY_PATH lists target/<profile> (possibly a stale copy of the library)
+    // ahead of the program's RUNPATH: drop it so the library just built is loaded.
+    run(cmd.env_remove("LD_LIBRARY_PATH"))
+}
+
+/// The compile-and-link half of [`build_and_run`]; returns the program's path.
+pub fn build(compiler: &str, flags: &[&str], sources: &[PathBuf], exe_name: &str) -> PathBuf {
     let lib = lib_dir();
     let exe = lib.join(exe_name);
     run(Command::new(compiler)
@@ -63,9 +77,7 @@ pub fn build_and_run(
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .args(["-lpaged_attention", "-lm", "-o"])
         .arg(&exe));
-    // Cargo's LD_LIBRARY_PATH lists target/<profile> (possibly a stale copy of the library)
-    // ahead of the program's RUNPATH: drop it so the library just built is loaded.
-    run(Command::new(&exe).env_remove("LD_LIBRARY_PATH"))
+    exe
 }
 
 /// [`build_and_run`] as C11.
