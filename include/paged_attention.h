@@ -1,8 +1,8 @@
 /*
  * paged_attention.h: C ABI of the PagedAttention op (OpenVINO `ie_internal_opset` semantics).
  *
- * The op's contract (16 inputs, 2 outputs, their order, shapes and meaning) is SPEC.md; the
- * README shows a complete example. This header is hand-written and committed; the Rust side
+ * The op's contract (16 inputs, 2 outputs, their order, shapes and meaning) is docs/contract.md
+ * ("SPEC.md" below); the README shows a complete example. This header is hand-written and committed; the Rust side
  * (src/ffi/) follows it, and tests compile it with -Wall -Wextra -Werror as C and C++.
  *
  * Conventions for every function below:

@@ -1,5 +1,5 @@
 //! PagedAttention for CPUs: the 16-input / 2-output op of OpenVINO's `ie_internal_opset`
-//! (see `../shared/SPEC.md`), with a C ABI (`include/paged_attention.h`), an OpenVINO extension
+//! (contract: `docs/contract.md`), with a C ABI (`include/paged_attention.h`), an OpenVINO extension
 //! (feature `openvino`, C++ shim in `cpp/`), an IR loader, and a KV-cache manager.
 //!
 //! - [`op`]: the contract, shape inference, validation and [`op::execute`].

@@ -1,6 +1,6 @@
 """Plain float64 numpy reference of the PagedAttention op (16 inputs, 2 outputs).
 
-Written from ../shared/SPEC.md (the contract), independently of any code under test.
+Written from docs/contract.md (the contract, "SPEC.md" below), independently of any code under test.
 
 Conventions
 -----------

@@ -154,10 +154,9 @@ impl Tiles {
         assert!(acc.len() >= dp * r32);
         for xb in (0..dp).step_by(32) {
             for rb in (0..r32).step_by(32) {
-                // SAFETY: value rows xb..xb+32 (keys 0..n32, stride ldv), weight-pair rows
-                // 0..n32/2 at columns rb..rb+32, accumulator rows xb..xb+32 at columns
-                // rb..rb+32 are inside the slices (asserted above); `self` proves the tile
-                // configuration.
+                // Value rows xb..xb+32 (keys 0..n32, stride ldv), weight-pair rows 0..n32/2 at
+                // columns rb..rb+32 and accumulator rows xb..xb+32 at columns rb..rb+32:
+                // SAFETY: all inside the slices (asserted above); `self` proves the tile config.
                 unsafe {
                     block(
                         vt.as_ptr().add(xb * ldv) as *const u8,
