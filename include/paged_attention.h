@@ -135,8 +135,11 @@ pa_status pa_execute(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *
  * parallel_for(ctx, n, task, task_ctx) must call task(task_ctx, i) exactly once for every
  * i in [0, n), on any of its threads, in any order, concurrently or not, and return only after
  * all those calls have returned. The library calls it from the thread that called
- * pa_execute_ex, once per parallel region, with n <= max_threads; each task claims work items
- * until none is left, so a runner that runs tasks one after another is slow but correct.
+ * pa_execute_ex, with n <= max_threads. With max_threads > 1 it is called once per call, with
+ * n = max_threads: the first task to start runs the call and the others help with each of its
+ * parallel regions (a helper waiting more than 2 ms for the next region returns early); with
+ * max_threads = 1, once per parallel region. Tasks claim work items until none is left, so a
+ * runner that runs tasks one after another is slow but correct.
  * `task` never throws or unwinds. parallel_for must not be NULL; max_threads >= 1. */
 typedef void (*pa_task_fn)(void *task_ctx, size_t i);
 typedef void (*pa_parallel_for_fn)(void *ctx, size_t n, pa_task_fn task, void *task_ctx);

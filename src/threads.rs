@@ -59,6 +59,9 @@ pub enum Runner {
     Serial,
     /// On the host's threads, through its parallel-for.
     Host(HostRunner),
+    /// Inside [`Runner::region`] of a host runner: on the team of host threads that entered
+    /// the region, which stays for every parallel region of the call.
+    Team(TeamRef),
 }
 
 /// Which kind of thread ran the items of past calls (see [`item_counts`]).
@@ -113,6 +116,19 @@ impl Runner {
                 None => (0..n).for_each(|i| run_item(f, i)),
             },
             Runner::Host(h) => host_for_each(h, n, f),
+            Runner::Team(t) => t.team().for_each(n, f),
+        }
+    }
+
+    /// Runs `body` with the runner its parallel regions should use. For a host runner, that is
+    /// one region of the host's parallel-for for the whole of `body`: one host task runs `body`
+    /// and the others join each of its [`Runner::for_each`] regions as helpers, so a call pays
+    /// the host's fork/join cost (waking its threads) once, not once per region. Every other
+    /// runner gives `body` itself. A panic in `body` or in an item is passed on to the caller.
+    pub fn region<R: Send>(self, body: impl FnOnce(Runner) -> R + Send) -> R {
+        match self {
+            Runner::Host(h) if h.threads > 1 => team_region(h, body),
+            r => body(r),
         }
     }
 
@@ -123,6 +139,7 @@ impl Runner {
             Runner::Auto if rayon::current_thread_index().is_some() => rayon::current_num_threads(),
             Runner::Auto => num_threads(),
             Runner::Host(h) => h.threads.max(1),
+            Runner::Team(t) => t.team().threads,
         }
     }
 }
@@ -214,6 +231,227 @@ fn host_for_each(h: HostRunner, n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     // A runner that skipped tasks leaves items unclaimed: run them here rather than lose them.
     region.drain();
+}
+
+// ---- a team of host threads for the whole of a call ----
+
+/// How long a helper waits for the next region of its team before leaving it (the driver's
+/// serial steps between regions take microseconds; the items of a helper that left are run by
+/// the driver and the other helpers, so leaving early costs speed, never results).
+const HELPER_PATIENCE: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The region a team is working on: `f` and its unclaimed items.
+struct Work {
+    /// Lifetime erased: `Team::for_each` clears it before its `f` goes out of scope, and waits
+    /// for every claimed item first.
+    f: Option<&'static (dyn Fn(usize) + Sync)>,
+    n: usize,
+    next: usize,
+}
+
+/// The host threads working on one call.
+struct Team {
+    threads: usize,
+    work: Mutex<Work>,
+    /// Bumped when a region is published, so idle helpers look for work.
+    generation: AtomicU64,
+    /// Items of the current region that have returned.
+    done: AtomicUsize,
+    /// The driver has returned: helpers leave.
+    closed: std::sync::atomic::AtomicBool,
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+/// A [`Runner::Team`]: the team of the region the call runs in.
+#[derive(Clone, Copy, Debug)]
+pub struct TeamRef(*const c_void);
+
+// SAFETY: a TeamRef points to the `Team` of a `team_region` call and is only handed to the body
+// of that region, which returns before the team is dropped; `Team` itself is Sync.
+unsafe impl Send for TeamRef {}
+// SAFETY: as above.
+unsafe impl Sync for TeamRef {}
+
+impl TeamRef {
+    fn team(&self) -> &Team {
+        // SAFETY: see the Send impl: the team outlives every runner that refers to it.
+        unsafe { &*(self.0 as *const Team) }
+    }
+}
+
+impl Team {
+    /// Claims the next item of the current region, if one is left.
+    fn claim(&self) -> Option<(&'static (dyn Fn(usize) + Sync), usize)> {
+        let mut w = self.work.lock().unwrap_or_else(PoisonError::into_inner);
+        let f = w.f?;
+        if w.next >= w.n {
+            return None;
+        }
+        w.next += 1;
+        Some((f, w.next - 1))
+    }
+
+    /// Runs claimed item `i`; a panic is kept for the driver and stops further claims.
+    fn run(&self, f: &(dyn Fn(usize) + Sync), i: usize) {
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| run_item(f, i))) {
+            let mut w = self.work.lock().unwrap_or_else(PoisonError::into_inner);
+            w.next = w.n;
+            drop(w);
+            let mut slot = self.panic.lock().unwrap_or_else(PoisonError::into_inner);
+            slot.get_or_insert(p);
+        }
+        self.done.fetch_add(1, Ordering::Release);
+    }
+
+    /// One parallel region, run by the driver with whichever helpers are in the team.
+    fn for_each(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        // SAFETY: the 'static reference never outlives `f`: it is cleared below, after `done`
+        // shows that every claimed item has returned, and no item can be claimed after
+        // `next == n` (claims happen under the lock that clears it).
+        let fs: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
+        self.done.store(0, Ordering::Relaxed);
+        *self.work.lock().unwrap_or_else(PoisonError::into_inner) = Work {
+            f: Some(fs),
+            n,
+            next: 0,
+        };
+        self.generation.fetch_add(1, Ordering::Release);
+        while let Some((f, i)) = self.claim() {
+            self.run(f, i);
+        }
+        // Items claimed by helpers may still run; the counter says when all have returned
+        // (a panicked region stopped claiming, so fewer than `n` ran).
+        loop {
+            let claimed = self
+                .work
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .next
+                .min(n);
+            if self.done.load(Ordering::Acquire) >= claimed {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        self.work.lock().unwrap_or_else(PoisonError::into_inner).f = None;
+        let panic = self
+            .panic
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(p) = panic {
+            resume_unwind(p);
+        }
+    }
+
+    /// A helper: runs items of the driver's regions until the driver returns, or until no
+    /// region came for [`HELPER_PATIENCE`].
+    fn help(&self) {
+        let mut idle_since = std::time::Instant::now();
+        let mut seen = u64::MAX;
+        let mut spins = 0u32;
+        while !self.closed.load(Ordering::Acquire) {
+            let g = self.generation.load(Ordering::Acquire);
+            if g != seen {
+                while let Some((f, i)) = self.claim() {
+                    self.run(f, i);
+                }
+                seen = g;
+                idle_since = std::time::Instant::now();
+                continue;
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            if spins.is_multiple_of(256) && idle_since.elapsed() > HELPER_PATIENCE {
+                return;
+            }
+        }
+    }
+}
+
+/// What the host's tasks of a team region share.
+struct TeamRegion<'a, B, R> {
+    team: Team,
+    body: Mutex<Option<B>>,
+    result: Mutex<Option<std::thread::Result<R>>>,
+    _scope: std::marker::PhantomData<&'a ()>,
+}
+
+impl<B: FnOnce(Runner) -> R, R> TeamRegion<'_, B, R> {
+    /// The first task to arrive drives (runs the body), the others help.
+    fn enter(&self) {
+        let body = self
+            .body
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match body {
+            Some(body) => {
+                let runner = Runner::Team(TeamRef(&self.team as *const Team as *const c_void));
+                let r = catch_unwind(AssertUnwindSafe(|| body(runner)));
+                self.team.closed.store(true, Ordering::Release);
+                *self.result.lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
+            }
+            None => self.team.help(),
+        }
+    }
+}
+
+unsafe extern "C" fn team_task<B: FnOnce(Runner) -> R, R>(task_ctx: *mut c_void, _worker: usize) {
+    // SAFETY: `task_ctx` is the `TeamRegion` that `team_region` passed to the host's
+    // parallel-for, alive until that call returns, i.e. after every task has returned.
+    let region = unsafe { &*(task_ctx as *const TeamRegion<'_, B, R>) };
+    let before = KIND.with(|k| k.replace(HOST));
+    // `enter` catches the body's panics and `help` those of items; nothing else can unwind,
+    // but the host must never see an unwind.
+    let _ = catch_unwind(AssertUnwindSafe(|| region.enter()));
+    KIND.with(|k| k.set(before));
+}
+
+fn team_region<R: Send>(h: HostRunner, body: impl FnOnce(Runner) -> R + Send) -> R {
+    let region = TeamRegion {
+        team: Team {
+            threads: h.threads,
+            work: Mutex::new(Work {
+                f: None,
+                n: 0,
+                next: 0,
+            }),
+            generation: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            panic: Mutex::new(None),
+        },
+        body: Mutex::new(Some(body)),
+        result: Mutex::new(None),
+        _scope: std::marker::PhantomData,
+    };
+    fn task_of<B: FnOnce(Runner) -> R, R>(_: &TeamRegion<'_, B, R>) -> TaskFn {
+        team_task::<B, R>
+    }
+    // SAFETY: the header's contract for a pa_runner: `parallel_for` calls the task with our
+    // context once per worker and returns after they all returned; `region` outlives the call.
+    // The body may run on a host thread: it is Send, and this thread waits for it.
+    unsafe {
+        (h.parallel_for)(
+            h.ctx,
+            h.threads,
+            task_of(&region),
+            &region as *const TeamRegion<'_, _, R> as *mut c_void,
+        )
+    };
+    // A runner that skipped every task never ran the body: run it here, without helpers.
+    region.enter();
+    let result = region
+        .result
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    match result {
+        Some(Ok(r)) => r,
+        Some(Err(p)) => resume_unwind(p),
+        None => unreachable!("the body ran in a task or above"),
+    }
 }
 
 // ---- the library's own pool ----
@@ -387,5 +625,100 @@ pub mod affinity {
             None
         }
         pub fn set(_: &[usize]) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    /// A parallel-for on fresh scoped threads, one per task (a host pool that is never the
+    /// caller), or, with `ctx` non-null, one that skips every task (a broken host).
+    unsafe extern "C" fn spawn_for(
+        ctx: *mut c_void,
+        n: usize,
+        task: TaskFn,
+        task_ctx: *mut c_void,
+    ) {
+        if !ctx.is_null() {
+            return;
+        }
+        let task_ctx = task_ctx as usize;
+        std::thread::scope(|s| {
+            for i in 0..n {
+                // SAFETY: the library's task and context, once per i < n.
+                s.spawn(move || unsafe { task(task_ctx as *mut c_void, i) });
+            }
+        });
+    }
+
+    fn host(threads: usize, skip: bool) -> Runner {
+        Runner::Host(HostRunner {
+            parallel_for: spawn_for,
+            ctx: if skip {
+                std::ptr::NonNull::<c_void>::dangling().as_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            threads,
+        })
+    }
+
+    /// Every item of every region of a team runs exactly once, whoever runs it, and a region
+    /// starts only after the previous one has finished (its items see all earlier writes).
+    #[test]
+    fn team_runs_each_item_once_region_after_region() {
+        for (threads, skip) in [(2, false), (3, false), (8, false), (4, true)] {
+            let counts: Vec<AtomicU32> = (0..500).map(|_| AtomicU32::new(0)).collect();
+            let total = host(threads, skip).region(|r| {
+                assert!(matches!(r, Runner::Team(_)), "a host region gives a team");
+                for region in 0..20u32 {
+                    let n = 1 + (region as usize * 37) % 500;
+                    r.for_each(n, &|i| {
+                        // Every item of the previous region has finished: its count is `region`.
+                        assert!(counts[i].load(Ordering::Relaxed) <= region);
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                    for (i, c) in counts.iter().enumerate().take(n) {
+                        assert!(
+                            c.load(Ordering::Relaxed) >= 1,
+                            "item {i} of region {region} lost"
+                        );
+                    }
+                }
+                counts
+                    .iter()
+                    .map(|c| c.load(Ordering::Relaxed))
+                    .sum::<u32>()
+            });
+            let want: u32 = (0..20u32).map(|r| 1 + (r * 37) % 500).sum();
+            assert_eq!(
+                total, want,
+                "{threads} threads (skip {skip}): items run != items"
+            );
+        }
+    }
+
+    /// A panic in an item, or in the body, reaches the caller of `region`; the team's other
+    /// threads leave and nothing hangs.
+    #[test]
+    fn team_passes_panics_to_the_caller() {
+        let r = catch_unwind(|| {
+            host(3, false).region(|r| {
+                r.for_each(100, &|i| {
+                    if i == 57 {
+                        panic!("item 57");
+                    }
+                })
+            })
+        });
+        let msg = r.expect_err("item panic lost");
+        assert_eq!(msg.downcast_ref::<&str>(), Some(&"item 57"));
+        let r = catch_unwind(|| host(2, false).region(|_| -> () { panic!("body") }));
+        assert_eq!(
+            r.expect_err("body panic lost").downcast_ref::<&str>(),
+            Some(&"body")
+        );
     }
 }

@@ -46,6 +46,19 @@ unsafe extern "C" fn spawn_parallel_for(
     });
 }
 
+/// A parallel-for that runs every task on the calling thread, in order.
+unsafe extern "C" fn sequential_parallel_for(
+    _: *mut c_void,
+    n: usize,
+    task: TaskFn,
+    task_ctx: *mut c_void,
+) {
+    for i in 0..n {
+        // SAFETY: the library's task and context, called once per i < n as required.
+        unsafe { task(task_ctx, i) };
+    }
+}
+
 fn run(call: &Call, runner: Runner) -> Call {
     let mut c = call.clone();
     c.with_api(|i, mut o| paged_attention::execute_on(runner, &mut i.unwrap(), &mut o))
@@ -108,16 +121,39 @@ fn host_runner_runs_every_item_on_its_threads_with_identical_results() {
         assert!(!seen.contains(&caller), "a task ran on the calling thread");
         let distinct: HashSet<_> = seen.iter().collect();
         let regions = *host.regions.lock().unwrap();
-        assert!(
-            regions >= 3,
-            "expected insert, attention, merge and scores regions, saw {regions}"
-        );
+        // With more than one thread, the whole call is one region of the host's
+        // parallel-for (a team); with one, each region of the kernels is its own.
+        if threads > 1 {
+            assert_eq!(
+                regions, 1,
+                "{threads} host threads: one team region per call"
+            );
+            assert_eq!(seen.len(), threads, "every thread of the team got a task");
+        } else {
+            assert!(
+                regions >= 3,
+                "expected insert, attention, merge and scores regions, saw {regions}"
+            );
+        }
         assert!(
             seen.len() <= regions * threads && distinct.len() == seen.len(),
             "{threads} host threads: more tasks than max_threads per region ({} in {regions})",
             seen.len()
         );
     }
+
+    // A host whose parallel-for runs its tasks one after another on one thread (allowed by
+    // the contract): the first task drives the whole call, the others find it done.
+    let sequential = Runner::Host(HostRunner {
+        parallel_for: sequential_parallel_for,
+        ctx: std::ptr::null_mut(),
+        threads: 4,
+    });
+    let got = run(&call, sequential);
+    assert!(
+        got.snapshot() == serial.snapshot(),
+        "sequential host tasks: results differ"
+    );
 
     // The library's own pool and the caller's rayon pool give the same bits.
     let pool = run(&call, Runner::Auto);

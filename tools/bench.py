@@ -198,10 +198,10 @@ class Call:
             self._ext_req.set_input_tensor(i, t)
 
     def run_ext(self):
-        self._ext_req.infer()
+        self._ext_req.infer(share_outputs=True)
 
     def run_ov(self):
-        self._ov_req.infer()
+        self._ov_req.infer(share_outputs=True)
 
     def our_outputs(self):
         if self.qtype == "bf16":

@@ -48,11 +48,14 @@ pub fn run(
     outputs: &mut PaOutputs<'_>,
     runner: Runner,
 ) -> Result<()> {
-    let opts = fast::FastOptions {
-        runner,
-        ..fast::FastOptions::default()
-    };
-    fast::run(plan, inputs, outputs, opts)
+    // One host region for the whole call (see `Runner::region`).
+    runner.region(|runner| {
+        let opts = fast::FastOptions {
+            runner,
+            ..fast::FastOptions::default()
+        };
+        fast::run(plan, inputs, outputs, opts)
+    })
 }
 
 /// Runs a validated plan with the scalar reference kernels.
