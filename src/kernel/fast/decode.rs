@@ -5,12 +5,12 @@
 //! scattered, so the hardware prefetchers cannot guess them. Writes the same `[m, l, acc]` slots
 //! as `attention::run_item`, which the shared merge combines.
 
-use super::attention::{load_q, mask_tile, tiles, Ctx, Scratch};
 use super::micro::Micro;
 use super::partition::Item;
 use super::shared::SharedMut;
+use super::tile::{load_q, mask_tile, Ctx, Scratch};
 use crate::dtype::Float;
-use crate::kernel::reference::{cache_row, window_start};
+use crate::kernel::layout::{seq_row, tiles, window_start};
 
 /// Runs one decode item.
 pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
@@ -53,8 +53,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
     lbuf[..all_rows].fill(0.0);
     let first_score = sp.n - sp.score_tokens;
     let tile_at = |j0: usize, j1: usize, kvh: usize| {
-        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
-        let off = cache_row(plan, phys, kvh, j0 % bs);
+        let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
         (
             &ctx.kc[off..off + (j1 - j0) * d],
             &ctx.vc[off..off + (j1 - j0) * d],
