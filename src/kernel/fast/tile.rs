@@ -6,6 +6,7 @@ use super::micro::Amx;
 use super::partition::Partition;
 use crate::dtype::Float;
 use crate::kernel::layout::window_start;
+use crate::kernel::softmax::OnlineSoftmax;
 use crate::op::{Plan, SeqPlan};
 use std::cell::RefCell;
 
@@ -29,22 +30,20 @@ pub(crate) struct Scratch {
     pub q: Vec<f32>,
     pub acc: Vec<f32>,
     pub s: Vec<f32>,
-    pub m: Vec<f32>,
-    pub l: Vec<f32>,
+    pub st: Vec<OnlineSoftmax>,
 }
 
 impl Scratch {
     pub fn ensure(&mut self, rows: usize, d: usize, bs: usize) {
-        let grow = |v: &mut Vec<f32>, n: usize| {
+        fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
             if v.len() < n {
-                v.resize(n, 0.0);
+                v.resize(n, T::default());
             }
-        };
+        }
         grow(&mut self.q, rows * d);
         grow(&mut self.acc, rows * d);
         grow(&mut self.s, rows * bs);
-        grow(&mut self.m, rows);
-        grow(&mut self.l, rows);
+        grow(&mut self.st, rows);
     }
 }
 
