@@ -4,7 +4,7 @@
 //! ([`execute`], [`execute_on`], [`execute_reference`]): validation (`op`), then the kernels.
 //!
 //! - `layout`: the index arithmetic of caches, tokens and windows both kernel families use.
-//! - `softmax`: the online-softmax step every kernel takes ([`softmax::OnlineSoftmax`]).
+//! - `softmax`: the online-softmax step every kernel takes (`softmax::OnlineSoftmax`).
 //! - `bind`: the validated call bound to typed slices, and the one (query type, cache type)
 //!   dispatch into a monomorphised kernel.
 //! - `reference`: plain scalar code written straight from SPEC.md; the twin every fast path is

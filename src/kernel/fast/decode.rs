@@ -2,8 +2,8 @@
 //! the [`DecodeMicro`] loops, one (cache block, KV head) tile at a time in storage order, so
 //! each item streams whole `[Hkv, BS, D]` blocks. While tile `i` computes, the loops request
 //! tile `i + 1`'s keys (during QK) and values (during PV) a few cache lines per step: blocks are
-//! scattered, so the hardware prefetchers cannot guess them. Writes the same `[m, l, acc]` slots
-//! as `attention::run_item`, which the shared merge combines.
+//! scattered, so the hardware prefetchers cannot guess them. Writes one `[max, sum, acc]` slot
+//! per row and chunk, which the merge in `attention` combines.
 
 use super::micro::Micro;
 use super::partition::Item;

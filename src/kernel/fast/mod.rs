@@ -10,8 +10,11 @@
 //!   heads contiguously, so the item streams whole blocks); prefill sequences get query tiles of
 //!   about 64 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
 //!   plan, never on the thread count, so results are bit-identical for any number of threads.
-//! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
-//!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.
+//! - `attention`: the driver: runs every item (each KV block read once for all rows of the
+//!   tile, masked tiles skipped, online softmax per row) and merges the chunks of each row in a
+//!   fixed order.
+//! - `tile`: what items share: the call's context, per-thread scratch, scaled query rows,
+//!   masks and ALiBi, prefetch hints.
 //! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
 //!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
 //! - `prefill`: runs the items of prefill sequences (transposed logits, `TileMicro` loops).
@@ -20,8 +23,13 @@
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
 //!   tiles (same masks, softmax step and output writing as `prefill`).
-//! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, scalar
-//!   twins in `micro/`).
+//! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, built
+//!   on x86_64 only; scalar twins in `micro/`, the only tier elsewhere).
+//!
+//! Every softmax step (decode rows, prefill lanes, AMX spans, the chunk merge) is
+//! `kernel::softmax::OnlineSoftmax`'s; index arithmetic is `kernel::layout`'s; the call is bound
+//! and dispatched by `kernel::bind` (`Fast` is the fast family's `TypedOp`), as for the
+//! reference.
 //!
 //! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `amx` (the `avx512` loops, plus
 //! AMX-BF16 tiles for the QK and PV products of prefill items of a bf16 query), else `avx512`

@@ -1,5 +1,7 @@
 //! Micro-kernels: the few inner loops every attention tile is made of, behind one trait so the
-//! tile drivers (`attention`, `scores`) are written once and run on every SIMD level.
+//! tile drivers (`decode`, `prefill`, `scores`) are written once and run on every SIMD level.
+//! The softmax loops compute maxima, exponentials and sums; the state they update is
+//! `kernel::softmax::OnlineSoftmax`'s (per row, or lane-wise through its `Lanes` impls).
 //!
 //! - `scalar`: plain loops; the fast path's own twin, and what runs without AVX2.
 //! - `x86`: the x86_64 tiers (`std::arch`), one file per tier and trait, each chosen only after
@@ -16,7 +18,7 @@
 //! arrives as bf16: there the rule is 1e-2 of a float64 reference fed the same rounded values.
 
 pub(crate) mod scalar;
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod scalar_amx;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
