@@ -149,9 +149,8 @@ fn rotate_bench(c: &mut Criterion) {
     let rbi: Vec<i32> = (0..64).collect();
     let rd: Vec<i32> = (0..64 * BS as i32).map(|i| i % 16).collect();
     let lut_v = noise(16 * D, 9);
-    let lut = Tensor::new(&[16, D], &lut_v);
     c.bench_function("rotate_64_blocks/f32", |b| {
-        b.iter(|| rotate(Runner::Auto, &plan, BS, &mut call.kc, &rbi, &rd, &lut))
+        b.iter(|| rotate(Runner::Auto, &plan, BS, &mut call.kc, &rbi, &rd, &lut_v))
     });
 }
 

@@ -2,8 +2,8 @@
 //! (contract: `docs/contract.md`), with a C ABI (`include/paged_attention.h`), an OpenVINO extension
 //! (feature `openvino`, C++ shim in `cpp/`), an IR loader, and a KV-cache manager.
 //!
-//! - [`op`]: the contract, shape inference, validation and [`op::execute`].
-//! - [`kernel`]: the CPU kernels (scalar reference and fast paths).
+//! - [`op`]: the contract, shape inference and validation.
+//! - [`kernel`]: the CPU kernels (scalar reference and fast paths) and [`execute`].
 //! - [`cache`]: the KV-cache block manager and scheduler that feed the op.
 //! - [`ffi`]: the `extern "C"` functions of the header; conversion and error mapping only.
 //! - [`alloc`]: fallible allocation of caller-sized buffers.
@@ -22,7 +22,8 @@ pub mod threads;
 
 pub use dtype::{ElemType, Float};
 pub use error::{PaError, Status};
-pub use op::{execute, execute_on, infer_shapes, validate, PaInputs, PaOutputs, Plan};
+pub use kernel::{execute, execute_on, execute_reference};
+pub use op::{infer_shapes, validate, PaInputs, PaOutputs, Plan};
 pub use tensor::{Elems, ElemsMut, Tensor, TensorMut};
 pub use threads::Runner;
 

@@ -1,4 +1,4 @@
-//! End to end: the block manager drives the real op (`paged_attention::op::execute`) through a
+//! End to end: the block manager drives the real op (`paged_attention::execute`) through a
 //! 60-step generation loop over several sequences (chunked prefill, decode, a beam fork with
 //! copy-on-write, a prefix-cache hit, a speculative rollback, score-based eviction with key
 //! re-rotation, a finished sequence), and after every op call each output row and each score is
@@ -16,7 +16,7 @@ use paged_attention::cache::{
     copy_blocks, rotation_lut, BlockManager, EvictionPolicy, ManagerConfig, RotationDirection,
     SplitMix64,
 };
-use paged_attention::op::{execute, PaInputs, PaOutputs};
+use paged_attention::{execute, PaInputs, PaOutputs};
 use paged_attention::{Tensor, TensorMut};
 
 const H: usize = 4;

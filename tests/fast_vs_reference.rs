@@ -7,8 +7,8 @@
 //! bit-identical (insertion and rotation use the same arithmetic as the reference).
 
 use half::{bf16, f16};
+use paged_attention::execute_reference;
 use paged_attention::kernel::fast::{execute_with, FastOptions, ScoresMode, SimdLevel};
-use paged_attention::op::execute_reference;
 use paged_attention::{ElemType, PaInputs, PaOutputs, Tensor, TensorMut};
 
 /// xorshift64*: small, seeded, no dependency.

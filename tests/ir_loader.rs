@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 
 use half::f16;
+use paged_attention::execute;
 use paged_attention::ir::{CacheLocation, IrError, Model, OwnedData, OwnedTensor};
-use paged_attention::op::{execute, InputArg, PaInputs, PaOutputs};
+use paged_attention::op::{InputArg, PaInputs, PaOutputs};
 use paged_attention::tensor::TensorMut;
 
 const NAMES: [&str; 9] = [

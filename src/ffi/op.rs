@@ -278,7 +278,7 @@ pub unsafe extern "C" fn pa_execute(
     n_outputs: usize,
 ) -> i32 {
     // SAFETY: forwarded contract.
-    unsafe { execute_with(inputs, n_inputs, outputs, n_outputs, crate::op::execute) }
+    unsafe { execute_with(inputs, n_inputs, outputs, n_outputs, crate::execute) }
 }
 
 /// The C `pa_runner`: a host's parallel-for.
@@ -330,7 +330,7 @@ pub unsafe extern "C" fn pa_execute_ex(
     // SAFETY: forwarded contract.
     unsafe {
         execute_with(inputs, n_inputs, outputs, n_outputs, |i, o| {
-            crate::op::execute_on(runner, i, o)
+            crate::execute_on(runner, i, o)
         })
     }
 }
@@ -392,7 +392,7 @@ pub unsafe extern "C" fn pa_execute_reference(
             n_inputs,
             outputs,
             n_outputs,
-            crate::op::execute_reference,
+            crate::execute_reference,
         )
     }
 }

@@ -1,4 +1,4 @@
-//! Running a [`Model`]: each layer in topological order, the op through [`crate::op::execute`].
+//! Running a [`Model`]: each layer in topological order, the op through [`crate::execute`].
 //!
 //! In-place caches: when a Parameter feeds PagedAttention's input 3 or 4 directly, the op writes
 //! into the caller's tensor in the input map, as OpenVINO does with shared buffers. When a
@@ -356,7 +356,7 @@ impl Model {
             output: o0.view_mut(),
             scores: o1.view_mut(),
         };
-        crate::op::execute(&mut pa, &mut outs).map_err(op_err)?;
+        crate::execute(&mut pa, &mut outs).map_err(op_err)?;
         Ok([o0, o1])
     }
 }

@@ -1,69 +1,68 @@
 //! CPU kernels, in SPEC order: `rotate` (re-rotation of cached keys), `insert` (new K/V into
 //! the caches), `attention` (causal attention with online softmax, GQA, window, ALiBi) and the
-//! scores (summed softmax weights of the last new tokens).
+//! scores (summed softmax weights of the last new tokens), and the op's entry points
+//! ([`execute`], [`execute_on`], [`execute_reference`]): validation (`op`), then the kernels.
 //!
+//! - `layout`: the index arithmetic of caches, tokens and windows both kernel families use.
+//! - `softmax`: the online-softmax step every kernel takes (`softmax::OnlineSoftmax`).
+//! - `bind`: the validated call bound to typed slices, and the one (query type, cache type)
+//!   dispatch into a monomorphised kernel.
 //! - `reference`: plain scalar code written straight from SPEC.md; the twin every fast path is
-//!   tested against, and what [`run_reference`] runs.
-//! - `fast`: tiled, parallel, SIMD (AVX2+FMA+F16C when detected, else scalar) kernels; what
-//!   [`run`] runs. Its `mod.rs` states its dispatch rule.
+//!   tested against, and what [`execute_reference`] runs.
+//! - `fast`: tiled, parallel, SIMD kernels (the best level this CPU has, see its `mod.rs`);
+//!   what [`execute`] runs.
 //!
-//! The (query type, cache type) pair is resolved once, here, into a monomorphised kernel.
+//! `kernel` depends on `op` (the plan and the inputs), never the other way round.
 
+pub(crate) mod bind;
 pub mod fast;
+pub(crate) mod layout;
 pub mod reference;
+pub(crate) mod softmax;
 
 use crate::error::Result;
-use crate::op::{PaInputs, PaOutputs, Plan};
+use crate::op::{validate, PaInputs, PaOutputs, Plan};
 use crate::threads::Runner;
 
-/// Calls `$f::<Q, C>($args)` for the plan's (query type, cache type) pair.
-macro_rules! dispatch_types {
-    ($plan:expr, $f:ident ( $($args:expr),* )) => {{
-        use crate::dtype::ElemType as E;
-        use half::{bf16, f16};
-        match ($plan.query_type, $plan.cache_type) {
-            (E::F32, E::F32) => $f::<f32, f32>($($args),*),
-            (E::F32, E::F16) => $f::<f32, f16>($($args),*),
-            (E::F32, E::BF16) => $f::<f32, bf16>($($args),*),
-            (E::F16, E::F32) => $f::<f16, f32>($($args),*),
-            (E::F16, E::F16) => $f::<f16, f16>($($args),*),
-            (E::F16, E::BF16) => $f::<f16, bf16>($($args),*),
-            (E::BF16, E::F32) => $f::<bf16, f32>($($args),*),
-            (E::BF16, E::F16) => $f::<bf16, f16>($($args),*),
-            (E::BF16, E::BF16) => $f::<bf16, bf16>($($args),*),
-            (q, c) => Err(crate::error::PaError::InvalidArgument {
-                detail: format!("no kernel for query type {q} with cache type {c}"),
-            }),
-        }
-    }};
+/// Validates the call, then runs rotation, insertion, attention and scores (SPEC order),
+/// writing the caches in place and both outputs. A rejected call writes nothing.
+pub fn execute(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
+    execute_on(Runner::Auto, inputs, outputs)
 }
-#[allow(unused_imports)]
-pub(crate) use dispatch_types;
 
-/// Runs a validated plan with the fastest kernels available on this CPU, its parallel regions
-/// on `runner`.
-pub fn run(
-    plan: &Plan,
+/// [`execute`] with its parallel regions on `runner` (a host's threads, or none).
+pub fn execute_on(
+    runner: Runner,
     inputs: &mut PaInputs<'_>,
     outputs: &mut PaOutputs<'_>,
-    runner: Runner,
 ) -> Result<()> {
-    // One host region for the whole call (see `Runner::region`).
-    runner.region(|runner| {
-        let opts = fast::FastOptions {
-            runner,
-            ..fast::FastOptions::default()
-        };
-        fast::run(plan, inputs, outputs, opts)
-    })
+    let opts = fast::FastOptions {
+        runner,
+        ..fast::FastOptions::default()
+    };
+    fast::execute_with(opts, inputs, outputs)
+}
+
+/// Like [`execute`] with the scalar reference kernels only (the twin of the fast paths).
+pub fn execute_reference(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
+    let Some(plan) = validated(inputs, outputs)? else {
+        return Ok(());
+    };
+    run_reference(&plan, inputs, outputs)
+}
+
+/// The plan of a valid call, `None` when it writes nothing.
+fn validated(inputs: &PaInputs<'_>, outputs: &PaOutputs<'_>) -> Result<Option<Plan>> {
+    let plan = validate(inputs)?;
+    crate::op::validate::check_outputs(&plan, outputs)?;
+    Ok((!plan.writes_nothing()).then_some(plan))
 }
 
 /// Runs a validated plan with the scalar reference kernels.
-pub fn run_reference(
+pub(crate) fn run_reference(
     plan: &Plan,
     inputs: &mut PaInputs<'_>,
     outputs: &mut PaOutputs<'_>,
 ) -> Result<()> {
-    use reference::run_typed;
-    crate::threads::in_auto_pool(|| dispatch_types!(plan, run_typed(plan, inputs, outputs)))
+    crate::threads::in_auto_pool(|| bind::dispatch(reference::Reference, plan, inputs, outputs))
 }

@@ -1,4 +1,6 @@
-//! The PagedAttention op: its inputs and outputs, validation, and execution.
+//! The PagedAttention op: its inputs and outputs, shape inference and validation (what a call
+//! must satisfy). Execution is `kernel`'s ([`crate::execute`]), which reads the [`Plan`] made
+//! here; nothing here depends on the kernels.
 //!
 //! - `contract`: the 16-input table every other part reads.
 //! - `shape`: shape inference on partial shapes (also the shape rules of validation).
@@ -15,7 +17,6 @@ pub use validate::{validate, Plan, Rotation, SeqPlan};
 
 use crate::error::{PaError, Result};
 use crate::tensor::{Tensor, TensorMut};
-use crate::threads::Runner;
 use contract::*;
 
 /// The op's inputs by name. Optional inputs are `None` when not given; an empty tensor is
@@ -172,34 +173,4 @@ impl<'a> PaInputs<'a> {
             .find(|&i| self.get(i).is_some())
             .map_or(MIN_INPUTS, |i| i + 1)
     }
-}
-
-/// Validates the call, then runs rotation, insertion, attention and scores (SPEC order),
-/// writing the caches in place and both outputs. A rejected call writes nothing.
-pub fn execute(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
-    execute_on(Runner::Auto, inputs, outputs)
-}
-
-/// [`execute`] with its parallel regions on `runner` (a host's threads, or none).
-pub fn execute_on(
-    runner: Runner,
-    inputs: &mut PaInputs<'_>,
-    outputs: &mut PaOutputs<'_>,
-) -> Result<()> {
-    let plan = validate(inputs)?;
-    validate::check_outputs(&plan, outputs)?;
-    if plan.writes_nothing() {
-        return Ok(());
-    }
-    crate::kernel::run(&plan, inputs, outputs, runner)
-}
-
-/// Like [`execute`] with the scalar reference kernels only (the twin of the fast paths).
-pub fn execute_reference(inputs: &mut PaInputs<'_>, outputs: &mut PaOutputs<'_>) -> Result<()> {
-    let plan = validate(inputs)?;
-    validate::check_outputs(&plan, outputs)?;
-    if plan.writes_nothing() {
-        return Ok(());
-    }
-    crate::kernel::run_reference(&plan, inputs, outputs)
 }

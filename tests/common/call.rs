@@ -188,9 +188,9 @@ pub struct Call {
 /// Which implementation runs a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Runner {
-    /// `paged_attention::op::execute` (the fastest kernels available).
+    /// `paged_attention::execute` (the fastest kernels available).
     Execute,
-    /// `paged_attention::op::execute_reference` (the scalar twin).
+    /// `paged_attention::execute_reference` (the scalar twin).
     Reference,
 }
 
@@ -226,10 +226,8 @@ impl Call {
         self.with_api(|inputs, mut outputs| {
             let mut inputs = inputs?;
             match runner {
-                Runner::Execute => paged_attention::op::execute(&mut inputs, &mut outputs),
-                Runner::Reference => {
-                    paged_attention::op::execute_reference(&mut inputs, &mut outputs)
-                }
+                Runner::Execute => paged_attention::execute(&mut inputs, &mut outputs),
+                Runner::Reference => paged_attention::execute_reference(&mut inputs, &mut outputs),
             }
         })
     }

@@ -2,15 +2,16 @@
 //! the [`DecodeMicro`] loops, one (cache block, KV head) tile at a time in storage order, so
 //! each item streams whole `[Hkv, BS, D]` blocks. While tile `i` computes, the loops request
 //! tile `i + 1`'s keys (during QK) and values (during PV) a few cache lines per step: blocks are
-//! scattered, so the hardware prefetchers cannot guess them. Writes the same `[m, l, acc]` slots
-//! as `attention::run_item`, which the shared merge combines.
+//! scattered, so the hardware prefetchers cannot guess them. Writes one `[max, sum, acc]` slot
+//! per row and chunk, which the merge in `attention` combines.
 
-use super::attention::{load_q, mask_tile, tiles, Ctx, Scratch};
 use super::micro::Micro;
 use super::partition::Item;
 use super::shared::SharedMut;
+use super::tile::{load_q, mask_tile, Ctx, Scratch};
 use crate::dtype::Float;
-use crate::kernel::reference::{cache_row, window_start};
+use crate::kernel::layout::{seq_row, tiles, window_start};
+use crate::kernel::softmax::OnlineSoftmax;
 
 /// Runs one decode item.
 pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
@@ -40,8 +41,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
         q: qbuf,
         acc: accbuf,
         s,
-        m: mbuf,
-        l: lbuf,
+        st: stbuf,
         ..
     } = sc;
     for kvh in kvh0..kvh1 {
@@ -49,12 +49,10 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
         load_q(plan, ctx.query, sp, kvh, t0, nt, &mut qbuf[r0 * d..]);
     }
     accbuf[..all_rows * d].fill(0.0);
-    mbuf[..all_rows].fill(f32::NEG_INFINITY);
-    lbuf[..all_rows].fill(0.0);
+    stbuf[..all_rows].fill(OnlineSoftmax::EMPTY);
     let first_score = sp.n - sp.score_tokens;
     let tile_at = |j0: usize, j1: usize, kvh: usize| {
-        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
-        let off = cache_row(plan, phys, kvh, j0 % bs);
+        let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
         (
             &ctx.kc[off..off + (j1 - j0) * d],
             &ctx.vc[off..off + (j1 - j0) * d],
@@ -92,8 +90,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             n,
             vt,
             d,
-            &mut mbuf[r0..r0 + rows],
-            &mut lbuf[r0..r0 + rows],
+            &mut stbuf[r0..r0 + rows],
             &mut accbuf[r0 * d..(r0 + rows) * d],
             vn,
         );
@@ -108,8 +105,8 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             // SAFETY: slot (row, chunk) is written by this item only (one item per query tile
             // and chunk, covering every KV head).
             let slot = unsafe { pw.part(base, d + 2) };
-            slot[0] = mbuf[ri];
-            slot[1] = lbuf[ri];
+            slot[0] = stbuf[ri].max;
+            slot[1] = stbuf[ri].sum;
             slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
         }
     }

@@ -5,7 +5,7 @@
 
 use super::shared::SharedMut;
 use crate::dtype::Float;
-use crate::kernel::reference::{block_of, cache_row};
+use crate::kernel::layout::seq_row;
 use crate::op::Plan;
 use crate::threads::Runner;
 
@@ -29,22 +29,17 @@ pub fn insert_all<Q: Float, C: Float>(
     pairs: &mut [(&[Q], &mut [C])],
     block_indices: &[i32],
 ) {
-    let (d, hkv, bs) = (plan.d, plan.hkv, plan.bs);
+    let (d, hkv) = (plan.d, plan.hkv);
     let jobs: Vec<(&[Q], SharedMut<'_, C>)> = pairs
         .iter_mut()
-        .map(|(src, cache)| (*src, SharedMut::new(&mut **cache)))
+        .map(|(src, cache)| (*src, SharedMut::new(cache)))
         .collect();
     runner.for_each(jobs.len() * hkv, &|task| {
         let ((src, w), head) = (&jobs[task / hkv.max(1)], task % hkv.max(1));
         for sp in &plan.seqs {
             for i in 0..sp.n {
                 let pos = sp.past + i;
-                let dst = cache_row(
-                    plan,
-                    block_of(block_indices, sp.block_begin, bs, pos),
-                    head,
-                    pos % bs,
-                );
+                let dst = seq_row(plan, block_indices, sp, head, pos);
                 // SAFETY: each pair has its own cache, and the row includes `head`, so rows
                 // written by different tasks are disjoint; this task holds one row at a time.
                 let row = unsafe { w.part(dst, d) };

@@ -10,8 +10,11 @@
 //!   heads contiguously, so the item streams whole blocks); prefill sequences get query tiles of
 //!   about 64 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
 //!   plan, never on the thread count, so results are bit-identical for any number of threads.
-//! - `attention`: runs one item (each KV block read once for all rows of the tile, masked
-//!   tiles skipped, online softmax per row) and merges the chunks of each row in a fixed order.
+//! - `attention`: the driver: runs every item (each KV block read once for all rows of the
+//!   tile, masked tiles skipped, online softmax per row) and merges the chunks of each row in a
+//!   fixed order.
+//! - `tile`: what items share: the call's context, per-thread scratch, scaled query rows,
+//!   masks and ALiBi, prefetch hints.
 //! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
 //!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
 //! - `prefill`: runs the items of prefill sequences (transposed logits, `TileMicro` loops).
@@ -20,8 +23,13 @@
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
 //!   tiles (same masks, softmax step and output writing as `prefill`).
-//! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, scalar
-//!   twins in `micro/`).
+//! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, built
+//!   on x86_64 only; scalar twins in `micro/`, the only tier elsewhere).
+//!
+//! Every softmax step (decode rows, prefill lanes, AMX spans, the chunk merge) is
+//! `kernel::softmax::OnlineSoftmax`'s; index arithmetic is `kernel::layout`'s; the call is bound
+//! and dispatched by `kernel::bind` (`Fast` is the fast family's `TypedOp`), as for the
+//! reference.
 //!
 //! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `amx` (the `avx512` loops, plus
 //! AMX-BF16 tiles for the QK and PV products of prefill items of a bf16 query), else `avx512`
@@ -52,15 +60,16 @@ mod prefill_amx;
 pub mod rotate;
 mod scores;
 mod shared;
+mod tile;
 
+use super::bind::{dispatch, Bound, TypedOp};
 use crate::dtype::Float;
-use crate::error::{PaError, Result};
+use crate::error::Result;
 use crate::op::{PaInputs, PaOutputs, Plan};
 use crate::threads::Runner;
 use micro::scalar::Scalar;
-use micro::x86::avx2::Avx2;
 #[cfg(target_arch = "x86_64")]
-use micro::x86::avx512::Avx512;
+use micro::x86::{avx2::Avx2, avx512::Avx512};
 use micro::{Amx, TileMicro};
 use std::any::TypeId;
 use std::sync::OnceLock;
@@ -93,18 +102,19 @@ impl SimdLevel {
     /// the kernel for tile-data permission for the whole process (once).
     pub fn detected() -> SimdLevel {
         #[cfg(target_arch = "x86_64")]
-        if Avx512::detect().is_some() {
-            return if amx_detected() {
-                SimdLevel::Amx
-            } else {
-                SimdLevel::Avx512
-            };
+        {
+            if Avx512::detect().is_some() {
+                return if Amx::detect().is_some() {
+                    SimdLevel::Amx
+                } else {
+                    SimdLevel::Avx512
+                };
+            }
+            if Avx2::detect().is_some() {
+                return SimdLevel::Avx2;
+            }
         }
-        if Avx2::detect().is_some() {
-            SimdLevel::Avx2
-        } else {
-            SimdLevel::Scalar
-        }
+        SimdLevel::Scalar
     }
 
     /// The level a call asking for `self` runs at: `self` when the CPU has it, else the best
@@ -140,13 +150,6 @@ impl SimdLevel {
                 .map_or_else(SimdLevel::detected, SimdLevel::effective)
         })
     }
-}
-
-fn amx_detected() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return Amx::detect().is_some();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 /// Prefill items (one KV head's query tile each) this process has run on AMX tiles: lets
@@ -205,13 +208,26 @@ pub fn execute_with(
     inputs: &mut PaInputs<'_>,
     outputs: &mut PaOutputs<'_>,
 ) -> Result<()> {
-    let plan = crate::op::validate(inputs)?;
-    crate::op::validate::check_outputs(&plan, outputs)?;
+    let Some(plan) = super::validated(inputs, outputs)? else {
+        return Ok(());
+    };
     run(&plan, inputs, outputs, opts)
 }
 
-/// Runs a validated plan with the fast kernels.
-pub fn run(
+/// Runs a validated plan with the fast kernels, on the micro-kernels of the asked level (or the
+/// best one below it this CPU has), in one region of the runner for the whole call (see
+/// [`Runner::region`]: a host's fork/join is paid once, not once per parallel step).
+fn run(
+    plan: &Plan,
+    inputs: &mut PaInputs<'_>,
+    outputs: &mut PaOutputs<'_>,
+    opts: FastOptions,
+) -> Result<()> {
+    opts.runner
+        .region(|runner| run_in(plan, inputs, outputs, FastOptions { runner, ..opts }))
+}
+
+fn run_in(
     plan: &Plan,
     inputs: &mut PaInputs<'_>,
     outputs: &mut PaOutputs<'_>,
@@ -221,137 +237,64 @@ pub fn run(
         // Nothing to tile; the reference does no arithmetic here.
         return super::run_reference(plan, inputs, outputs);
     }
-    let level = opts.simd.effective();
     #[cfg(target_arch = "x86_64")]
-    if let (SimdLevel::Avx512 | SimdLevel::Amx, Some(m)) = (level, Avx512::detect()) {
-        return run_micro(m, plan, inputs, outputs, opts);
-    }
-    match (level, Avx2::detect()) {
-        (SimdLevel::Scalar, _) | (_, None) => run_micro(Scalar, plan, inputs, outputs, opts),
-        (_, Some(m)) => run_micro(m, plan, inputs, outputs, opts),
-    }
-}
-
-fn run_micro<M: TileMicro>(
-    m: M,
-    plan: &Plan,
-    inputs: &mut PaInputs<'_>,
-    outputs: &mut PaOutputs<'_>,
-    opts: FastOptions,
-) -> Result<()> {
-    macro_rules! go {
-        ($q:ty, $c:ty) => {
-            run_typed::<M, $q, $c>(m, plan, inputs, outputs, opts)
-        };
-    }
-    use crate::dtype::ElemType as E;
-    use half::{bf16, f16};
-    match (plan.query_type, plan.cache_type) {
-        (E::F32, E::F32) => go!(f32, f32),
-        (E::F32, E::F16) => go!(f32, f16),
-        (E::F32, E::BF16) => go!(f32, bf16),
-        (E::F16, E::F32) => go!(f16, f32),
-        (E::F16, E::F16) => go!(f16, f16),
-        (E::F16, E::BF16) => go!(f16, bf16),
-        (E::BF16, E::F32) => go!(bf16, f32),
-        (E::BF16, E::F16) => go!(bf16, f16),
-        (E::BF16, E::BF16) => go!(bf16, bf16),
-        (q, c) => Err(PaError::InvalidArgument {
-            detail: format!("no kernel for query type {q} with cache type {c}"),
-        }),
-    }
-}
-
-fn missing(what: &str) -> PaError {
-    PaError::InvalidArgument {
-        detail: format!("{what} does not have the validated element type"),
-    }
-}
-
-fn run_typed<M: TileMicro, Q: Float, C: Float>(
-    m: M,
-    plan: &Plan,
-    inputs: &mut PaInputs<'_>,
-    outputs: &mut PaOutputs<'_>,
-    opts: FastOptions,
-) -> Result<()> {
-    let block_indices = inputs
-        .block_indices
-        .as_i32()
-        .ok_or_else(|| missing("block_indices"))?;
-    if let Some(rot) = &plan.rotation {
-        let rbi = inputs
-            .rotated_block_indices
-            .as_ref()
-            .and_then(|t| t.as_i32());
-        let rd = inputs.rotation_deltas.as_ref().and_then(|t| t.as_i32());
-        let lut = inputs.rotation_trig_lut.as_ref();
-        let (rbi, rd, lut) = match (rbi, rd, lut) {
-            (Some(a), Some(b), Some(c)) => (a, b, c),
-            _ => return Err(missing("rotation inputs")),
-        };
-        let kc = inputs
-            .key_cache
-            .as_float_mut::<C>()
-            .ok_or_else(|| missing("key_cache"))?;
-        rotate::rotate(opts.runner, plan, rot.delta_cols, kc, rbi, rd, lut);
-    }
-    let key = inputs.key.as_float::<Q>().ok_or_else(|| missing("key"))?;
-    let value = inputs
-        .value
-        .as_float::<Q>()
-        .ok_or_else(|| missing("value"))?;
     {
-        let kc = inputs
-            .key_cache
-            .as_float_mut::<C>()
-            .ok_or_else(|| missing("key_cache"))?;
-        let vc = inputs
-            .value_cache
-            .as_float_mut::<C>()
-            .ok_or_else(|| missing("value_cache"))?;
+        let level = opts.simd.effective();
+        if let (SimdLevel::Avx512 | SimdLevel::Amx, Some(m)) = (level, Avx512::detect()) {
+            return dispatch(Fast { m, opts }, plan, inputs, outputs);
+        }
+        if let (SimdLevel::Avx2, Some(m)) = (level, Avx2::detect()) {
+            return dispatch(Fast { m, opts }, plan, inputs, outputs);
+        }
+    }
+    dispatch(Fast { m: Scalar, opts }, plan, inputs, outputs)
+}
+
+/// The fast kernels on micro-kernels `M`, as a [`TypedOp`].
+struct Fast<M> {
+    m: M,
+    opts: FastOptions,
+}
+
+impl<M: TileMicro> TypedOp for Fast<M> {
+    fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()> {
+        let Fast { m, opts } = self;
+        if let Some(rot) = &b.rotation {
+            rotate::rotate(
+                opts.runner,
+                plan,
+                rot.delta_cols,
+                &mut *b.key_cache,
+                rot.blocks,
+                rot.deltas,
+                &rot.lut,
+            );
+        }
         insert::insert_all(
             opts.runner,
             plan,
-            &mut [(key, kc), (value, vc)],
-            block_indices,
+            &mut [(b.key, &mut *b.key_cache), (b.value, &mut *b.value_cache)],
+            b.block_indices,
         );
-    }
-    let query = inputs
-        .query
-        .as_float::<Q>()
-        .ok_or_else(|| missing("query"))?;
-    let kc = inputs.key_cache.as_ref();
-    let vc = inputs.value_cache.as_ref();
-    let kc = kc.as_float::<C>().ok_or_else(|| missing("key_cache"))?;
-    let vc = vc.as_float::<C>().ok_or_else(|| missing("value_cache"))?;
-    let out = outputs
-        .output
-        .as_float_mut::<Q>()
-        .ok_or_else(|| missing("output"))?;
-    let scores_out = outputs
-        .scores
-        .as_float_mut::<Q>()
-        .ok_or_else(|| missing("scores"))?;
-
-    let part = partition::Partition::new(plan, opts.scores);
-    let ctx = attention::Ctx {
-        plan,
-        part: &part,
-        query,
-        kc,
-        vc,
-        block_indices,
-        runner: opts.runner,
-        amx: amx_for::<Q>(opts),
-    };
-    let (stats, stash) = attention::attention(m, &ctx, out);
-    match stash {
-        Some(stash) => {
-            scores::from_stash(m, &ctx, &stats, &stash, scores_out);
-            pool::give(stash);
+        let part = partition::Partition::new(plan, opts.scores);
+        let ctx = tile::Ctx {
+            plan,
+            part: &part,
+            query: b.query,
+            kc: b.key_cache,
+            vc: b.value_cache,
+            block_indices: b.block_indices,
+            runner: opts.runner,
+            amx: amx_for::<Q>(opts),
+        };
+        let (stats, stash) = attention::attention(m, &ctx, b.output);
+        match stash {
+            Some(stash) => {
+                scores::from_stash(m, &ctx, &stats, &stash, b.scores);
+                pool::give(stash);
+            }
+            None => scores::recompute(m, &ctx, &stats, b.scores),
         }
-        None => scores::recompute(m, &ctx, &stats, scores_out),
+        Ok(())
     }
-    Ok(())
 }

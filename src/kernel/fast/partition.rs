@@ -2,7 +2,7 @@
 //! number of threads), which is what makes results bit-identical for any thread count.
 
 use super::ScoresMode;
-use crate::kernel::reference::window_start;
+use crate::kernel::layout::window_start;
 use crate::op::Plan;
 
 /// Query rows (tokens x the G query heads of one KV head) of a decode-like sequence's single

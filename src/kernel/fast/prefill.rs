@@ -8,12 +8,12 @@
 //! the accumulator. The per-row arithmetic (online softmax over key tiles in key order) is the
 //! same as the generic item path's; only the inner loops differ.
 
-use super::attention::{mask_tile_strided, prefetch_part, tiles, Ctx};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::shared::SharedMut;
+use super::tile::{mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::Float;
-use crate::kernel::reference::{cache_row, window_start};
+use crate::kernel::layout::{seq_row, tiles, window_start};
 use crate::op::SeqPlan;
 use std::any::TypeId;
 use std::cell::RefCell;
@@ -176,8 +176,7 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
         |s, kvh, ka: &mut [f32], va: &mut [f32]| {
             let sp = &plan.seqs[s];
             for (j0, j1) in tiles(0, sp.ctx(), bs) {
-                let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
-                let off = cache_row(plan, phys, kvh, j0 % bs);
+                let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
                 let n = (j1 - j0) * d;
                 m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
                 m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
@@ -371,8 +370,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     // software prefetches below are for scattered cache blocks only.
     let wide = wide.and_then(|w| w.rows(si, kvh, sp.ctx() * d));
     let tile_at = |j0: usize, j1: usize| {
-        let phys = ctx.block_indices[sp.block_begin + j0 / bs] as usize;
-        let off = cache_row(plan, phys, kvh, j0 % bs);
+        let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
         (
             &ctx.kc[off..off + (j1 - j0) * d],
             &ctx.vc[off..off + (j1 - j0) * d],

@@ -18,14 +18,14 @@
 //! Operands are packed once per call ([`prepack`], when the copies fit the same budget as
 //! `prefill::prewiden`), else per span from the cache.
 
-use super::attention::{mask_tile_strided, tiles, Ctx};
 use super::micro::x86::amx::{Amx, Tiles};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRows};
 use super::shared::SharedMut;
+use super::tile::{mask_tile_strided, Ctx};
 use crate::dtype::Float;
-use crate::kernel::reference::cache_row;
+use crate::kernel::layout::{seq_row, tiles};
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -143,8 +143,7 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
         let c1 = (c0 + CH).min(j1);
         let n = c1 - c0;
         for (a, b) in tiles(c0, c1, bs) {
-            let phys = ctx.block_indices[sp.block_begin + a / bs] as usize;
-            let off = cache_row(plan, phys, kvh, a % bs);
+            let off = seq_row(plan, ctx.block_indices, sp, kvh, a);
             let len = (b - a) * d;
             let stage = &mut rows[(a - c0) * d..(b - c0) * d];
             m.widen(&ctx.kc[off..off + len], stage);

@@ -5,9 +5,8 @@
 
 use super::shared::SharedMut;
 use crate::dtype::Float;
-use crate::kernel::reference::{cache_row, widen};
+use crate::kernel::layout::cache_row;
 use crate::op::Plan;
-use crate::tensor::Tensor;
 use crate::threads::Runner;
 
 /// Safe for any plan: rows are disjoint by construction and every slice access is checked.
@@ -18,14 +17,10 @@ pub fn rotate<C: Float>(
     kc: &mut [C],
     rbi: &[i32],
     rd: &[i32],
-    lut: &Tensor<'_>,
+    lut: &[f32],
 ) {
     let (d, bs) = (plan.d, plan.bs);
     let half = d / 2;
-    let lut = match lut.as_float::<f32>() {
-        Some(l) => std::borrow::Cow::Borrowed(l),
-        None => std::borrow::Cow::Owned(widen(lut)),
-    };
     let w = SharedMut::new(kc);
     runner.for_each(plan.hkv, &|head| {
         for (r, &block) in rbi.iter().enumerate() {

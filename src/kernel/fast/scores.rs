@@ -6,11 +6,12 @@
 //! Work is cut into fixed spans of keys per sequence; each span sums its terms in a fixed order
 //! (token, then head), independent of the thread count.
 
-use super::attention::{load_q, mask_tile, tiles, Ctx, SCRATCH};
 use super::micro::Micro;
 use super::shared::SharedMut;
+use super::tile::{load_q, mask_tile, Ctx, Scratch, SCRATCH};
 use crate::dtype::Float;
-use crate::kernel::reference::{cache_row, window_start, SoftmaxStats};
+use crate::kernel::layout::{seq_row, tiles, window_start};
+use crate::kernel::softmax::OnlineSoftmax;
 
 /// Keys per scores task.
 const SPAN: usize = 256;
@@ -57,7 +58,7 @@ fn for_spans<Q: Float, C: Float>(
 pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
-    stats: &[SoftmaxStats],
+    stats: &[OnlineSoftmax],
     stash: &[f32],
     scores: &mut [Q],
 ) {
@@ -80,7 +81,7 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
                     &mut acc[lo - j0..hi - j0],
                     &stash[row + lo..row + hi],
                     st.max,
-                    1.0 / st.sum,
+                    st.norm(),
                 );
             }
         }
@@ -91,7 +92,7 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
 pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
-    stats: &[SoftmaxStats],
+    stats: &[OnlineSoftmax],
     scores: &mut [Q],
 ) {
     let plan = ctx.plan;
@@ -103,7 +104,7 @@ pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(
             let mut sc = sc.borrow_mut();
             let qtok = lay.qtok;
             sc.ensure(qtok * g, d, bs);
-            let super::attention::Scratch { q, s: st, .. } = &mut *sc;
+            let Scratch { q, s: st, .. } = &mut *sc;
             for kvh in 0..plan.hkv {
                 for t0 in (first..sp.n).step_by(qtok) {
                     let nt = qtok.min(sp.n - t0);
@@ -117,8 +118,7 @@ pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(
                     load_q(plan, ctx.query, sp, kvh, t0, nt, q);
                     for (a0, a1) in tiles(lo, hi, bs) {
                         let n = a1 - a0;
-                        let phys = ctx.block_indices[sp.block_begin + a0 / bs] as usize;
-                        let off = cache_row(plan, phys, kvh, a0 % bs);
+                        let off = seq_row(plan, ctx.block_indices, sp, kvh, a0);
                         let t = &mut st[..rows * n];
                         m.qk(&q[..rows * d], rows, &ctx.kc[off..off + n * d], n, d, t, n);
                         mask_tile(plan, t, rows, n, kvh, pos0, a0);
@@ -129,7 +129,7 @@ pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(
                                 &mut acc[a0 - j0..a1 - j0],
                                 &t[r * n..(r + 1) * n],
                                 stt.max,
-                                1.0 / stt.sum,
+                                stt.norm(),
                             );
                         }
                     }

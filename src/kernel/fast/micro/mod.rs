@@ -1,5 +1,7 @@
 //! Micro-kernels: the few inner loops every attention tile is made of, behind one trait so the
-//! tile drivers (`attention`, `scores`) are written once and run on every SIMD level.
+//! tile drivers (`decode`, `prefill`, `scores`) are written once and run on every SIMD level.
+//! The softmax loops compute maxima, exponentials and sums; the state they update is
+//! `kernel::softmax::OnlineSoftmax`'s (per row, or lane-wise through its `Lanes` impls).
 //!
 //! - `scalar`: plain loops; the fast path's own twin, and what runs without AVX2.
 //! - `x86`: the x86_64 tiers (`std::arch`), one file per tier and trait, each chosen only after
@@ -16,16 +18,18 @@
 //! arrives as bf16: there the rule is 1e-2 of a float64 reference fed the same rounded values.
 
 pub(crate) mod scalar;
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod scalar_amx;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 
 #[cfg(test)]
 mod tests;
 
 use crate::dtype::Float;
+use crate::kernel::softmax::OnlineSoftmax;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::amx::Amx;
@@ -49,20 +53,6 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
         s: &mut [f32],
         lds: usize,
     );
-    /// `acc[r*d..][..d] += sum_j p[r*ldp + j] * v[j*d..][..d]` for `r < rows`.
-    #[allow(clippy::too_many_arguments)]
-    fn pv<C: Float>(
-        self,
-        p: &[f32],
-        ldp: usize,
-        rows: usize,
-        v: &[C],
-        n: usize,
-        d: usize,
-        acc: &mut [f32],
-    );
-    /// `s[j] = exp(s[j] - m)` in place; returns the sum (in a fixed order).
-    fn exp_sub_sum(self, s: &mut [f32], m: f32) -> f32;
     /// `dst[j] += exp(s[j] - m) * c`.
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32);
     /// `x[j] *= c`.
@@ -90,11 +80,10 @@ pub(crate) trait DecodeMicro: Copy {
         pf: &[C],
     );
     /// One online-softmax step over a tile of `n` keys for rows `r < rows` (logits `s[r*n..][..n]`,
-    /// `-inf` = masked; running max `m[r]`, sum `l[r]`, accumulator `acc[r*d..][..d]`). A row
-    /// with every logit masked is left as it was. Otherwise, when the tile's max exceeds `m[r]`,
-    /// `l[r]` and the accumulator are first scaled by `exp(m[r] - max)` (if `m[r]` was finite)
-    /// and `m[r]` raised; then `s` becomes the weights `exp(s - m[r])`, their sum (in a fixed
-    /// order) is added to `l[r]` and `sum_j s[r*n + j] * v[j*d..][..d]` to the accumulator.
+    /// `-inf` = masked; softmax state `st[r]`, accumulator `acc[r*d..][..d]`):
+    /// `step = st[r].update(max_j s)`, `s` becomes the weights `exp(s - step.sub)`, their sum (in
+    /// a fixed order) goes to `st[r].add`, and `acc = acc * step.rescale + sum_j s[r*n + j] *
+    /// v[j*d..][..d]`.
     #[allow(clippy::too_many_arguments)]
     fn dec_softmax_pv<C: Float>(
         self,
@@ -103,8 +92,7 @@ pub(crate) trait DecodeMicro: Copy {
         n: usize,
         v: &[C],
         d: usize,
-        m: &mut [f32],
-        l: &mut [f32],
+        st: &mut [OnlineSoftmax],
         acc: &mut [f32],
         pf: &[C],
     );
@@ -135,10 +123,10 @@ pub(crate) trait TileMicro: Micro {
         st: &mut [f32],
         ldt: usize,
     );
-    /// One online-softmax step over logits `st[j*ldt + r]` (`j < n`): per row, the new max
-    /// `m' = max(m, max_j st)`, `c[r] = exp(m - m')` (the factor the old accumulator needs),
-    /// `st = exp(st - m')` in place, `l = l*c + sum_j st` (in key order), `m = m'`. A row still
-    /// at `-inf` everywhere subtracts 0, so it gets weights 0 and `c = 0`, never NaN.
+    /// One online-softmax step over logits `st[j*ldt + r]` (`j < n`), lane-wise over rows: the
+    /// state `OnlineSoftmax { max: m[r], sum: l[r] }` takes `step = update(max_j st)`, `st`
+    /// becomes `exp(st - step.sub)` in place, their sum (in key order) is added, and `c[r]` is
+    /// `step.rescale` (the factor the old accumulator needs).
     #[allow(clippy::too_many_arguments)]
     fn softmax_t(
         self,

@@ -30,37 +30,6 @@ impl Micro for Scalar {
         }
     }
 
-    fn pv<C: Float>(
-        self,
-        p: &[f32],
-        ldp: usize,
-        rows: usize,
-        v: &[C],
-        n: usize,
-        d: usize,
-        acc: &mut [f32],
-    ) {
-        for r in 0..rows {
-            let a = &mut acc[r * d..(r + 1) * d];
-            for j in 0..n {
-                let w = p[r * ldp + j];
-                let vj = &v[j * d..(j + 1) * d];
-                for x in 0..d {
-                    a[x] += w * vj[x].to_f32();
-                }
-            }
-        }
-    }
-
-    fn exp_sub_sum(self, s: &mut [f32], m: f32) -> f32 {
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = (*x - m).exp();
-            sum += *x;
-        }
-        sum
-    }
-
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32) {
         for (o, &x) in dst.iter_mut().zip(s) {
             *o += (x - m).exp() * c;
@@ -76,4 +45,14 @@ impl Micro for Scalar {
             *o = v.to_f32();
         }
     }
+}
+
+/// `s[j] = exp(s[j] - m)` in place; returns their sum (in order).
+pub(super) fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
+    let mut sum = 0f32;
+    for x in s.iter_mut() {
+        *x = (*x - m).exp();
+        sum += *x;
+    }
+    sum
 }

@@ -1,8 +1,9 @@
 //! Scalar decode-tile loops: the twin of `avx2_decode`, one element at a time (no prefetch).
 
-use super::scalar::Scalar;
+use super::scalar::{exp_sub_sum, Scalar};
 use super::{DecodeMicro, Micro};
 use crate::dtype::Float;
+use crate::kernel::softmax::OnlineSoftmax;
 
 impl DecodeMicro for Scalar {
     fn dec_qk<C: Float>(
@@ -25,28 +26,21 @@ impl DecodeMicro for Scalar {
         n: usize,
         v: &[C],
         d: usize,
-        m: &mut [f32],
-        l: &mut [f32],
+        st: &mut [OnlineSoftmax],
         acc: &mut [f32],
         _pf: &[C],
     ) {
         for r in 0..rows {
             let row = &mut s[r * n..(r + 1) * n];
-            let mt = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if mt == f32::NEG_INFINITY {
-                continue;
-            }
+            let step = st[r].update(row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            st[r].add(exp_sub_sum(row, step.sub));
             let a = &mut acc[r * d..(r + 1) * d];
-            if mt > m[r] {
-                if m[r] != f32::NEG_INFINITY {
-                    let c = (m[r] - mt).exp();
-                    l[r] *= c;
-                    self.scale(a, c);
+            self.scale(a, step.rescale);
+            for (j, &w) in row.iter().enumerate() {
+                for (o, x) in a.iter_mut().zip(&v[j * d..(j + 1) * d]) {
+                    *o += w * x.to_f32();
                 }
-                m[r] = mt;
             }
-            l[r] += self.exp_sub_sum(row, m[r]);
-            self.pv(row, n, 1, v, n, d, a);
         }
     }
 }

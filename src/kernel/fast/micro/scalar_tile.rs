@@ -2,6 +2,7 @@
 
 use super::scalar::Scalar;
 use super::TileMicro;
+use crate::kernel::softmax::OnlineSoftmax;
 
 impl TileMicro for Scalar {
     fn qk_t(
@@ -38,20 +39,22 @@ impl TileMicro for Scalar {
         c: &mut [f32],
     ) {
         for r in 0..rows {
+            let mut row = OnlineSoftmax {
+                max: m[r],
+                sum: l[r],
+            };
             let mt = (0..n)
                 .map(|j| st[j * ldt + r])
                 .fold(f32::NEG_INFINITY, f32::max);
-            let mn = m[r].max(mt);
-            let msub = if mn == f32::NEG_INFINITY { 0.0 } else { mn };
-            c[r] = (m[r] - msub).exp();
+            let step = row.update(mt);
             let mut sum = 0f32;
             for j in 0..n {
-                let e = (st[j * ldt + r] - msub).exp();
+                let e = (st[j * ldt + r] - step.sub).exp();
                 st[j * ldt + r] = e;
                 sum += e;
             }
-            l[r] = l[r] * c[r] + sum;
-            m[r] = mn;
+            row.add(sum);
+            (m[r], l[r], c[r]) = (row.max, row.sum, step.rescale);
         }
     }
 

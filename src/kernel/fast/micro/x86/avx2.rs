@@ -1,21 +1,19 @@
 //! AVX2 + FMA + F16C micro-kernels.
 //!
 //! Register blocking: `qk` computes 4 query rows x 3 keys per pass (12 accumulators, each key
-//! row loaded and widened once per 4 rows, one combined horizontal reduction per row); `pv`
-//! keeps up to 6 rows x 16 output columns in 12 accumulators over all keys of a tile. f16 rows
+//! row loaded and widened once per 4 rows, one combined horizontal reduction per row). f16 rows
 //! are widened with `vcvtph2ps`, bf16 rows by shifting the 16 bits into the top of an f32.
+//! [`F32x8`] runs the online-softmax step on 8 rows at once (the prefill tiles).
 //!
 //! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; they are reached
 //! only through [`Avx2`], which can only be built by [`Avx2::detect`] after the CPU reported
 //! those features.
 
-#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::Micro;
-#[cfg(target_arch = "x86_64")]
-use super::{bounds, cephes};
+use super::{bounds, cephes, Micro};
 use crate::dtype::{ElemType, Float};
+use crate::kernel::softmax::Lanes;
 
 /// Proof that AVX2, FMA and F16C are available (only [`Avx2::detect`] builds one).
 #[derive(Clone, Copy, Debug)]
@@ -26,60 +24,13 @@ pub(crate) struct Avx2 {
 impl Avx2 {
     /// `Some` when this CPU (and OS) supports AVX2, FMA and F16C.
     pub(crate) fn detect() -> Option<Avx2> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                return Some(Avx2 { _private: () });
-            }
-        }
-        None
+        (is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        .then_some(Avx2 { _private: () })
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-impl Micro for Avx2 {
-    fn qk<C: Float>(
-        self,
-        _: &[f32],
-        _: usize,
-        _: &[C],
-        _: usize,
-        _: usize,
-        _: &mut [f32],
-        _: usize,
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn pv<C: Float>(
-        self,
-        _: &[f32],
-        _: usize,
-        _: usize,
-        _: &[C],
-        _: usize,
-        _: usize,
-        _: &mut [f32],
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn exp_sub_sum(self, _: &mut [f32], _: f32) -> f32 {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn add_exp_scaled(self, _: &mut [f32], _: &[f32], _: f32, _: f32) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn scale(self, _: &mut [f32], _: f32) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn widen<C: Float>(self, _: &[C], _: &mut [f32]) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
 impl Micro for Avx2 {
     fn qk<C: Float>(
         self,
@@ -94,26 +45,6 @@ impl Micro for Avx2 {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), lds);
         // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
         unsafe { qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), lds) }
-    }
-
-    fn pv<C: Float>(
-        self,
-        p: &[f32],
-        ldp: usize,
-        rows: usize,
-        v: &[C],
-        n: usize,
-        d: usize,
-        acc: &mut [f32],
-    ) {
-        bounds::pv(p.len(), ldp, rows, v.len(), n, d, acc.len());
-        // SAFETY: `self` proves the features; `bounds::pv` bounds every access.
-        unsafe { pv::<C>(p.as_ptr(), ldp, rows, v.as_ptr(), n, d, acc.as_mut_ptr()) }
-    }
-
-    fn exp_sub_sum(self, s: &mut [f32], m: f32) -> f32 {
-        // SAFETY: `self` proves the features; the function stays inside `s`.
-        unsafe { exp_sub_sum(s, m) }
     }
 
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32) {
@@ -135,7 +66,6 @@ impl Micro for Avx2 {
 }
 
 /// Eight elements of type `C` at `p`, widened to f32.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn load8<C: Float>(p: *const C) -> __m256 {
@@ -154,7 +84,6 @@ pub(super) unsafe fn load8<C: Float>(p: *const C) -> __m256 {
 }
 
 /// `[sum(a), sum(b), sum(c), sum(d)]`.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
@@ -167,7 +96,6 @@ pub(super) unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128
     )
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk<C: Float>(
     q: *const f32,
@@ -210,7 +138,6 @@ unsafe fn qk<C: Float>(
 }
 
 /// Dot products of `R` query rows with `K` key rows (both of length `d`, row stride `d`).
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
@@ -257,116 +184,7 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv<C: Float>(
-    p: *const f32,
-    ldp: usize,
-    rows: usize,
-    v: *const C,
-    n: usize,
-    d: usize,
-    acc: *mut f32,
-) {
-    let mut r = 0;
-    while r < rows {
-        let rr = (rows - r).min(6);
-        // SAFETY (whole block): rows r..r+rr of p and acc, columns x..x+16 / x..x+8 < d of v and
-        // acc, all inside the ranges the caller checked.
-        unsafe {
-            let (pp, ap) = (p.add(r * ldp), acc.add(r * d));
-            let mut x = 0;
-            while x + 16 <= d {
-                pv_rows::<C, 2>(rr, pp, ldp, v.add(x), n, d, ap.add(x));
-                x += 16;
-            }
-            if x + 8 <= d {
-                pv_rows::<C, 1>(rr, pp, ldp, v.add(x), n, d, ap.add(x));
-                x += 8;
-            }
-            for rrow in 0..rr {
-                for xx in x..d {
-                    let mut t = *ap.add(rrow * d + xx);
-                    for j in 0..n {
-                        t += *pp.add(rrow * ldp + j) * (*v.add(j * d + xx)).to_f32();
-                    }
-                    *ap.add(rrow * d + xx) = t;
-                }
-            }
-        }
-        r += rr;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_rows<C: Float, const DV: usize>(
-    rr: usize,
-    p: *const f32,
-    ldp: usize,
-    v: *const C,
-    n: usize,
-    d: usize,
-    acc: *mut f32,
-) {
-    // SAFETY: forwarded from `pv`.
-    unsafe {
-        match rr {
-            6 => pv_block::<C, 6, DV>(p, ldp, v, n, d, acc),
-            5 => pv_block::<C, 5, DV>(p, ldp, v, n, d, acc),
-            4 => pv_block::<C, 4, DV>(p, ldp, v, n, d, acc),
-            3 => pv_block::<C, 3, DV>(p, ldp, v, n, d, acc),
-            2 => pv_block::<C, 2, DV>(p, ldp, v, n, d, acc),
-            _ => pv_block::<C, 1, DV>(p, ldp, v, n, d, acc),
-        }
-    }
-}
-
-/// `R` accumulator rows (stride `d`) x `8*DV` columns += weights `p` (stride `ldp`) x `n` value rows.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_block<C: Float, const R: usize, const DV: usize>(
-    p: *const f32,
-    ldp: usize,
-    v: *const C,
-    n: usize,
-    d: usize,
-    acc: *mut f32,
-) {
-    let z = _mm256_setzero_ps();
-    let mut a = [[z; DV]; R];
-    for (r, ar) in a.iter_mut().enumerate() {
-        for (dv, x) in ar.iter_mut().enumerate() {
-            // SAFETY: 8*DV columns of accumulator row r are inside `acc` (caller).
-            *x = unsafe { _mm256_loadu_ps(acc.add(r * d + dv * 8)) };
-        }
-    }
-    for j in 0..n {
-        let mut vv = [z; DV];
-        for (dv, x) in vv.iter_mut().enumerate() {
-            // SAFETY: value row j, 8*DV columns from the caller's column offset, all < d.
-            *x = unsafe { load8(v.add(j * d + dv * 8)) };
-        }
-        for (r, ar) in a.iter_mut().enumerate() {
-            // SAFETY: weight (r, j) is inside the caller's p tile.
-            let w = unsafe { _mm256_broadcast_ss(&*p.add(r * ldp + j)) };
-            for dv in 0..DV {
-                ar[dv] = _mm256_fmadd_ps(w, vv[dv], ar[dv]);
-            }
-        }
-    }
-    for (r, ar) in a.iter().enumerate() {
-        for (dv, x) in ar.iter().enumerate() {
-            // SAFETY: as for the loads above.
-            unsafe { _mm256_storeu_ps(acc.add(r * d + dv * 8), *x) };
-        }
-    }
-}
-
 /// `exp(x)` for 8 lanes (Cephes polynomial, about 1 ulp); exactly 0 below -87.3 (and for -inf).
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp8(x: __m256) -> __m256 {
@@ -378,12 +196,20 @@ pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     _mm256_andnot_ps(under, r)
 }
 
-/// `exp(x)` for `x` in `[-88, 88.37]` (Cephes polynomial, about 1 ulp); `x` below about
-/// -87.68 rounds to the exponent -127, which gives exactly 0.
-#[cfg(target_arch = "x86_64")]
+/// `exp(x)` for `x <= 0` or `-inf` (a softmax subtracting its running max): clamped at -88,
+/// where the result is exactly 0, so no overflow clamp or underflow mask is needed.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn exp8_clamped(x: __m256) -> __m256 {
+pub(super) unsafe fn exp8_nonpos(x: __m256) -> __m256 {
+    // SAFETY: same features as this function.
+    unsafe { exp8_clamped(_mm256_max_ps(x, _mm256_set1_ps(-88.0))) }
+}
+
+/// `exp(x)` for `x` in `[-88, 88.37]` (Cephes polynomial, about 1 ulp); `x` below about
+/// -87.68 rounds to the exponent -127, which gives exactly 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8_clamped(x: __m256) -> __m256 {
     let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
@@ -408,7 +234,6 @@ pub(super) unsafe fn exp8_clamped(x: __m256) -> __m256 {
 }
 
 /// Loads `len < 8` floats from `p` into the low lanes, `fill` elsewhere.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn load_partial(p: *const f32, len: usize, fill: f32) -> __m256 {
@@ -420,7 +245,6 @@ pub(super) unsafe fn load_partial(p: *const f32, len: usize, fill: f32) -> __m25
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -428,7 +252,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(hsum4(v, z, z, z))
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
     let mv = _mm256_set1_ps(m);
@@ -461,7 +284,6 @@ pub(super) unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
     hsum(sum)
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
     let (mv, cv) = (_mm256_set1_ps(m), _mm256_set1_ps(c));
@@ -494,7 +316,6 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scale(x: &mut [f32], c: f32) {
     let cv = _mm256_set1_ps(c);
@@ -511,7 +332,6 @@ unsafe fn scale(x: &mut [f32], c: f32) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen<C: Float>(src: *const C, dst: *mut f32, n: usize) {
     let mut j = 0;
@@ -524,5 +344,49 @@ unsafe fn widen<C: Float>(src: *const C, dst: *mut f32, n: usize) {
         // SAFETY: j < n.
         unsafe { *dst.add(j) = (*src.add(j)).to_f32() };
         j += 1;
+    }
+}
+
+/// Eight rows' softmax state, one per lane (see [`Lanes`]). Built only from vectors the AVX2
+/// loops loaded, i.e. inside `#[target_feature(enable = "avx2,fma,f16c")]` functions reached
+/// through [`Avx2`] (so the CPU has the features), and only used there; the methods are
+/// inlined into those functions.
+#[derive(Clone, Copy)]
+pub(super) struct F32x8(pub __m256);
+
+impl Lanes for F32x8 {
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
+        F32x8(unsafe { _mm256_max_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
+        F32x8(unsafe { _mm256_sub_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
+        F32x8(unsafe { _mm256_mul_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
+        F32x8(unsafe { _mm256_add_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn zero_if_neg_inf(self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
+        F32x8(unsafe {
+            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+            let is = _mm256_cmp_ps::<_CMP_EQ_OQ>(self.0, ninf);
+            _mm256_blendv_ps(self.0, _mm256_setzero_ps(), is)
+        })
+    }
+    #[inline(always)]
+    fn exp_nonpos(self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
+        F32x8(unsafe { exp8_nonpos(self.0) })
     }
 }

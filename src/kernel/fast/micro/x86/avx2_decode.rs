@@ -8,51 +8,14 @@
 //!
 //! Reached only through [`Avx2`], which proves the CPU has AVX2, FMA and F16C.
 
-#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::avx2::Avx2;
-use super::DecodeMicro;
-use crate::dtype::Float;
-
-#[cfg(not(target_arch = "x86_64"))]
-impl DecodeMicro for Avx2 {
-    fn dec_qk<C: Float>(
-        self,
-        _: &[f32],
-        _: usize,
-        _: &[C],
-        _: usize,
-        _: usize,
-        _: &mut [f32],
-        _: &[C],
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn dec_softmax_pv<C: Float>(
-        self,
-        _: &mut [f32],
-        _: usize,
-        _: usize,
-        _: &[C],
-        _: usize,
-        _: &mut [f32],
-        _: &mut [f32],
-        _: &mut [f32],
-        _: &[C],
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-use super::avx2::{exp_sub_sum, load8, load_partial};
-#[cfg(target_arch = "x86_64")]
-use super::bounds;
-#[cfg(target_arch = "x86_64")]
+use super::avx2::{exp_sub_sum, load8, load_partial, Avx2};
 use super::prefetch::Pf;
+use super::{bounds, DecodeMicro};
+use crate::dtype::Float;
+use crate::kernel::softmax::OnlineSoftmax;
 
-#[cfg(target_arch = "x86_64")]
 impl DecodeMicro for Avx2 {
     fn dec_qk<C: Float>(
         self,
@@ -77,12 +40,11 @@ impl DecodeMicro for Avx2 {
         n: usize,
         v: &[C],
         d: usize,
-        m: &mut [f32],
-        l: &mut [f32],
+        st: &mut [OnlineSoftmax],
         acc: &mut [f32],
         pf: &[C],
     ) {
-        bounds::dec_softmax_pv(s.len(), rows, n, v.len(), d, m.len(), l.len(), acc.len());
+        bounds::dec_softmax_pv(s.len(), rows, n, v.len(), d, st.len(), acc.len());
         let mut pf = Pf::new(pf, rows.div_ceil(4) * d.div_ceil(24) * n);
         // SAFETY: `self` proves the features; `bounds::dec_softmax_pv` bounds every access.
         unsafe {
@@ -92,8 +54,7 @@ impl DecodeMicro for Avx2 {
                 n,
                 v.as_ptr(),
                 d,
-                m.as_mut_ptr(),
-                l.as_mut_ptr(),
+                st.as_mut_ptr(),
                 acc.as_mut_ptr(),
                 &mut pf,
             )
@@ -101,7 +62,6 @@ impl DecodeMicro for Avx2 {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dec_qk<C: Float>(
     q: *const f32,
@@ -145,7 +105,6 @@ unsafe fn dec_qk<C: Float>(
 
 /// Dot products of `R` query rows with `K` key rows (length `d`, row stride `d`), one prefetch
 /// tick per 8 columns.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
@@ -200,7 +159,6 @@ unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
 }
 
 /// `out[i] = sum of the 8 lanes of v[i]` for 12 vectors, by a tree of horizontal adds.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn reduce12(v: &[__m256; 12], out: *mut f32) {
@@ -227,7 +185,6 @@ unsafe fn reduce12(v: &[__m256; 12], out: *mut f32) {
 }
 
 /// Largest of `n` floats at `p` (`-inf` when `n == 0`).
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row_max(p: *const f32, n: usize) -> f32 {
@@ -251,10 +208,8 @@ unsafe fn row_max(p: *const f32, n: usize) -> f32 {
 }
 
 /// Keys whose weights are staged (transposed) at a time.
-#[cfg(target_arch = "x86_64")]
 const WK: usize = 64;
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn dec_softmax_pv<C: Float>(
@@ -263,8 +218,7 @@ unsafe fn dec_softmax_pv<C: Float>(
     n: usize,
     v: *const C,
     d: usize,
-    m: *mut f32,
-    l: *mut f32,
+    st: *mut OnlineSoftmax,
     acc: *mut f32,
     pf: &mut Pf,
 ) {
@@ -280,24 +234,15 @@ unsafe fn dec_softmax_pv<C: Float>(
         let mut sc = [1f32; 4];
         for (i, c) in sc.iter_mut().enumerate().take(rr) {
             let r = r0 + i;
-            // SAFETY (block): row r < rows of s (n floats), m and l (checked by the caller).
+            // SAFETY (block): row r < rows of s (n floats) and of st (checked by the caller).
             unsafe {
-                let row = s.add(r * n);
-                let mt = row_max(row, n);
-                if mt == f32::NEG_INFINITY {
-                    // Fully masked: weights 0 leave the accumulator as it was.
-                    std::ptr::write_bytes(row, 0, n);
-                    continue;
-                }
-                let mo = *m.add(r);
-                if mt > mo {
-                    if mo != f32::NEG_INFINITY {
-                        *c = (mo - mt).exp();
-                        *l.add(r) *= *c;
-                    }
-                    *m.add(r) = mt;
-                }
-                *l.add(r) += exp_sub_sum(std::slice::from_raw_parts_mut(row, n), *m.add(r));
+                let (row, st) = (s.add(r * n), &mut *st.add(r));
+                let step = st.update(row_max(row, n));
+                *c = step.rescale;
+                st.add(exp_sub_sum(
+                    std::slice::from_raw_parts_mut(row, n),
+                    step.sub,
+                ));
             }
         }
         let mut j0 = 0;
@@ -319,7 +264,6 @@ unsafe fn dec_softmax_pv<C: Float>(
 }
 
 /// `wt[j*4 + i] = p[i*ldp + j]` for `i < rr`, `j < kc` (0 for `i >= rr`); `kc <= WK`.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn transpose_weights(p: *const f32, ldp: usize, rr: usize, kc: usize, wt: *mut f32) {
@@ -363,7 +307,6 @@ unsafe fn transpose_weights(p: *const f32, ldp: usize, rr: usize, kc: usize, wt:
 /// All `d` columns of `rr <= 4` accumulator rows: `acc = acc * sc[i] + sum_j wt[j*4 + i] *
 /// v[j*d..]` over `kc` keys, in passes of 24 columns (12 accumulators), then 16, 8 and single
 /// columns.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -413,7 +356,6 @@ unsafe fn pv_cols<C: Float>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -440,7 +382,6 @@ unsafe fn pv_rows<C: Float, const DV: usize>(
 
 /// `R` accumulator rows (stride `d`), `8*DV` columns: `acc = acc * sc[r] + sum_j wt[j*4 + r] *
 /// v[j*d..]`, the `kc` keys in order, one prefetch tick per key.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_blk<C: Float, const R: usize, const DV: usize>(

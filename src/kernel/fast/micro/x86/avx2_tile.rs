@@ -7,59 +7,12 @@
 //! weights and scaling the old accumulator by the softmax correction as it is loaded.
 //! Inputs are f32: the caller widens f16/bf16 tiles once per tile, not once per row block.
 
-#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-#[cfg(target_arch = "x86_64")]
-use super::avx2::exp8_clamped;
-use super::avx2::Avx2;
-#[cfg(target_arch = "x86_64")]
-use super::bounds;
-use super::TileMicro;
+use super::avx2::{exp8_nonpos, Avx2, F32x8};
+use super::{bounds, TileMicro};
+use crate::kernel::softmax::OnlineSoftmax;
 
-#[cfg(not(target_arch = "x86_64"))]
-impl TileMicro for Avx2 {
-    fn qk_t(
-        self,
-        _: &[f32],
-        _: usize,
-        _: usize,
-        _: &[f32],
-        _: usize,
-        _: usize,
-        _: &mut [f32],
-        _: usize,
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn softmax_t(
-        self,
-        _: &mut [f32],
-        _: usize,
-        _: usize,
-        _: usize,
-        _: &mut [f32],
-        _: &mut [f32],
-        _: &mut [f32],
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-    fn pv_t(
-        self,
-        _: &[f32],
-        _: usize,
-        _: usize,
-        _: &[f32],
-        _: usize,
-        _: usize,
-        _: &[f32],
-        _: &mut [f32],
-    ) {
-        unreachable!("Avx2 is never built off x86_64")
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
 impl TileMicro for Avx2 {
     fn qk_t(
         self,
@@ -150,7 +103,6 @@ impl TileMicro for Avx2 {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn qk_t(
@@ -203,7 +155,6 @@ unsafe fn qk_t(
 
 /// `8*RV` rows x `K` keys of `st` (stride `ldt`) from the query panel (stride `ldq`) and `K`
 /// key rows (stride `d`).
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_t_block<const RV: usize, const K: usize>(
@@ -238,7 +189,6 @@ unsafe fn qk_t_block<const RV: usize, const K: usize>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn softmax_t(
     st: *mut f32,
@@ -263,18 +213,7 @@ unsafe fn softmax_t(
     }
 }
 
-/// `exp(x)` for `x <= 0` or `-inf` (the softmax subtracts the row max): clamped at -88, where
-/// the result is exactly 0, so no overflow clamp or underflow mask is needed.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn exp_nonpos(x: __m256) -> __m256 {
-    // SAFETY: same features as this function.
-    unsafe { exp8_clamped(_mm256_max_ps(x, _mm256_set1_ps(-88.0))) }
-}
-
 /// [`TileMicro::softmax_t`] for `8*RV` rows.
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn softmax_rows<const RV: usize>(
@@ -285,48 +224,46 @@ unsafe fn softmax_rows<const RV: usize>(
     l: *mut f32,
     c: *mut f32,
 ) {
-    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
     let z = _mm256_setzero_ps();
     // SAFETY (whole block): lanes 0..8*RV of m, l, c and of every st row j < n are inside the
     // ranges the caller asserted.
     unsafe {
-        let mut mo = [z; RV];
-        let mut mt = [ninf; RV];
-        for (i, x) in mo.iter_mut().enumerate() {
-            *x = _mm256_loadu_ps(m.add(8 * i));
-        }
+        let mut mt = [_mm256_set1_ps(f32::NEG_INFINITY); RV];
         for j in 0..n {
             for (i, x) in mt.iter_mut().enumerate() {
                 *x = _mm256_max_ps(*x, _mm256_loadu_ps(st.add(j * ldt + 8 * i)));
             }
         }
-        let mut msub = [z; RV];
-        for i in 0..RV {
-            let mn = _mm256_max_ps(mo[i], mt[i]);
-            msub[i] = _mm256_blendv_ps(mn, z, _mm256_cmp_ps::<_CMP_EQ_OQ>(mn, ninf));
-            let cv = exp_nonpos(_mm256_sub_ps(mo[i], msub[i]));
-            _mm256_storeu_ps(m.add(8 * i), mn);
-            _mm256_storeu_ps(c.add(8 * i), cv);
-            mo[i] = cv;
+        let mut rows = [OnlineSoftmax {
+            max: F32x8(z),
+            sum: F32x8(z),
+        }; RV];
+        let mut sub = [z; RV];
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.max = F32x8(_mm256_loadu_ps(m.add(8 * i)));
+            row.sum = F32x8(_mm256_loadu_ps(l.add(8 * i)));
+            let step = row.update(F32x8(mt[i]));
+            sub[i] = step.sub.0;
+            _mm256_storeu_ps(c.add(8 * i), step.rescale.0);
         }
         let mut sum = [z; RV];
         for j in 0..n {
             for i in 0..RV {
                 let p = st.add(j * ldt + 8 * i);
-                let e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(p), msub[i]));
+                let e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(p), sub[i]));
                 _mm256_storeu_ps(p, e);
                 sum[i] = _mm256_add_ps(sum[i], e);
             }
         }
-        for i in 0..RV {
-            let lv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l.add(8 * i)), mo[i]), sum[i]);
-            _mm256_storeu_ps(l.add(8 * i), lv);
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.add(F32x8(sum[i]));
+            _mm256_storeu_ps(m.add(8 * i), row.max.0);
+            _mm256_storeu_ps(l.add(8 * i), row.sum.0);
         }
     }
 }
 
 /// 8x8 blocks of `src` (`rows8` rows of `d`) into `dst` (`d` rows of stride `ldd`).
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn transpose(src: *const f32, rows8: usize, d: usize, dst: *mut f32, ldd: usize) {
     let d8 = d & !7;
@@ -374,7 +311,6 @@ unsafe fn transpose(src: *const f32, rows8: usize, d: usize, dst: *mut f32, ldd:
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pv_t(
@@ -417,7 +353,6 @@ unsafe fn pv_t(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -446,7 +381,6 @@ unsafe fn pv_t_rows<const DV: usize>(
 
 /// `R` accumulator rows (stride `d`) x `8*DV` columns, scaled by `c[r]`, += transposed
 /// weights `p[j*ldp + r]` x `n` value rows (stride `d`).
-#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_t_block<const R: usize, const DV: usize>(

@@ -10,6 +10,8 @@
 //!   Weights are addressed by a row and a key stride, so row-major (decode) and transposed
 //!   (prefill) weights use the same loop.
 //!
+//! [`F32x16`] runs the online-softmax step on 16 rows at once (the prefill tiles).
+//!
 //! f16 rows are widened with `vcvtph2ps`, bf16 rows by shifting the 16 bits into the top of an
 //! f32. Every function here is `#[target_feature(enable = "avx512f,avx512bw,avx512vl,
 //! avx512dq,avx2,fma,f16c")]`; they are reached only through [`Avx512`], which only
@@ -21,6 +23,7 @@ use super::avx2::Avx2;
 use super::prefetch::Pf;
 use super::{bounds, cephes, Micro};
 use crate::dtype::{ElemType, Float};
+use crate::kernel::softmax::Lanes;
 
 /// Proof that AVX-512 F/BW/VL/DQ (and with them AVX2, FMA, F16C) are available.
 #[derive(Clone, Copy, Debug)]
@@ -77,45 +80,6 @@ impl Micro for Avx512 {
                 &mut Pf::none(),
             )
         }
-    }
-
-    fn pv<C: Float>(
-        self,
-        p: &[f32],
-        ldp: usize,
-        rows: usize,
-        v: &[C],
-        n: usize,
-        d: usize,
-        acc: &mut [f32],
-    ) {
-        bounds::pv(p.len(), ldp, rows, v.len(), n, d, acc.len());
-        let one = [1f32; 4];
-        let mut r = 0;
-        while r < rows {
-            let rr = (rows - r).min(4);
-            // SAFETY: `self` proves the features; rows r..r+rr of `p` (stride ldp, n keys) and
-            // `acc`, and `n` value rows are inside the ranges `bounds::pv` checked.
-            unsafe {
-                pv_cols::<C>(
-                    rr,
-                    p.as_ptr().add(r * ldp),
-                    (ldp, 1),
-                    n,
-                    v.as_ptr(),
-                    d,
-                    one.as_ptr(),
-                    acc.as_mut_ptr().add(r * d),
-                    &mut Pf::none(),
-                )
-            };
-            r += rr;
-        }
-    }
-
-    fn exp_sub_sum(self, s: &mut [f32], m: f32) -> f32 {
-        // SAFETY: `self` proves the features; the function stays inside `s`.
-        unsafe { exp_sub_sum(s, m) }
     }
 
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32) {
@@ -526,5 +490,47 @@ unsafe fn widen<C: Float>(src: *const C, dst: *mut f32, n: usize) {
         // SAFETY: the lanes of `k` are elements j.. < n of both buffers.
         unsafe { _mm512_mask_storeu_ps(dst.add(j), k, load16(src.add(j), k)) };
         j += 16;
+    }
+}
+
+/// Sixteen rows' softmax state, one per lane (see [`Lanes`]). Built only from vectors the
+/// AVX-512 loops loaded, i.e. inside functions with this tier's features reached through
+/// [`Avx512`] (so the CPU has them), and only used there; the methods are inlined into them.
+#[derive(Clone, Copy)]
+pub(super) struct F32x16(pub __m512);
+
+impl Lanes for F32x16 {
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
+        F32x16(unsafe { _mm512_max_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
+        F32x16(unsafe { _mm512_sub_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
+        F32x16(unsafe { _mm512_mul_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
+        F32x16(unsafe { _mm512_add_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    fn zero_if_neg_inf(self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
+        F32x16(unsafe {
+            let is = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(self.0, _mm512_set1_ps(f32::NEG_INFINITY));
+            _mm512_mask_mov_ps(self.0, is, _mm512_setzero_ps())
+        })
+    }
+    #[inline(always)]
+    fn exp_nonpos(self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
+        F32x16(unsafe { exp16_nonpos(self.0) })
     }
 }

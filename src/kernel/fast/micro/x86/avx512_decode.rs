@@ -13,6 +13,7 @@ use super::avx512::{exp_sub_sum, pv_cols, qk, qk_ticks, row_max, Avx512};
 use super::prefetch::Pf;
 use super::{bounds, DecodeMicro};
 use crate::dtype::Float;
+use crate::kernel::softmax::OnlineSoftmax;
 
 impl DecodeMicro for Avx512 {
     fn dec_qk<C: Float>(
@@ -49,12 +50,11 @@ impl DecodeMicro for Avx512 {
         n: usize,
         v: &[C],
         d: usize,
-        m: &mut [f32],
-        l: &mut [f32],
+        st: &mut [OnlineSoftmax],
         acc: &mut [f32],
         pf: &[C],
     ) {
-        bounds::dec_softmax_pv(s.len(), rows, n, v.len(), d, m.len(), l.len(), acc.len());
+        bounds::dec_softmax_pv(s.len(), rows, n, v.len(), d, st.len(), acc.len());
         let mut pf = Pf::new(pf, rows.div_ceil(4) * d.div_ceil(64) * n);
         let mut r0 = 0;
         while r0 < rows {
@@ -65,21 +65,10 @@ impl DecodeMicro for Avx512 {
                 let r = r0 + i;
                 let row = &mut s[r * n..(r + 1) * n];
                 // SAFETY: `self` proves the features; `row` holds `n` floats.
-                let mt = unsafe { row_max(row.as_ptr(), n) };
-                if mt == f32::NEG_INFINITY {
-                    // Fully masked: weights 0 leave the accumulator as it was.
-                    row.fill(0.0);
-                    continue;
-                }
-                if mt > m[r] {
-                    if m[r] != f32::NEG_INFINITY {
-                        *c = (m[r] - mt).exp();
-                        l[r] *= *c;
-                    }
-                    m[r] = mt;
-                }
+                let step = st[r].update(unsafe { row_max(row.as_ptr(), n) });
+                *c = step.rescale;
                 // SAFETY: `self` proves the features.
-                l[r] += unsafe { exp_sub_sum(row, m[r]) };
+                st[r].add(unsafe { exp_sub_sum(row, step.sub) });
             }
             // SAFETY: `self` proves the features; rows r0..r0+rr of `s` (n weights each) and of
             // `acc`, and the `n` value rows are inside the ranges `bounds` checked.

@@ -13,9 +13,10 @@
 
 use std::arch::x86_64::*;
 
-use super::avx512::{exp16_nonpos, pv_cols, tail, Avx512, ALL};
+use super::avx512::{exp16_nonpos, pv_cols, tail, Avx512, F32x16, ALL};
 use super::prefetch::Pf;
 use super::{bounds, TileMicro};
+use crate::kernel::softmax::OnlineSoftmax;
 
 /// Row vectors per `qk_t` block at most.
 const QK_VECS: usize = 4;
@@ -242,48 +243,44 @@ unsafe fn softmax_rows<const RV: usize>(
     c: *mut f32,
     last: __mmask16,
 ) {
-    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let z = _mm512_setzero_ps();
     let mask = |i: usize| if i + 1 == RV { last } else { ALL };
     // SAFETY (whole block): the masked lanes 16i.. of m, l, c and of every st row j < n are
     // inside the ranges the caller asserted.
     unsafe {
-        let mut mo = [z; RV];
-        let mut mt = [ninf; RV];
-        for (i, x) in mo.iter_mut().enumerate() {
-            *x = _mm512_maskz_loadu_ps(mask(i), m.add(16 * i));
-        }
+        let mut mt = [_mm512_set1_ps(f32::NEG_INFINITY); RV];
         for j in 0..n {
             for (i, x) in mt.iter_mut().enumerate() {
                 let s = _mm512_maskz_loadu_ps(mask(i), st.add(j * ldt + 16 * i));
                 *x = _mm512_max_ps(*x, s);
             }
         }
-        let mut msub = [z; RV];
-        for i in 0..RV {
-            let mn = _mm512_max_ps(mo[i], mt[i]);
-            // A row still at -inf subtracts 0: weights 0 and correction 0, never NaN.
-            let still = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(mn, ninf);
-            msub[i] = _mm512_mask_mov_ps(mn, still, z);
-            let cv = exp16_nonpos(_mm512_sub_ps(mo[i], msub[i]));
-            _mm512_mask_storeu_ps(m.add(16 * i), mask(i), mn);
-            _mm512_mask_storeu_ps(c.add(16 * i), mask(i), cv);
-            mo[i] = cv;
+        let mut rows = [OnlineSoftmax {
+            max: F32x16(z),
+            sum: F32x16(z),
+        }; RV];
+        let mut sub = [z; RV];
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.max = F32x16(_mm512_maskz_loadu_ps(mask(i), m.add(16 * i)));
+            row.sum = F32x16(_mm512_maskz_loadu_ps(mask(i), l.add(16 * i)));
+            let step = row.update(F32x16(mt[i]));
+            sub[i] = step.sub.0;
+            _mm512_mask_storeu_ps(c.add(16 * i), mask(i), step.rescale.0);
         }
         let mut sum = [z; RV];
         for j in 0..n {
             for i in 0..RV {
                 let p = st.add(j * ldt + 16 * i);
                 let x = _mm512_maskz_loadu_ps(mask(i), p);
-                let e = exp16_nonpos(_mm512_sub_ps(x, msub[i]));
+                let e = exp16_nonpos(_mm512_sub_ps(x, sub[i]));
                 _mm512_mask_storeu_ps(p, mask(i), e);
                 sum[i] = _mm512_add_ps(sum[i], e);
             }
         }
-        for i in 0..RV {
-            let lo = _mm512_maskz_loadu_ps(mask(i), l.add(16 * i));
-            let lv = _mm512_add_ps(_mm512_mul_ps(lo, mo[i]), sum[i]);
-            _mm512_mask_storeu_ps(l.add(16 * i), mask(i), lv);
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.add(F32x16(sum[i]));
+            _mm512_mask_storeu_ps(m.add(16 * i), mask(i), row.max.0);
+            _mm512_mask_storeu_ps(l.add(16 * i), mask(i), row.sum.0);
         }
     }
 }

@@ -7,12 +7,6 @@ pub(super) fn qk(q: usize, rows: usize, k: usize, n: usize, d: usize, s: usize, 
     assert!(rows == 0 || n == 0 || s >= (rows - 1) * lds + n);
 }
 
-/// [`super::Micro::pv`]: weights `(r, j)` (stride `ldp`), `n` value rows, `rows` accumulators.
-pub(super) fn pv(p: usize, ldp: usize, rows: usize, v: usize, n: usize, d: usize, acc: usize) {
-    assert!(v >= n * d && acc >= rows * d);
-    assert!(rows == 0 || n == 0 || p >= (rows - 1) * ldp + n);
-}
-
 /// [`super::DecodeMicro::dec_softmax_pv`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn dec_softmax_pv(
@@ -21,12 +15,10 @@ pub(super) fn dec_softmax_pv(
     n: usize,
     v: usize,
     d: usize,
-    m: usize,
-    l: usize,
+    st: usize,
     acc: usize,
 ) {
-    assert!(s >= rows * n && v >= n * d && acc >= rows * d);
-    assert!(m >= rows && l >= rows);
+    assert!(s >= rows * n && v >= n * d && acc >= rows * d && st >= rows);
 }
 
 /// [`super::TileMicro::qk_t`]: the panel and `st` hold `rows8` lanes per row.

@@ -14,26 +14,19 @@
 // The tier files name the traits as `super::Micro` etc., as they did beside them.
 pub(crate) use super::{DecodeMicro, Micro, TileMicro};
 
-#[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
 pub(crate) mod avx2;
 pub(crate) mod avx2_decode;
 mod avx2_tile;
-#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
-#[cfg(target_arch = "x86_64")]
 mod avx512_decode;
-#[cfg(target_arch = "x86_64")]
 mod avx512_tile;
-#[cfg(target_arch = "x86_64")]
 mod bounds;
-#[cfg(target_arch = "x86_64")]
 mod prefetch;
 
 /// Cephes `expf`, the one exp every vector width evaluates: `x = n*ln2 + r` (ln2 split in a
 /// high part exact in few bits and a low correction), `exp(r) ~ 1 + r + r^2*P(r)` with `P`
 /// in Horner order; about 1 ulp on `[X_MIN, X_MAX]`.
-#[cfg(target_arch = "x86_64")]
 mod cephes {
     pub const LN2_HI: f32 = 0.693_359_4;
     pub const LN2_LO: f32 = -2.121_944_4e-4;

@@ -1,0 +1,141 @@
+//! What the work items of one call share: the call's context ([`Ctx`]), per-thread scratch
+//! buffers, and the steps every tile takes before its softmax (scaled query rows, ALiBi and
+//! masks, prefetch hints).
+
+use super::micro::Amx;
+use super::partition::Partition;
+use crate::dtype::Float;
+use crate::kernel::layout::window_start;
+use crate::kernel::softmax::OnlineSoftmax;
+use crate::op::{Plan, SeqPlan};
+use std::cell::RefCell;
+
+/// What every item reads.
+pub(crate) struct Ctx<'a, Q, C> {
+    pub plan: &'a Plan,
+    pub part: &'a Partition,
+    pub query: &'a [Q],
+    pub kc: &'a [C],
+    pub vc: &'a [C],
+    pub block_indices: &'a [i32],
+    /// Where the parallel regions run.
+    pub runner: crate::threads::Runner,
+    /// Set when prefill items run their products on AMX tiles (bf16 query only).
+    pub amx: Option<Amx>,
+}
+
+/// Per-thread buffers, grown on demand and reused across items (no allocation per tile).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub q: Vec<f32>,
+    pub acc: Vec<f32>,
+    pub s: Vec<f32>,
+    pub st: Vec<OnlineSoftmax>,
+}
+
+impl Scratch {
+    pub fn ensure(&mut self, rows: usize, d: usize, bs: usize) {
+        fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
+            if v.len() < n {
+                v.resize(n, T::default());
+            }
+        }
+        grow(&mut self.q, rows * d);
+        grow(&mut self.acc, rows * d);
+        grow(&mut self.s, rows * bs);
+        grow(&mut self.st, rows);
+    }
+}
+
+thread_local! {
+    pub(crate) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Fills `q[..nt*G*D]` with the scaled f32 query rows of tokens `t0..t0+nt` of `sp`, heads of
+/// KV head `kvh` (row `ti*G + g`).
+pub(crate) fn load_q<Q: Float>(
+    plan: &Plan,
+    query: &[Q],
+    sp: &SeqPlan,
+    kvh: usize,
+    t0: usize,
+    nt: usize,
+    q: &mut [f32],
+) {
+    let (h, d, g) = (plan.h, plan.d, plan.g);
+    for ti in 0..nt {
+        let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+        let dst = &mut q[ti * g * d..(ti + 1) * g * d];
+        for (o, v) in dst.iter_mut().zip(src) {
+            *o = v.to_f32() * plan.scale;
+        }
+    }
+}
+
+/// Adds ALiBi and masks (causal, window) to the logit tile `s` (`rows x n`, row `r` at
+/// position `pos0 + r/G`, query head `kvh*G + r%G`), for keys `j0..j0+n`.
+pub(crate) fn mask_tile(
+    plan: &Plan,
+    s: &mut [f32],
+    rows: usize,
+    n: usize,
+    kvh: usize,
+    pos0: usize,
+    j0: usize,
+) {
+    mask_tile_strided(plan, s, (n, 1), rows, n, kvh, pos0, j0)
+}
+
+/// [`mask_tile`] for a tile whose logit (row `r`, key `jj`) is `s[r*stride.0 + jj*stride.1]`
+/// (`(n, 1)` row-major, `(1, ld)` transposed).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mask_tile_strided(
+    plan: &Plan,
+    s: &mut [f32],
+    stride: (usize, usize),
+    rows: usize,
+    n: usize,
+    kvh: usize,
+    pos0: usize,
+    j0: usize,
+) {
+    let g = plan.g;
+    let pos_max = pos0 + (rows - 1) / g;
+    let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
+    if full && plan.alibi.is_none() {
+        return;
+    }
+    for r in 0..rows {
+        let pos = pos0 + r / g;
+        let wlo = window_start(plan, pos);
+        let slope = plan.alibi.as_ref().map(|a| a[kvh * g + r % g]);
+        for jj in 0..n {
+            let j = j0 + jj;
+            let v = &mut s[r * stride.0 + jj * stride.1];
+            if j > pos || j < wlo {
+                *v = f32::NEG_INFINITY;
+            } else if let Some(sl) = slope {
+                *v += sl * (j as f32 - pos as f32);
+            }
+        }
+    }
+}
+
+/// Asks the CPU to start loading the cache lines of part `i` of `parts` equal parts of `x`
+/// (a hint; no effect on results).
+#[inline]
+pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(x);
+        let lines = bytes.div_ceil(64);
+        let (l0, l1) = (lines * i / parts, lines * (i + 1) / parts);
+        let p = x.as_ptr() as *const i8;
+        for l in l0..l1 {
+            // SAFETY: prefetch never faults, and line l < lines starts inside `x`; SSE is part
+            // of the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(l * 64)) };
+        }
+    }
+}

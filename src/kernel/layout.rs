@@ -1,0 +1,74 @@
+//! Where things are: the index arithmetic of the paged caches, of the token list and of the
+//! causal window, shared by the reference and the fast kernels (one definition, so the twins
+//! cannot disagree on an address).
+
+use crate::op::{Plan, SeqPlan};
+
+/// Offset of row (block, kv head, slot) in a cache `[NB, Hkv, BS, D]`.
+#[inline(always)]
+pub(crate) fn cache_row(plan: &Plan, block: usize, head: usize, slot: usize) -> usize {
+    ((block * plan.hkv + head) * plan.bs + slot) * plan.d
+}
+
+/// Physical block of logical position `pos` of a sequence whose block list starts at `block_begin`.
+#[inline(always)]
+pub(crate) fn block_of(block_indices: &[i32], block_begin: usize, bs: usize, pos: usize) -> usize {
+    block_indices[block_begin + pos / bs] as usize
+}
+
+/// Offset of the cache row of KV head `head` at logical position `pos` of sequence `sp`.
+#[inline(always)]
+pub(crate) fn seq_row(
+    plan: &Plan,
+    block_indices: &[i32],
+    sp: &SeqPlan,
+    head: usize,
+    pos: usize,
+) -> usize {
+    cache_row(
+        plan,
+        block_of(block_indices, sp.block_begin, plan.bs, pos),
+        head,
+        pos % plan.bs,
+    )
+}
+
+/// Sequence index of every token.
+pub(crate) fn token_seqs(plan: &Plan) -> Vec<usize> {
+    let mut v = vec![0usize; plan.t];
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        v[sp.begin..sp.begin + sp.n].fill(s);
+    }
+    v
+}
+
+/// First key a query at position `pos` sees.
+#[inline(always)]
+pub(crate) fn window_start(plan: &Plan, pos: usize) -> usize {
+    if plan.sliding_window > 0 {
+        (pos + 1).saturating_sub(plan.sliding_window)
+    } else {
+        0
+    }
+}
+
+/// Whether a query at position `pos` sees key `j` (causal, inside the window).
+#[inline(always)]
+pub(crate) fn visible(plan: &Plan, pos: usize, j: usize) -> bool {
+    j <= pos && j >= window_start(plan, pos)
+}
+
+/// Key tiles `[j0, j1)` of `[lo, hi)`, cut at block boundaries (a tile's rows are contiguous in
+/// the cache).
+pub(crate) fn tiles(lo: usize, hi: usize, bs: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut j0 = lo;
+    std::iter::from_fn(move || {
+        if j0 >= hi {
+            return None;
+        }
+        let j1 = hi.min((j0 / bs + 1) * bs);
+        let t = (j0, j1);
+        j0 = j1;
+        Some(t)
+    })
+}

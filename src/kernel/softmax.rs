@@ -1,0 +1,136 @@
+//! The online-softmax step, written once: every kernel (reference, decode and prefill tiles on
+//! every SIMD level, the AMX items, the merge of key chunks, the scores) keeps its rows' running
+//! max and sum in an [`OnlineSoftmax`] and moves it only through [`OnlineSoftmax::update`] /
+//! [`OnlineSoftmax::add`] (a block of keys), [`OnlineSoftmax::merge`] (a partial softmax of
+//! other keys) and reads it through [`OnlineSoftmax::norm`] / [`OnlineSoftmax::weight`].
+//!
+//! A block is any set of keys whose largest logit is known: one key (reference), a cache block
+//! (tiles), a span (AMX). Per block, with `s` its logits (masked ones `-inf`):
+//! 1. `step = state.update(max(s))`: the running max is raised, the sum multiplied by
+//!    `step.rescale`, which the caller also applies to its accumulator;
+//! 2. the caller computes the weights `exp(s - step.sub)` and their sum (its SIMD loops), adds
+//!    the weighted values to its accumulator and the sum with `state.add(sum)`.
+//!
+//! At the end the output is `acc * state.norm()`.
+//!
+//! The state is generic over [`Lanes`]: `f32` for one row, or a SIMD vector holding one row per
+//! lane (the transposed prefill tiles), so the vector tiers run the same step lane-wise.
+
+/// The arithmetic the step needs, on one row (`f32`) or lane-wise on a vector of rows.
+pub(crate) trait Lanes: Copy {
+    fn max(self, other: Self) -> Self;
+    fn sub(self, other: Self) -> Self;
+    fn mul(self, other: Self) -> Self;
+    fn add(self, other: Self) -> Self;
+    /// `self`, with 0 in the lanes that are `-inf`.
+    fn zero_if_neg_inf(self) -> Self;
+    /// `exp(self)` for `self <= 0` or `-inf` (exactly 0 at `-inf`).
+    fn exp_nonpos(self) -> Self;
+}
+
+impl Lanes for f32 {
+    #[inline(always)]
+    fn max(self, other: f32) -> f32 {
+        f32::max(self, other)
+    }
+    #[inline(always)]
+    fn sub(self, other: f32) -> f32 {
+        self - other
+    }
+    #[inline(always)]
+    fn mul(self, other: f32) -> f32 {
+        self * other
+    }
+    #[inline(always)]
+    fn add(self, other: f32) -> f32 {
+        self + other
+    }
+    #[inline(always)]
+    fn zero_if_neg_inf(self) -> f32 {
+        if self == f32::NEG_INFINITY {
+            0.0
+        } else {
+            self
+        }
+    }
+    #[inline(always)]
+    fn exp_nonpos(self) -> f32 {
+        self.exp()
+    }
+}
+
+/// Running max and sum of exponentials of one row (or one row per lane).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct OnlineSoftmax<L = f32> {
+    pub max: L,
+    pub sum: L,
+}
+
+/// What one block of keys does to the row: subtract `sub` from its logits before `exp`, and
+/// multiply the accumulator of the blocks before it by `rescale`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Step<L = f32> {
+    pub sub: L,
+    pub rescale: L,
+}
+
+impl<L: Lanes> OnlineSoftmax<L> {
+    /// Takes in a block whose largest logit is `block_max` (`-inf`: every key masked).
+    #[inline(always)]
+    pub fn update(&mut self, block_max: L) -> Step<L> {
+        let max = self.max.max(block_max);
+        // A row that has seen only masked keys subtracts 0: its weights are exp(-inf) = 0 and
+        // its rescale 0 (its sum and accumulator are 0), never -inf - -inf = NaN.
+        let sub = max.zero_if_neg_inf();
+        let rescale = self.max.sub(sub).exp_nonpos();
+        self.max = max;
+        self.sum = self.sum.mul(rescale);
+        Step { sub, rescale }
+    }
+
+    /// Adds the sum of the block's weights `exp(s - step.sub)`.
+    #[inline(always)]
+    pub fn add(&mut self, block_sum: L) {
+        self.sum = self.sum.add(block_sum);
+    }
+}
+
+impl OnlineSoftmax<f32> {
+    /// No key seen yet.
+    pub const EMPTY: OnlineSoftmax = OnlineSoftmax {
+        max: f32::NEG_INFINITY,
+        sum: 0.0,
+    };
+
+    /// Folds in a partial softmax computed over other keys (a chunk): returns the factors for
+    /// this row's accumulator and for the partial's, or `None` when the partial saw no key
+    /// (its accumulator is then not read).
+    #[inline]
+    pub fn merge(&mut self, part: OnlineSoftmax) -> Option<(f32, f32)> {
+        if part.sum == 0.0 {
+            return None;
+        }
+        let step = self.update(part.max);
+        let f = (part.max - step.sub).exp();
+        self.add(part.sum * f);
+        Some((step.rescale, f))
+    }
+
+    /// The factor that turns the accumulator into the output.
+    #[inline(always)]
+    pub fn norm(&self) -> f32 {
+        1.0 / self.sum
+    }
+
+    /// The final softmax weight of a key with logit `s` (the scores).
+    #[inline(always)]
+    pub fn weight(&self, s: f32) -> f32 {
+        (s - self.max).exp() * self.norm()
+    }
+}
+
+impl Default for OnlineSoftmax<f32> {
+    fn default() -> Self {
+        OnlineSoftmax::EMPTY
+    }
+}
