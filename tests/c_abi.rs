@@ -156,7 +156,7 @@ fn sample_case(seed: u64, qt: ElemType, ct: ElemType) -> common::ref64::Case {
             ..Features::default()
         },
     );
-    c.all_16 = seed % 2 == 0;
+    c.all_16 = seed.is_multiple_of(2);
     c
 }
 

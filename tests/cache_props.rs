@@ -40,7 +40,7 @@ fn random_manager_operations_never_leak_or_double_free_blocks() {
                     let id = next_id;
                     next_id += 1;
                     let cached = m.add_sequence(id, &prompt).unwrap();
-                    assert!(cached < prompt.len() && cached % bs == 0);
+                    assert!(cached < prompt.len() && cached.is_multiple_of(bs));
                     live.push(id);
                     m.append(id, &prompt[cached..]).map(|_| ())
                 }

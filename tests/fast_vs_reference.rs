@@ -76,6 +76,9 @@ impl Buf {
     }
 }
 
+/// Rotation inputs: rotated block indices, deltas, delta columns, LUT, LUT rows.
+type Rot = (Vec<i32>, Vec<i32>, usize, Vec<f32>, usize);
+
 /// One random call: all inputs, owned.
 #[derive(Clone, Debug)]
 struct Case {
@@ -100,7 +103,7 @@ struct Case {
     scale: Option<Vec<f32>>,
     window: Option<i32>,
     alibi: Option<Vec<f32>>,
-    rot: Option<(Vec<i32>, Vec<i32>, usize, Vec<f32>, usize)>, // rbi, deltas, delta_cols, lut, m
+    rot: Option<Rot>,
     saw: Option<Vec<i32>>,
 }
 
@@ -243,7 +246,7 @@ fn run(
             block_indices: Tensor::new(&[c.bi.len()], &c.bi),
             block_indices_begins: Tensor::new(&[b + 1], &c.bib),
             scale: scale_buf.as_ref().map(|s| s.t(&[])),
-            sliding_window: win.as_ref().map(|w| Tensor::scalar(w)),
+            sliding_window: win.as_ref().map(Tensor::scalar),
             alibi_slopes: alibi_buf.as_ref().map(|a| a.t(&[h])),
             rotated_block_indices: c.rot.as_ref().map(|r| Tensor::new(&[r.0.len()], &r.0)),
             rotation_deltas: c.rot.as_ref().map(|r| Tensor::new(&[r.0.len(), r.2], &r.1)),

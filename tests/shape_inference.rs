@@ -129,8 +129,8 @@ fn fully_static_inputs_infer_static_output_and_dynamic_scores() {
 #[test]
 fn dynamic_token_count_gives_dynamic_t() {
     let mut inputs = static_inputs(F16, F16);
-    for i in 0..3 {
-        inputs[i].shape.0.as_mut().unwrap()[0] = DYN;
+    for inp in inputs.iter_mut().take(3) {
+        inp.shape.0.as_mut().unwrap()[0] = DYN;
     }
     expect_outputs(&inputs, Some(F16), &[DYN, H * D], &[DYN]);
     // T known from key alone still gives a static T.
@@ -186,8 +186,8 @@ fn known_past_lens_values_make_the_scores_length_static() {
     assert_eq!(s.elem, Some(F32));
     // T unknown: the length stays dynamic.
     let mut dyn_t = inputs.clone();
-    for i in 0..3 {
-        dyn_t[i].shape.0.as_mut().unwrap()[0] = DYN;
+    for inp in dyn_t.iter_mut().take(3) {
+        inp.shape.0.as_mut().unwrap()[0] = DYN;
     }
     let [_, s] = infer_shapes_with_past_lens(&dyn_t, Some(&[5, 0, 20])).unwrap();
     assert_eq!(s.shape, PartialShape::from_dims(&[DYN]));
@@ -196,8 +196,8 @@ fn known_past_lens_values_make_the_scores_length_static() {
 #[test]
 fn empty_optional_inputs_mean_not_provided() {
     let mut inputs = static_inputs(F32, F32);
-    for i in 9..16 {
-        inputs[i].shape = PartialShape::from_dims(&[0]);
+    for inp in inputs.iter_mut().take(16).skip(9) {
+        inp.shape = PartialShape::from_dims(&[0]);
     }
     expect_outputs(&inputs, Some(F32), &[T, H * D], &[DYN]);
     // An empty alibi_slopes is not "the wrong length".
@@ -367,9 +367,9 @@ fn rotation_contradictions_are_reported() {
     expect_error(&inputs, "rotation_trig_lut", &(D + 2).to_string());
     // Odd head size with rotation.
     let mut inputs = static_inputs(F32, F32);
-    for i in 0..3 {
+    for (i, inp) in inputs.iter_mut().take(3).enumerate() {
         let w = if i == 0 { H * 15 } else { HKV * 15 };
-        inputs[i].shape = PartialShape::from_dims(&[T, w]);
+        inp.shape = PartialShape::from_dims(&[T, w]);
     }
     for i in [3, 4] {
         inputs[i].shape = PartialShape::from_dims(&[NB, HKV, BS, 15]);

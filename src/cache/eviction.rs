@@ -89,7 +89,12 @@ pub fn rotation_lut(
 /// Elements of a `[rows, head_size]` LUT, after checking the parameters (even head size > 0,
 /// finite base > 0) and that the size is representable.
 pub fn rotation_lut_len(rows: usize, head_size: usize, base: f64) -> Result<usize> {
-    if head_size == 0 || head_size % 2 != 0 || base.is_nan() || base <= 0.0 || !base.is_finite() {
+    if head_size == 0
+        || !head_size.is_multiple_of(2)
+        || base.is_nan()
+        || base <= 0.0
+        || !base.is_finite()
+    {
         return Err(PaError::InvalidArgument {
             detail: format!(
                 "rotation LUT needs an even head size > 0 and a finite base > 0, got head size \

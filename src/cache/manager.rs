@@ -174,7 +174,7 @@ impl BlockManager {
 
     /// Whether the next write lands in a block some other table also holds.
     fn needs_cow(&self, s: &Sequence) -> bool {
-        s.len % self.cfg.block_size != 0
+        !s.len.is_multiple_of(self.cfg.block_size)
             && self.pool.ref_count(s.blocks[s.len / self.cfg.block_size]) > 1
     }
 

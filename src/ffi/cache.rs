@@ -110,7 +110,7 @@ unsafe fn input<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], PaE
     if p.is_null() {
         return Err(null(what));
     }
-    if (p as usize) % std::mem::align_of::<T>() != 0 {
+    if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(PaError::Alignment {
             name: what.into(),
             align: std::mem::align_of::<T>(),
@@ -131,7 +131,7 @@ unsafe fn output<'a, T>(p: *mut T, n: usize, what: &str) -> Result<&'a mut [T], 
     if p.is_null() {
         return Err(null(what));
     }
-    if (p as usize) % std::mem::align_of::<T>() != 0 {
+    if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(PaError::Alignment {
             name: what.into(),
             align: std::mem::align_of::<T>(),

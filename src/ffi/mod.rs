@@ -145,7 +145,7 @@ pub(crate) fn describe(t: &PaTensor, name: &str) -> Result<Described, PaError> {
                 what: format!("`{name}` data ({numel} elements)"),
             });
         }
-        if addr % elem.size_bytes() != 0 {
+        if !addr.is_multiple_of(elem.size_bytes()) {
             return Err(PaError::Alignment {
                 name: name.to_string(),
                 align: elem.size_bytes(),

@@ -99,7 +99,7 @@ impl OwnedTensor {
         bytes: &[u8],
     ) -> Result<OwnedTensor, TensorError> {
         let w = elem.size_bytes();
-        if bytes.len() % w != 0 {
+        if !bytes.len().is_multiple_of(w) {
             return Err(TensorError::Bytes(bytes.len(), elem));
         }
         let data = match elem {

@@ -2,7 +2,7 @@
 //! purpose: they are the twin the fast paths are held to. Arithmetic is f32 throughout; values
 //! are rounded to the storage type once, when stored.
 
-use super::bind::{Bound, TypedOp};
+use super::bind::{Bound, BoundRotation, TypedOp};
 use super::layout::{cache_row, seq_row, token_seqs, visible, window_start};
 use super::softmax::OnlineSoftmax;
 use crate::dtype::Float;
@@ -16,14 +16,7 @@ pub(crate) struct Reference;
 impl TypedOp for Reference {
     fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()> {
         if let Some(rot) = &b.rotation {
-            rotate(
-                plan,
-                rot.delta_cols,
-                &mut *b.key_cache,
-                rot.blocks,
-                rot.deltas,
-                &rot.lut,
-            );
+            rotate(plan, rot, &mut *b.key_cache);
         }
         insert(plan, b.key, &mut *b.key_cache, b.block_indices);
         insert(plan, b.value, &mut *b.value_cache, b.block_indices);
@@ -35,14 +28,8 @@ impl TypedOp for Reference {
 }
 
 /// Step 1: rotates the keys of each listed block by its LUT rows, in place.
-pub(crate) fn rotate<C: Float>(
-    plan: &Plan,
-    delta_cols: usize,
-    kc: &mut [C],
-    rbi: &[i32],
-    rd: &[i32],
-    lut: &[f32],
-) {
+pub(crate) fn rotate<C: Float>(plan: &Plan, rot: &BoundRotation<'_>, kc: &mut [C]) {
+    let (delta_cols, rbi, rd, lut) = (rot.delta_cols, rot.blocks, rot.deltas, &rot.lut);
     let half = plan.d / 2;
     for (r, &block) in rbi.iter().enumerate() {
         for slot in 0..plan.bs {

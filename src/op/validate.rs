@@ -235,8 +235,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
             ));
         }
         let bb = block_begins[s] as usize;
-        for j in bb..bb + need {
-            let id = block_indices[j];
+        for (j, &id) in block_indices.iter().enumerate().skip(bb).take(need) {
             if id < 0 || id as usize >= nb {
                 return Err(PaError::value(
                     "block_indices",

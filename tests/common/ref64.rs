@@ -55,6 +55,7 @@ impl Rng {
 
 /// Shape of `rotation_deltas`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)]
 pub enum DeltaForm {
     /// `[R]`: one delta per block.
     PerBlock,
