@@ -89,12 +89,18 @@ def run_u8(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
 # numpy model of the conventions (float32 arithmetic, fused multiply-add emulated in float64:
 # the product of two f32 is exact in f64, the one rounding of the sum happens in f64 then f32).
 
-def _fma(a, b, c):
+def _fused(a, b, c):
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(F32)
 
 
+def _fma(a, b, c):
+    if ALT["fma"] == "unfused":
+        return ((a * b).astype(F32) + c).astype(F32)
+    return _fused(a, b, c)
+
+
 # Alternative readings of the conventions; `mutations` shows each one disagrees with OpenVINO.
-ALT = {"round": "even", "key_scale": "recip", "growth": "requant"}
+ALT = {"round": "even", "key_scale": "recip", "growth": "requant", "fma": "fused"}
 
 
 def _to_u8(v):
@@ -247,6 +253,37 @@ def token_mask(kc_shape, past_lens, sb, bi, bib):
 
 # ---------------------------------------------------------------------------------------------
 
+def _fma_sensitive_groups(rng, count, g=16):
+    """``count`` random groups of ``g`` values (by token) whose bytes differ when the multiply-add
+    is not fused: only such data tells a fused from an unfused quantizer (about 1 group in 1e5)."""
+    found = []
+    while sum(len(f) for f in found) < count:
+        x = rng.normal(0, 1, (1 << 18, g)).astype(F32)
+        mn, mx = x.min(1), x.max(1)
+        scale = ((mx - mn) / F32(255)).astype(F32)
+        zp = (-mn / scale).astype(F32)
+        inv = (F32(1) / scale).astype(F32)
+        fused = _fused(x, inv[:, None] + np.zeros_like(x), zp[:, None] + np.zeros_like(x))
+        unfused = ((x * inv[:, None]).astype(F32) + zp[:, None]).astype(F32)
+        found.append(x[(np.rint(fused) != np.rint(unfused)).any(1)])
+    return np.concatenate(found)[:count]
+
+
+def _fma_sensitive_columns(rng, count, n):
+    """``count`` key columns of ``n`` tokens (by channel) with the same property."""
+    found = []
+    while sum(len(f) for f in found) < count:
+        x = rng.normal(0, 1, (1 << 18, n)).astype(F32)
+        mn, mx = x.min(1), x.max(1)
+        scale = ((mx - mn) * F32(1.0 / 255)).astype(F32)
+        zp = (-mn / scale).astype(F32)
+        inv = (F32(1) / scale).astype(F32)
+        fused = _fused(x, inv[:, None] + np.zeros_like(x), zp[:, None] + np.zeros_like(x))
+        unfused = ((x * inv[:, None]).astype(F32) + zp[:, None]).astype(F32)
+        found.append(x[(np.rint(fused) != np.rint(unfused)).any(1)])
+    return np.concatenate(found)[:count]
+
+
 def make_case(rng, Hkv, D, steps, NB=None, spread=1.0, kind="normal"):
     """steps: list of per-step [(past, new), ...] per sequence; sequences keep their blocks."""
     nseq = len(steps[0])
@@ -260,7 +297,14 @@ def make_case(rng, Hkv, D, steps, NB=None, spread=1.0, kind="normal"):
     for st in steps:
         n = [x[1] for x in st]
         T = sum(n)
-        if kind == "normal":
+        if kind in ("fma_channel", "fma_token"):
+            # one prefill step; values (and by-token keys) in groups of 16
+            value = _fma_sensitive_groups(rng, T * Hkv * D // 16).reshape(T, Hkv * D)
+            if kind == "fma_token":
+                key = _fma_sensitive_groups(rng, T * Hkv * D // 16).reshape(T, Hkv * D)
+            else:
+                key = _fma_sensitive_columns(rng, Hkv * D, T).T.copy()
+        elif kind == "normal":
             key = rng.normal(0, spread, (T, Hkv * D)).astype(F32)
             value = rng.normal(0, spread, (T, Hkv * D)).astype(F32)
         elif kind == "ties":  # range [0, 255] per token and per channel: scale 1, x + zp on .5
@@ -287,6 +331,7 @@ VARIANTS = {
     "key_by_token": dict(key_by_token=True),
     "key_by_token_g16_vg32": dict(key_by_token=True, key_group=16, value_group=32),
     "key_by_token_g8_vg8": dict(key_by_token=True, key_group=8, value_group=8),
+    "key_by_token_g16_vg16": dict(key_by_token=True, key_group=16, value_group=16),
 }
 
 
@@ -307,6 +352,7 @@ SCENARIOS = {
     "head40": (1, 40, [[(0, 10)], [(10, 3)]]),
     "head20": (1, 20, [[(0, 10)], [(10, 3)]]),
     "head8": (1, 8, [[(0, 10)], [(10, 3)]]),
+    "prefill_8": (1, 64, [[(0, 8)]]),
 }
 
 
@@ -367,15 +413,16 @@ def main_check():
 def main_mutations():
     """Each alternative reading must disagree with OpenVINO somewhere, or the check proves nothing."""
     silent = 0
-    for key, alt in (("round", "away"), ("key_scale", "div"), ("growth", "fixed")):
+    for key, alt in (("round", "away"), ("key_scale", "div"), ("growth", "fixed"), ("fma", "unfused")):
         rng = np.random.default_rng(2)
         ALT[key] = alt
         n_diff = 0
-        for kind in ("normal", "grid", "ties"):
-            for name in SCENARIOS:
-                D, v, recs = run_scenario(rng, name, "default", kind)
-                n_diff += sum(compare(D, v, r) != (0, 0, 0) for r in recs)
-        ALT[key] = {"round": "even", "key_scale": "recip", "growth": "requant"}[key]
+        runs = [(k, n, "default") for k in ("normal", "grid", "ties") for n in SCENARIOS]
+        runs += [("fma_channel", "prefill_8", "vgroup16"), ("fma_token", "prefill_8", "key_by_token_g16_vg16")]
+        for kind, name, variant in runs:
+            D, v, recs = run_scenario(rng, name, variant, kind)
+            n_diff += sum(compare(D, v, r) != (0, 0, 0) for r in recs)
+        ALT[key] = {"round": "even", "key_scale": "recip", "growth": "requant", "fma": "fused"}[key]
         print(f"alternative {key}={alt}: {n_diff} mismatching steps")
         silent += n_diff == 0
     return silent
@@ -392,6 +439,8 @@ FIXTURES = [
     ("default_prefill_then_decode_ties", "prefill_then_decode", "default", "ties", 1.0),
     ("default_head20_ties", "head20", "default", "ties", 1.0),
     ("key_by_token_g8_vg8_head40_ties", "head40", "key_by_token_g8_vg8", "ties", 1.0),
+    ("vgroup16_fma_sensitive", "prefill_8", "vgroup16", "fma_channel", 1.0),
+    ("key_by_token_g16_vg16_fma_sensitive", "prefill_8", "key_by_token_g16_vg16", "fma_token", 1.0),
 ]
 
 

@@ -4,12 +4,14 @@
 //!
 //! - `reference`: plain scalar code written straight from SPEC.md; the twin every fast path is
 //!   tested against, and what [`run_reference`] runs.
+//! - `quant`: u8 caches in OpenVINO's layout: quantization on insertion, dequantization of a row.
 //! - `fast`: tiled, parallel, SIMD (AVX2+FMA+F16C when detected, else scalar) kernels; what
 //!   [`run`] runs. Its `mod.rs` states its dispatch rule.
 //!
 //! The (query type, cache type) pair is resolved once, here, into a monomorphised kernel.
 
 pub mod fast;
+pub mod quant;
 pub mod reference;
 
 use crate::error::Result;
