@@ -10,7 +10,9 @@
 //! of 16.
 
 use crate::dtype::Float;
+use crate::error::{PaError, Result};
 use crate::op::validate::SeqPlan;
+use crate::op::Plan;
 
 /// Bytes of quantization parameters per group: f32 scale, then f32 zero point.
 pub const PARAM_BYTES: usize = 8;
@@ -354,6 +356,85 @@ pub fn value_row(
     let r = layout.value_row();
     let at = ((block * layout.hkv + head) * layout.bs + slot) * r;
     dequantize_token_row(&vc[at..at + r], layout.value_group, out);
+}
+
+/// The caches dequantized to f32 `[NB, Hkv, BS, D]`, for the reference twin only: a fast kernel
+/// dequantizes the rows it reads, never the whole cache.
+fn dequantize_caches(
+    layout: &U8Layout,
+    nb: usize,
+    kc: &[u8],
+    vc: &[u8],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    let len = [nb, hkv, bs, d, std::mem::size_of::<f32>()]
+        .iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| PaError::InvalidArgument {
+            detail: format!("u8 caches of {nb} blocks are too large to widen"),
+        })?;
+    let mut k = vec![0f32; len / 4];
+    let mut v = vec![0f32; len / 4];
+    for (i, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+        let (block, head, slot) = (i / (hkv * bs), i / bs % hkv, i % bs);
+        key_row(layout, kc, block, head, slot, kr);
+        value_row(layout, vc, block, head, slot, vr);
+    }
+    Ok((k, v))
+}
+
+/// Steps 2-4 on u8 caches with the scalar reference kernels: quantizes the new tokens into the
+/// caches, then runs the reference attention and scores over the dequantized caches. `plan` is the
+/// call validated with the caches' logical shape `[NB, Hkv, BS, D]`; rotation is not supported
+/// yet.
+#[allow(clippy::too_many_arguments)]
+pub fn run_reference_u8<Q: Float>(
+    plan: &Plan,
+    layout: &U8Layout,
+    query: &[Q],
+    key: &[Q],
+    value: &[Q],
+    block_indices: &[i32],
+    key_cache: &mut [u8],
+    value_cache: &mut [u8],
+    output: &mut [Q],
+    scores: &mut [Q],
+) -> Result<()> {
+    if plan.rotation.is_some() {
+        return Err(PaError::InvalidArgument {
+            detail: "rotation of a u8 key cache is not implemented yet".into(),
+        });
+    }
+    let expect = |what: &str, got: usize, want: Option<[usize; 4]>| match want {
+        Some(dims) if dims.iter().product::<usize>() == got => Ok(()),
+        _ => Err(PaError::InvalidArgument {
+            detail: format!("{what}: {got} bytes do not match the u8 layout {want:?}"),
+        }),
+    };
+    if !layout.is_valid() || layout.d != plan.d || layout.bs != plan.bs || layout.hkv != plan.hkv {
+        return Err(PaError::InvalidArgument {
+            detail: format!("u8 layout {layout:?} does not match the call"),
+        });
+    }
+    expect("key_cache", key_cache.len(), layout.key_cache_dims(plan.nb))?;
+    expect(
+        "value_cache",
+        value_cache.len(),
+        layout.value_cache_dims(plan.nb),
+    )?;
+    insert_u8(
+        layout,
+        &plan.seqs,
+        block_indices,
+        key,
+        value,
+        key_cache,
+        value_cache,
+    );
+    let (kc, vc) = dequantize_caches(layout, plan.nb, key_cache, value_cache)?;
+    let stats = super::reference::attention(plan, query, &kc, &vc, block_indices, output);
+    super::reference::scores_ref(plan, query, &kc, block_indices, &stats, scores);
+    Ok(())
 }
 
 #[cfg(test)]
