@@ -4,6 +4,7 @@ the conventions written in docs/contract.md ("u8 caches").
 
     .venv/bin/python tools/ov_u8_cache.py check            # random cases, every layout variant
     .venv/bin/python tools/ov_u8_cache.py mutations        # alternative conventions must disagree
+    .venv/bin/python tools/ov_u8_cache.py attention        # its output vs float64 over dequantized caches
     .venv/bin/python tools/ov_u8_cache.py fixtures DIR     # write the golden byte fixtures
 
 Layouts (block size BS = 32, the only one the CPU plugin runs; D = head size; G = group size):
@@ -428,6 +429,48 @@ def main_mutations():
     return silent
 
 
+def main_attention():
+    """OpenVINO's output on u8 caches vs float64 attention over the caches dequantized by this
+    model's formula (one sequence: a 40-token prefill, then a decode; H = 4, Hkv = 2, D = 64)."""
+    rng = np.random.default_rng(4)
+    worst_all = 0.0
+    for variant in ("default", "key_by_token", "vgroup16"):
+        v = VARIANTS[variant]
+        Hkv, D, H = 2, 64, 4
+        NB, calls = make_case(rng, Hkv, D, [[(0, 40)], [(40, 1)]])
+        ks, vs = cache_shapes(NB, Hkv, D, **v)
+        kc, vc = np.zeros(ks, np.uint8), np.zeros(vs, np.uint8)
+        worst = 0.0
+        for c in calls:
+            T = c["key"].shape[0]
+            q = rng.normal(0, 1, (T, H * D)).astype(F32)
+            out, kc, vc = run_u8(D, c["key"], c["value"], kc, vc, c["past_lens"],
+                                 c["subsequence_begins"], c["block_indices"],
+                                 c["block_indices_begins"], u8_config(**v), query=q, H=H)
+            past, bi = int(c["past_lens"][0]), c["block_indices"]
+            K = np.zeros((Hkv, past + T, D))
+            V = np.zeros((Hkv, past + T, D))
+            for p in range(past + T):
+                b = bi[p // BS]
+                for h in range(Hkv):
+                    V[h, p] = read_token_row(vc[b, h, p % BS], D, v.get("value_group", 0))
+                    if v.get("key_by_token"):
+                        K[h, p] = read_token_row(kc[b, h, p % BS], D, v.get("key_group", 0))
+                    else:
+                        s, z, rows = channel_block_params(kc[b, h])
+                        K[h, p] = dequant(rows[p % BS], s, z)
+            for i in range(T):
+                for hh in range(H):
+                    kv = hh // (H // Hkv)
+                    sc = K[kv, :past + i + 1] @ q[i, hh * D:(hh + 1) * D].astype(np.float64) / np.sqrt(D)
+                    w = np.exp(sc - sc.max())
+                    ref = (w / w.sum()) @ V[kv, :past + i + 1]
+                    worst = max(worst, float(np.abs(out[i, hh * D:(hh + 1) * D] - ref).max()))
+        print(f"{variant}: max |OpenVINO output - float64 over dequantized caches| = {worst:.2e}")
+        worst_all = max(worst_all, worst)
+    return worst_all > 1e-5
+
+
 FIXTURES = [
     # (fixture name, scenario, variant, kind, spread)
     ("default_prefill_then_decode", "prefill_then_decode", "default", "normal", 1.0),
@@ -474,6 +517,8 @@ def main_fixtures(outdir):
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "check":
         sys.exit(1 if main_check() else 0)
+    if len(sys.argv) >= 2 and sys.argv[1] == "attention":
+        sys.exit(1 if main_attention() else 0)
     if len(sys.argv) >= 2 and sys.argv[1] == "mutations":
         sys.exit(1 if main_mutations() else 0)
     if len(sys.argv) == 3 and sys.argv[1] == "fixtures":
