@@ -38,7 +38,7 @@ from openvino._pyopenvino.op import _PagedAttentionExtension
 
 from pa_ref import normalize_inputs
 
-__all__ = ["run_builtin", "Unsupported", "BUILTIN_BLOCK_SIZE"]
+__all__ = ["run_builtin", "build_model", "infer", "Unsupported", "BUILTIN_BLOCK_SIZE"]
 
 BUILTIN_BLOCK_SIZE = 32
 _CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
@@ -114,15 +114,27 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
 
     feeds = [q, k, v, kc, vc, past, sb, bi, bib, scale_a, sw_a, alibi_a, max_ctx, saw_a,
              rbi_a, rd_a, lut_a]
+    model = build_model(H, Hkv, D, ov.Type.f32, rd_ndim=rd_a.ndim)
+    config = dict(_CONFIG)
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    out, scores = infer(model, feeds, config)
+    return out, scores, kc, vc
+
+
+def build_model(H, Hkv, D, cache_type, rd_ndim=2):
+    """The 17 Parameters (inputs 0..16 of the built-in op, caches of element type ``cache_type``
+    with fully dynamic shape, so the plugin can give them its own layout) -> built-in op -> 2 Results.
+    Inputs 17..27 are empty Constants."""
     f32, i32 = ov.Type.f32, ov.Type.i32
     specs = [
         ("query", f32, [-1, H * D]), ("key", f32, [-1, Hkv * D]), ("value", f32, [-1, Hkv * D]),
-        ("key_cache", f32, [-1, Hkv, BS, D]), ("value_cache", f32, [-1, Hkv, BS, D]),
+        ("key_cache", cache_type, [-1, -1, -1, -1]), ("value_cache", cache_type, [-1, -1, -1, -1]),
         ("past_lens", i32, [-1]), ("subsequence_begins", i32, [-1]), ("block_indices", i32, [-1]),
         ("block_indices_begins", i32, [-1]), ("scale", f32, []), ("sliding_window", i32, []),
         ("alibi_slopes", f32, [-1]), ("max_context_len", i32, []),
         ("score_aggregation_window", i32, [-1]), ("rotated_block_indices", i32, [-1]),
-        ("rotation_deltas", i32, [-1] * rd_a.ndim), ("rotation_trig_lut", f32, [-1, D]),
+        ("rotation_deltas", i32, [-1] * rd_ndim), ("rotation_trig_lut", f32, [-1, D]),
     ]
     params = [ops.parameter(ov.PartialShape(shape), et, name=name) for name, et, shape in specs]
     extra = [
@@ -144,10 +156,12 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
     rt["k_head_size"] = D
     rt["num_v_heads"] = Hkv
     rt["v_head_size"] = D
-    model = ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_oracle")
-    config = dict(_CONFIG)
-    if threads is not None:
-        config["INFERENCE_NUM_THREADS"] = int(threads)
+    return ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_oracle")
+
+
+def infer(model, feeds, config):
+    """Compile ``model`` with ``config`` and run it once on ``feeds`` (17 arrays, bound as shared
+    tensors so the in-place cache writes land in the caller's arrays). Returns (output, scores)."""
     compiled = _get_core().compile_model(model, "CPU", config)
     req = compiled.create_infer_request()
     tensors = [ov.Tensor(a, shared_memory=True) for a in feeds]
@@ -157,4 +171,4 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
     out = np.array(req.get_output_tensor(0).data, dtype=np.float32, copy=True)
     scores = np.array(req.get_output_tensor(1).data, dtype=np.float32, copy=True)
     del req, compiled, tensors
-    return out, scores, kc, vc
+    return out, scores

@@ -9,6 +9,7 @@
 //!   dispatch into a monomorphised kernel.
 //! - `reference`: plain scalar code written straight from SPEC.md; the twin every fast path is
 //!   tested against, and what [`execute_reference`] runs.
+//! - `quant`: u8 caches in OpenVINO's layout: quantization on insertion, dequantization of a row.
 //! - `fast`: tiled, parallel, SIMD kernels (the best level this CPU has, see its `mod.rs`);
 //!   what [`execute`] runs.
 //!
@@ -17,6 +18,7 @@
 pub(crate) mod bind;
 pub mod fast;
 pub(crate) mod layout;
+pub mod quant;
 pub mod reference;
 pub(crate) mod softmax;
 

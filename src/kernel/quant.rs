@@ -1,0 +1,483 @@
+//! u8 KV caches in the byte layout of OpenVINO 2026.4.1's CPU plugin: the layouts, quantization of
+//! new tokens on insertion (including the by-channel key block's re-quantization when it grows)
+//! and dequantization of one cached row. docs/contract.md ("u8 caches") states the conventions;
+//! tests/u8_cache.rs holds this code to bytes written by OpenVINO's own op.
+//!
+//! The arithmetic follows the plugin's AVX-512 build operation for operation (f32 throughout, a
+//! fused multiply-add, round half to even) for the leading multiple of 16 (by token) or 8 (by
+//! channel) elements, and its scalar tail (a true division, round half away from zero) for the
+//! rest: that split is what makes the bytes equal for head and group sizes that are not multiples
+//! of 16.
+
+use crate::dtype::Float;
+use crate::error::{PaError, Result};
+use crate::op::validate::SeqPlan;
+use crate::op::Plan;
+
+/// Bytes of quantization parameters per group: f32 scale, then f32 zero point.
+pub const PARAM_BYTES: usize = 8;
+
+/// What OpenVINO substitutes for a zero scale (all values of a group or channel equal).
+const ZERO_RANGE_SCALE: f32 = 0.0001;
+
+/// How keys are quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyQuant {
+    /// Per channel over the tokens of a block (OpenVINO's default): key cache
+    /// `[NB, Hkv, BS + 8, D]`, scales and zero points of the block's D channels first.
+    ByChannel,
+    /// Per token like values (`KEY_CACHE_QUANT_MODE=BY_TOKEN`), in groups of `group` channels
+    /// (0 = one group of D): key cache `[NB, Hkv, BS, D + 8 * D / group]`.
+    ByToken { group: usize },
+}
+
+/// Layout of a pair of u8 caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct U8Layout {
+    /// KV heads.
+    pub hkv: usize,
+    /// Head size.
+    pub d: usize,
+    /// Tokens per block.
+    pub bs: usize,
+    pub key: KeyQuant,
+    /// Channels per value group (0 = one group of D).
+    pub value_group: usize,
+}
+
+/// The group size a `*_CACHE_GROUP_SIZE` of `group` means for head size `d`.
+fn effective_group(group: usize, d: usize) -> usize {
+    if group == 0 {
+        d
+    } else {
+        group
+    }
+}
+
+/// Bytes of one token row quantized by token: per group, 8 parameter bytes then the group's bytes.
+/// `None` when `group` does not divide `d` (OpenVINO refuses to compile such a model).
+pub fn token_row_bytes(d: usize, group: usize) -> Option<usize> {
+    let g = effective_group(group, d);
+    if g == 0 || !d.is_multiple_of(g) {
+        return None;
+    }
+    (d / g).checked_mul(PARAM_BYTES)?.checked_add(d)
+}
+
+impl U8Layout {
+    /// Shape `[NB, Hkv, rows, cols]` of the key cache; `None` for a group that does not divide D.
+    pub fn key_cache_dims(&self, nb: usize) -> Option<[usize; 4]> {
+        let hkv = self.hkv;
+        match self.key {
+            KeyQuant::ByChannel => Some([nb, hkv, self.bs.checked_add(PARAM_BYTES)?, self.d]),
+            KeyQuant::ByToken { group } => {
+                Some([nb, hkv, self.bs, token_row_bytes(self.d, group)?])
+            }
+        }
+    }
+
+    /// Shape `[NB, Hkv, BS, D + 8 * D / group]` of the value cache.
+    pub fn value_cache_dims(&self, nb: usize) -> Option<[usize; 4]> {
+        Some([
+            nb,
+            self.hkv,
+            self.bs,
+            token_row_bytes(self.d, self.value_group)?,
+        ])
+    }
+
+    /// Bytes of one (block, head) slab of the key cache.
+    fn key_slab(&self) -> usize {
+        let [_, _, rows, cols] = self
+            .key_cache_dims(1)
+            .expect("layout checked by the caller");
+        rows * cols
+    }
+
+    fn value_row(&self) -> usize {
+        token_row_bytes(self.d, self.value_group).expect("layout checked by the caller")
+    }
+
+    /// Whether every group size divides D and D, BS are non-zero.
+    pub fn is_valid(&self) -> bool {
+        self.hkv > 0
+            && self.d > 0
+            && self.bs > 0
+            && self.key_cache_dims(1).is_some()
+            && self.value_cache_dims(1).is_some()
+    }
+}
+
+fn read_f32(bytes: &[u8], i: usize) -> f32 {
+    f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes"))
+}
+
+fn write_f32(bytes: &mut [u8], i: usize, v: f32) {
+    bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn min_max(x: impl Iterator<Item = f32>) -> (f32, f32) {
+    x.fold((f32::MAX, -f32::MAX), |(lo, hi), v| (lo.min(v), hi.max(v)))
+}
+
+/// The vector path: `cvt_roundps_epi32(fma(x, 1/scale, zp))` (round half to even; out of range
+/// or NaN gives INT_MIN), clamped at 0, saturated to 255.
+#[inline(always)]
+fn q_vector(x: f32, inv_scale: f32, zp: f32) -> u8 {
+    let v = x.mul_add(inv_scale, zp).round_ties_even();
+    if !(-2147483648.0..2147483648.0).contains(&v) {
+        return 0;
+    }
+    v.clamp(0.0, 255.0) as u8
+}
+
+/// The scalar tail: `std::round(max(x / scale + zp, 0))` (round half away from zero).
+#[inline(always)]
+fn q_scalar(x: f32, scale: f32, zp: f32) -> u8 {
+    (x / scale + zp).max(0.0).round().min(255.0) as u8
+}
+
+/// `(q - zp) * scale`, two roundings, as OpenVINO dequantizes (also before re-quantizing a block).
+#[inline(always)]
+pub fn dequant(q: u8, scale: f32, zp: f32) -> f32 {
+    (q as f32 - zp) * scale
+}
+
+/// Quantizes one group of one token: writes `[scale f32][zp f32][x.len() bytes]` into `dst`.
+pub fn quantize_group(x: &[f32], dst: &mut [u8]) {
+    let (lo, hi) = min_max(x.iter().copied());
+    let mut scale = (hi - lo) / 255.0;
+    if scale == 0.0 {
+        scale = ZERO_RANGE_SCALE;
+    }
+    let zp = -lo / scale;
+    let inv = 1.0 / scale;
+    write_f32(dst, 0, scale);
+    write_f32(dst, 1, zp);
+    let vec_len = x.len() - x.len() % 16;
+    let q = &mut dst[PARAM_BYTES..PARAM_BYTES + x.len()];
+    for (i, (o, &v)) in q.iter_mut().zip(x).enumerate() {
+        *o = if i < vec_len {
+            q_vector(v, inv, zp)
+        } else {
+            q_scalar(v, scale, zp)
+        };
+    }
+}
+
+/// Quantizes a token row of `x.len()` channels into `dst` (`token_row_bytes` long), by groups.
+pub fn quantize_token_row(x: &[f32], group: usize, dst: &mut [u8]) {
+    let g = effective_group(group, x.len());
+    for (xs, ds) in x.chunks(g).zip(dst.chunks_mut(g + PARAM_BYTES)) {
+        quantize_group(xs, ds);
+    }
+}
+
+/// Dequantizes a token row (`token_row_bytes(out.len(), group)` bytes) into `out`.
+pub fn dequantize_token_row(row: &[u8], group: usize, out: &mut [f32]) {
+    let g = effective_group(group, out.len());
+    for (os, rs) in out.chunks_mut(g).zip(row.chunks(g + PARAM_BYTES)) {
+        let (scale, zp) = (read_f32(rs, 0), read_f32(rs, 1));
+        for (o, &q) in os.iter_mut().zip(&rs[PARAM_BYTES..]) {
+            *o = dequant(q, scale, zp);
+        }
+    }
+}
+
+/// Quantizes `rows` (`n x d`, row-major, `n >= 1`) as the tokens of one by-channel key block:
+/// writes the slab's scales, zero points and its first `n` rows; later rows are left alone.
+pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8]) {
+    let n = rows.len() / d;
+    // Channels 16 and 8 at a time take the vector paths (scale from the f32 reciprocal of 255);
+    // the last d % 8 the scalar one (a true division).
+    let vec_len = d - d % 8;
+    let (params, data) = slab.split_at_mut(PARAM_BYTES * d);
+    for j in 0..d {
+        let (lo, hi) = min_max((0..n).map(|t| rows[t * d + j]));
+        let mut scale = if j < vec_len {
+            (hi - lo) * (1.0f32 / 255.0)
+        } else {
+            (hi - lo) / 255.0
+        };
+        if scale == 0.0 {
+            scale += ZERO_RANGE_SCALE;
+        }
+        let zp = -lo / scale;
+        write_f32(params, j, scale);
+        write_f32(params, d + j, zp);
+        let inv = 1.0 / scale;
+        for t in 0..n {
+            let x = rows[t * d + j];
+            data[t * d + j] = if j < vec_len {
+                q_vector(x, inv, zp)
+            } else {
+                q_scalar(x, scale, zp)
+            };
+        }
+    }
+}
+
+/// Dequantizes token `slot` of a by-channel key slab into `out` (D values).
+pub fn dequantize_channel_row(slab: &[u8], slot: usize, out: &mut [f32]) {
+    let d = out.len();
+    let row = &slab[PARAM_BYTES * d + slot * d..][..d];
+    for (j, (o, &q)) in out.iter_mut().zip(row).enumerate() {
+        *o = dequant(q, read_f32(slab, j), read_f32(slab, d + j));
+    }
+}
+
+/// Appends `new_rows` (`n x d`) after the first `prev` tokens of a by-channel key slab. A block
+/// that already holds tokens is re-quantized as a whole, as OpenVINO does: its tokens are
+/// dequantized with the old parameters, the range is taken over them and the new keys, and all
+/// are quantized again (so earlier keys stay within the block's range, at the cost of a second
+/// rounding). `scratch` is reused between calls.
+pub fn insert_channel_block(
+    slab: &mut [u8],
+    d: usize,
+    prev: usize,
+    new_rows: &[f32],
+    scratch: &mut Vec<f32>,
+) {
+    if new_rows.is_empty() {
+        return;
+    }
+    if prev == 0 {
+        quantize_channel_block(new_rows, d, slab);
+        return;
+    }
+    scratch.clear();
+    scratch.resize(prev * d, 0.0);
+    for (t, row) in scratch.chunks_mut(d).enumerate() {
+        dequantize_channel_row(slab, t, row);
+    }
+    scratch.extend_from_slice(new_rows);
+    quantize_channel_block(scratch, d, slab);
+}
+
+/// Step 2 (insertion) for u8 caches laid out as `layout`: quantizes each new token's key and
+/// value rows (`[T, Hkv*D]`) into its block and slot. The plan's sequences and `block_indices`
+/// must have been validated against caches of `layout`'s shapes.
+pub fn insert_u8<Q: Float>(
+    layout: &U8Layout,
+    seqs: &[SeqPlan],
+    block_indices: &[i32],
+    key: &[Q],
+    value: &[Q],
+    key_cache: &mut [u8],
+    value_cache: &mut [u8],
+) {
+    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    let widen = |src: &[Q], token: usize, head: usize| -> Vec<f32> {
+        src[(token * hkv + head) * d..][..d]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()
+    };
+    let value_row = layout.value_row();
+    let key_slab = layout.key_slab();
+    let block_of = |sp: &SeqPlan, pos: usize| block_indices[sp.block_begin + pos / bs] as usize;
+    for sp in seqs {
+        for i in 0..sp.n {
+            let pos = sp.past + i;
+            let block = block_of(sp, pos);
+            for head in 0..hkv {
+                let row = ((block * hkv + head) * bs + pos % bs) * value_row;
+                let v = widen(value, sp.begin + i, head);
+                quantize_token_row(
+                    &v,
+                    layout.value_group,
+                    &mut value_cache[row..row + value_row],
+                );
+                if let KeyQuant::ByToken { group } = layout.key {
+                    let k = widen(key, sp.begin + i, head);
+                    let kr = key_slab / bs;
+                    let row = ((block * hkv + head) * bs + pos % bs) * kr;
+                    quantize_token_row(&k, group, &mut key_cache[row..row + kr]);
+                }
+            }
+        }
+    }
+    if layout.key != KeyQuant::ByChannel {
+        return;
+    }
+    let mut scratch = Vec::new();
+    let mut new_rows = Vec::new();
+    for sp in seqs {
+        // Block by block: the part of the new tokens that falls into each block.
+        let mut pos = sp.past;
+        while pos < sp.past + sp.n {
+            let prev = pos % bs;
+            let take = (bs - prev).min(sp.past + sp.n - pos);
+            let block = block_of(sp, pos);
+            for head in 0..hkv {
+                new_rows.clear();
+                for t in 0..take {
+                    new_rows.extend(widen(key, sp.begin + (pos - sp.past) + t, head));
+                }
+                let at = (block * hkv + head) * key_slab;
+                let slab = &mut key_cache[at..at + key_slab];
+                insert_channel_block(slab, d, prev, &new_rows, &mut scratch);
+            }
+            pos += take;
+        }
+    }
+}
+
+/// Dequantizes the key of (block, head, slot) into `out` (D values).
+pub fn key_row(
+    layout: &U8Layout,
+    kc: &[u8],
+    block: usize,
+    head: usize,
+    slot: usize,
+    out: &mut [f32],
+) {
+    let hkv = layout.hkv;
+    let slab_len = layout.key_slab();
+    let slab = &kc[(block * hkv + head) * slab_len..][..slab_len];
+    match layout.key {
+        KeyQuant::ByChannel => dequantize_channel_row(slab, slot, out),
+        KeyQuant::ByToken { group } => {
+            let r = slab_len / layout.bs;
+            dequantize_token_row(&slab[slot * r..(slot + 1) * r], group, out)
+        }
+    }
+}
+
+/// Dequantizes the value of (block, head, slot) into `out` (D values).
+pub fn value_row(
+    layout: &U8Layout,
+    vc: &[u8],
+    block: usize,
+    head: usize,
+    slot: usize,
+    out: &mut [f32],
+) {
+    let r = layout.value_row();
+    let at = ((block * layout.hkv + head) * layout.bs + slot) * r;
+    dequantize_token_row(&vc[at..at + r], layout.value_group, out);
+}
+
+/// The caches dequantized to f32 `[NB, Hkv, BS, D]`, for the reference twin only: a fast kernel
+/// dequantizes the rows it reads, never the whole cache.
+fn dequantize_caches(
+    layout: &U8Layout,
+    nb: usize,
+    kc: &[u8],
+    vc: &[u8],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    let len = [nb, hkv, bs, d, std::mem::size_of::<f32>()]
+        .iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| PaError::InvalidArgument {
+            detail: format!("u8 caches of {nb} blocks are too large to widen"),
+        })?;
+    let mut k = vec![0f32; len / 4];
+    let mut v = vec![0f32; len / 4];
+    for (i, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+        let (block, head, slot) = (i / (hkv * bs), i / bs % hkv, i % bs);
+        key_row(layout, kc, block, head, slot, kr);
+        value_row(layout, vc, block, head, slot, vr);
+    }
+    Ok((k, v))
+}
+
+/// Steps 2-4 on u8 caches with the scalar reference kernels: quantizes the new tokens into the
+/// caches, then runs the reference attention and scores over the dequantized caches. `plan` is the
+/// call validated with the caches' logical shape `[NB, Hkv, BS, D]`; rotation is not supported
+/// yet.
+#[allow(clippy::too_many_arguments)]
+pub fn run_reference_u8<Q: Float>(
+    plan: &Plan,
+    layout: &U8Layout,
+    query: &[Q],
+    key: &[Q],
+    value: &[Q],
+    block_indices: &[i32],
+    key_cache: &mut [u8],
+    value_cache: &mut [u8],
+    output: &mut [Q],
+    scores: &mut [Q],
+) -> Result<()> {
+    if plan.rotation.is_some() {
+        return Err(PaError::InvalidArgument {
+            detail: "rotation of a u8 key cache is not implemented yet".into(),
+        });
+    }
+    let expect = |what: &str, got: usize, want: Option<[usize; 4]>| match want {
+        Some(dims) if dims.iter().product::<usize>() == got => Ok(()),
+        _ => Err(PaError::InvalidArgument {
+            detail: format!("{what}: {got} bytes do not match the u8 layout {want:?}"),
+        }),
+    };
+    if !layout.is_valid() || layout.d != plan.d || layout.bs != plan.bs || layout.hkv != plan.hkv {
+        return Err(PaError::InvalidArgument {
+            detail: format!("u8 layout {layout:?} does not match the call"),
+        });
+    }
+    expect("key_cache", key_cache.len(), layout.key_cache_dims(plan.nb))?;
+    expect(
+        "value_cache",
+        value_cache.len(),
+        layout.value_cache_dims(plan.nb),
+    )?;
+    insert_u8(
+        layout,
+        &plan.seqs,
+        block_indices,
+        key,
+        value,
+        key_cache,
+        value_cache,
+    );
+    let (kc, vc) = dequantize_caches(layout, plan.nb, key_cache, value_cache)?;
+    let stats = super::reference::attention(plan, query, &kc, &vc, block_indices, output);
+    super::reference::scores_ref(plan, query, &kc, block_indices, &stats, scores);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_row_sizes_match_the_plugin_ports() {
+        // as the plugin reports its ports for D = 64 (tools/ov_u8_cache.py check)
+        assert_eq!(token_row_bytes(64, 0), Some(72));
+        assert_eq!(token_row_bytes(64, 16), Some(96));
+        assert_eq!(token_row_bytes(64, 32), Some(80));
+        assert_eq!(token_row_bytes(64, 12), None);
+        assert_eq!(token_row_bytes(64, 128), None);
+        let l = U8Layout {
+            hkv: 2,
+            d: 64,
+            bs: 32,
+            key: KeyQuant::ByChannel,
+            value_group: 0,
+        };
+        assert_eq!(l.key_cache_dims(3), Some([3, 2, 40, 64]));
+        assert_eq!(l.value_cache_dims(3), Some([3, 2, 32, 72]));
+    }
+
+    #[test]
+    fn rounding_of_the_two_paths_differs_on_ties() {
+        // scale 1, zp 0: x = 2.5 is a tie; vector path -> even (2), scalar tail -> away (3)
+        assert_eq!(q_vector(2.5, 1.0, 0.0), 2);
+        assert_eq!(q_scalar(2.5, 1.0, 0.0), 3);
+        assert_eq!(q_vector(-3.0, 1.0, 0.0), 0);
+        assert_eq!(q_vector(300.0, 1.0, 0.0), 255);
+        assert_eq!(q_vector(f32::NAN, 1.0, 0.0), 0);
+    }
+
+    #[test]
+    fn constant_group_uses_the_substitute_scale() {
+        let x = [1.5f32; 16];
+        let mut dst = [0u8; 24];
+        quantize_group(&x, &mut dst);
+        assert_eq!(read_f32(&dst, 0), ZERO_RANGE_SCALE);
+        let mut back = [0f32; 16];
+        dequantize_token_row(&dst, 0, &mut back);
+        assert!(back.iter().all(|&v| (v - 1.5).abs() < 1e-4), "{back:?}");
+    }
+}

@@ -1,0 +1,225 @@
+//! The scalar reference path over u8 caches (`kernel::quant::run_reference_u8`) against the float64
+//! reference (tests/common/ref64.rs) run over the dequantized caches, on seeded random calls that
+//! mix prefill, chunked prefill, decode and empty sequences, for every u8 layout variant.
+
+mod common;
+
+use common::ref64::{gen_case, reference, Case, Features, Geometry};
+use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::op::validate::SeqPlan;
+use paged_attention::{ElemType, Float};
+
+const LAYOUTS: [(KeyQuant, usize); 4] = [
+    (KeyQuant::ByChannel, 0),
+    (KeyQuant::ByChannel, 16),
+    (KeyQuant::ByToken { group: 0 }, 0),
+    (KeyQuant::ByToken { group: 8 }, 32),
+];
+
+/// Rows `[T, Hkv*D]` of the case's cache at each sequence's first `upto(s)` positions.
+fn cached_rows(c: &Case, cache: &[f64], upto: impl Fn(usize) -> usize) -> Vec<f32> {
+    let mut rows = Vec::new();
+    for s in 0..c.seqs.len() {
+        for pos in 0..upto(s) {
+            for h in 0..c.hkv {
+                let r = c.row(c.block_of(s, pos), h, pos % c.bs);
+                rows.extend(cache[r..r + c.d].iter().map(|&x| x as f32));
+            }
+        }
+    }
+    rows
+}
+
+/// The past tokens of `c` quantized into fresh u8 caches, as a prefill of each sequence would.
+fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
+    let mut kc = vec![0u8; l.key_cache_dims(c.nb).unwrap().iter().product()];
+    let mut vc = vec![0u8; l.value_cache_dims(c.nb).unwrap().iter().product()];
+    let mut begin = 0;
+    let seqs: Vec<SeqPlan> = c
+        .seqs
+        .iter()
+        .enumerate()
+        .map(|(s, sq)| {
+            let sp = SeqPlan {
+                past: 0,
+                begin,
+                n: sq.past,
+                block_begin: c.block_indices_begins[s] as usize,
+                score_tokens: 0,
+                score_offset: 0,
+            };
+            begin += sq.past;
+            sp
+        })
+        .collect();
+    let keys = cached_rows(c, &c.key_cache, |s| c.seqs[s].past);
+    let values = cached_rows(c, &c.value_cache, |s| c.seqs[s].past);
+    quant::insert_u8(l, &seqs, &c.block_indices, &keys, &values, &mut kc, &mut vc);
+    (kc, vc)
+}
+
+/// `c` with its caches replaced by the dequantized u8 caches (after the call) and its new keys and
+/// values by their dequantized rows, so the float64 reference inserts exactly what the u8 cache
+/// holds.
+fn dequantized_case(c: &Case, l: &U8Layout, kc: &[u8], vc: &[u8]) -> Case {
+    let mut out = c.clone();
+    let mut row = vec![0f32; c.d];
+    for block in 0..c.nb {
+        for h in 0..c.hkv {
+            for slot in 0..c.bs {
+                let r = c.row(block, h, slot);
+                quant::key_row(l, kc, block, h, slot, &mut row);
+                out.key_cache[r..r + c.d]
+                    .iter_mut()
+                    .zip(&row)
+                    .for_each(|(o, &x)| *o = x as f64);
+                quant::value_row(l, vc, block, h, slot, &mut row);
+                out.value_cache[r..r + c.d]
+                    .iter_mut()
+                    .zip(&row)
+                    .for_each(|(o, &x)| *o = x as f64);
+            }
+        }
+    }
+    let mut t = 0;
+    for (s, sq) in c.seqs.iter().enumerate() {
+        for i in 0..sq.n {
+            let pos = sq.past + i;
+            for h in 0..c.hkv {
+                let r = c.row(c.block_of(s, pos), h, pos % c.bs);
+                let dst = (t * c.hkv + h) * c.d;
+                out.key[dst..dst + c.d].copy_from_slice(&out.key_cache[r..r + c.d]);
+                out.value[dst..dst + c.d].copy_from_slice(&out.value_cache[r..r + c.d]);
+            }
+            t += 1;
+        }
+    }
+    out
+}
+
+fn typed<Q: Float>(v: &[f64]) -> Vec<Q> {
+    v.iter().map(|&x| Q::from_f32(x as f32)).collect()
+}
+
+/// Runs one case on u8 caches with query type Q; returns (worst output error, worst score error,
+/// worst output distance to float64 attention over the unquantized caches).
+fn run_case<Q: Float>(c: &Case, l: &U8Layout) -> (f64, f64, f64) {
+    let plan = c.to_call().validate().expect("generated case validates");
+    let (mut kc, mut vc) = u8_caches_with_past(c, l);
+    let mut out = vec![Q::from_f32(f32::NAN); c.t() * c.h * c.d];
+    let mut scores = vec![Q::from_f32(f32::NAN); c.scores_len()];
+    quant::run_reference_u8(
+        &plan,
+        l,
+        &typed::<Q>(&c.query),
+        &typed::<Q>(&c.key),
+        &typed::<Q>(&c.value),
+        &c.block_indices,
+        &mut kc,
+        &mut vc,
+        &mut out,
+        &mut scores,
+    )
+    .expect("run_reference_u8");
+    let want = reference(&dequantized_case(c, l, &kc, &vc));
+    let exact = reference(c);
+    let err = |got: &[Q], want: &[f64]| {
+        assert_eq!(got.len(), want.len());
+        got.iter()
+            .zip(want)
+            .map(|(g, w)| (g.to_f32() as f64 - w).abs() / (1.0 + w.abs()))
+            .fold(0.0, f64::max)
+    };
+    (
+        err(&out, &want.output),
+        err(&scores, &want.scores),
+        err(&out, &exact.output),
+    )
+}
+
+fn features() -> Features {
+    Features {
+        rotation: Some(false),
+        ..Features::default()
+    }
+}
+
+fn check(qt: ElemType, tol: f64, seeds: std::ops::Range<u64>) {
+    let mut worst_vs_exact: f64 = 0.0;
+    for (key, value_group) in LAYOUTS {
+        for (hkv, g, d) in [(2, 2, 64), (1, 4, 32), (2, 1, 128)] {
+            if value_group > d {
+                continue;
+            }
+            let geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 32);
+            let l = U8Layout {
+                hkv,
+                d,
+                bs: 32,
+                key,
+                value_group,
+            };
+            for seed in seeds.clone() {
+                let c = gen_case(seed, &geo, &features());
+                let (o, s, e) = match qt {
+                    ElemType::F32 => run_case::<f32>(&c, &l),
+                    ElemType::BF16 => run_case::<half::bf16>(&c, &l),
+                    _ => run_case::<half::f16>(&c, &l),
+                };
+                assert!(
+                    o <= tol && s <= tol,
+                    "{l:?} seed {seed}: output {o:e}, scores {s:e} > {tol:e}\n{}",
+                    c.describe()
+                );
+                worst_vs_exact = worst_vs_exact.max(e);
+            }
+        }
+    }
+    // what quantization costs, for the record (not a bound of this test)
+    println!(
+        "{qt}: worst output distance to attention over unquantized caches: {worst_vs_exact:.3e}"
+    );
+}
+
+#[test]
+fn f32_query_matches_float64_over_dequantized_caches() {
+    check(ElemType::F32, 2e-5, 0..12);
+}
+
+#[test]
+fn bf16_query_matches_float64_over_dequantized_caches() {
+    check(ElemType::BF16, 1e-2, 100..106);
+}
+
+#[test]
+fn wrong_cache_size_is_an_error() {
+    let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
+    let c = gen_case(3, &geo, &features());
+    let plan = c.to_call().validate().unwrap();
+    let l = U8Layout {
+        hkv: 2,
+        d: 64,
+        bs: 32,
+        key: KeyQuant::ByChannel,
+        value_group: 0,
+    };
+    let (mut kc, mut vc) = u8_caches_with_past(&c, &l);
+    kc.pop();
+    let mut out = vec![0f32; c.t() * c.h * c.d];
+    let mut scores = vec![0f32; c.scores_len()];
+    let q = typed::<f32>(&c.query);
+    let err = quant::run_reference_u8(
+        &plan,
+        &l,
+        &q,
+        &q[..0],
+        &q[..0],
+        &c.block_indices,
+        &mut kc,
+        &mut vc,
+        &mut out,
+        &mut scores,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("key_cache"), "{err}");
+}
