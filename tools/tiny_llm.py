@@ -12,10 +12,9 @@ form transformers builds for gpt-oss: ``kv_idx > q_idx - w`` in a chain of Bitwi
 (``openvino._offline_transformations``) matches: it replaces every SDPA with a
 ``PagedAttentionExtension`` node, unmodified.
 
-``to_paged(model, block_size, cache_type)`` applies that transformation and gives the cache
-Parameters (which it leaves with a dynamic type and rank-4 shape) the type and
-``[?, Hkv, block_size, D]`` shape GenAI would give them; ``paged_inputs`` builds a step's inputs
-from a block table. ``python tools/tiny_llm.py OUT_DIR`` writes the stateful IR of each variant.
+``pa_convert.to_paged`` applies that transformation (and types the caches);
+``pa_convert.convert_model`` then writes the model with our op. ``python tools/tiny_llm.py OUT_DIR``
+writes the stateful IR of each variant.
 """
 from __future__ import annotations
 
@@ -180,34 +179,6 @@ def build(cfg: Config) -> ov.Model:
     res = ops.result(logits)
     res.output(0).get_tensor().set_names({"logits"})
     return ov.Model([res], sinks, params, f"tiny_llm_{cfg.name}")
-
-
-# ------------------------------------------------------------------------------ paged form
-PA_TYPE = "PagedAttentionExtension"
-
-
-def to_paged(model: ov.Model, block_size: int = 32, cache_type=ov.Type.f32) -> ov.Model:
-    """Applies OpenVINO's ``paged_attention_transformation`` (in place) and types the cache
-    Parameters ``key_cache.N`` / ``value_cache.N`` as ``cache_type [?, Hkv, block_size, D]`` from
-    the PA node's rt_info (num_k_heads, k_head_size, ...), as GenAI does before compiling."""
-    from openvino._offline_transformations import paged_attention_transformation
-
-    paged_attention_transformation(model)
-    for node in model.get_ordered_ops():
-        if node.get_type_name() != PA_TYPE:
-            continue
-        rt = node.get_rt_info()
-        for port, heads, size in ((3, "num_k_heads", "k_head_size"), (4, "num_v_heads", "v_head_size")):
-            param = node.input_value(port).get_node()
-            param.set_element_type(cache_type)
-            param.set_partial_shape(ov.PartialShape(
-                [-1, int(rt[heads].astype(int)), block_size, int(rt[size].astype(int))]))
-    model.validate_nodes_and_infer_types()
-    return model
-
-
-def pa_nodes(model: ov.Model, type_name: str = PA_TYPE):
-    return [n for n in model.get_ordered_ops() if n.get_type_name() == type_name]
 
 
 def main():
