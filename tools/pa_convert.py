@@ -272,8 +272,11 @@ def convert_model(model, out_xml, block_size: int = 32, cache_type: str = "f32")
 
 def convert_file(in_xml, out_xml, block_size: int = 32, cache_type: str = "f32") -> int:
     in_xml = Path(in_xml)
-    if f'type="{BUILTIN_TYPE}"' in in_xml.read_text(encoding="utf-8"):
+    text = in_xml.read_text(encoding="utf-8")
+    if f'type="{BUILTIN_TYPE}"' in text:
         return convert_ir(in_xml, out_xml)
+    if f'type="{OUR_TYPE}" version="{OUR_VERSION}"' in text:
+        raise Unsupported(f"{in_xml} already uses {OUR_TYPE} ({OUR_VERSION}): nothing to convert")
     import openvino as ov
 
     return convert_model(ov.Core().read_model(in_xml), out_xml, block_size, cache_type)
