@@ -4,7 +4,7 @@ a paged graph by OpenVINO's own ``paged_attention_transformation`` (built-in
 with the extension loaded (``$PA_EXTENSION_LIB``, default target/release/libpaged_attention.so).
 
 Truth is OpenVINO: the stateful SDPA model checks the paged graph the transformation made, and the
-built-in op runs the same schedule as ours (prefills of several prompts in one call, chunked
+built-in op runs the same schedule as ours (tools/generate.py ``serve``: prefills of several prompts in one call, chunked
 prefill, requests joining while others decode, blocks handed out in shuffled order). Each model
 decodes greedily from its own logits: the tokens must be identical and the logits of every step
 within 1e-4 (f32 caches, f32 inference).
@@ -22,6 +22,7 @@ import pytest
 
 import pa_convert
 import tiny_llm
+from generate import Request, serve
 from paged_model import F32_CONFIG, PagedModel, Seq
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,51 +115,6 @@ def test_sliding_window_is_in_effect(core):
 
 # ------------------------------------------------------------------ ours vs built-in, a schedule
 
-class Request:
-    def __init__(self, prompt, arrive, chunk):
-        self.prompt, self.arrive, self.chunk = prompt, arrive, chunk
-        self.done = 0  # tokens in the cache
-        self.out = []  # generated tokens
-        self.blocks = []
-
-
-def serve(model_a, model_b, requests, steps, rng):
-    """Runs both models on the same schedule; each decodes greedily from its own logits.
-    Returns (max logit difference, tokens of a, tokens of b, number of calls)."""
-    free = list(rng.permutation(NUM_BLOCKS))
-    worst, calls = 0.0, 0
-    out_b = {id(r): [] for r in requests}
-    for step in range(steps):
-        live = [r for r in requests if r.arrive <= step]
-        if not live:
-            continue
-        seqs = []
-        for r in live:
-            if r.done < len(r.prompt):
-                new = r.prompt[r.done:r.done + r.chunk]
-            else:
-                new = [r.out[-1]]
-            need = -(-(r.done + len(new)) // BS)
-            while len(r.blocks) < need:
-                r.blocks.append(int(free.pop()))
-            seqs.append((r, Seq(new, r.done, list(r.blocks))))
-        a = model_a.step([s for _, s in seqs])
-        b = model_b.step([s for _, s in seqs])
-        calls += 1
-        assert a.shape == b.shape
-        worst = max(worst, float(np.abs(a - b).max()))
-        assert worst <= TOL, f"step {step}: logits differ by {worst}"
-        end = 0
-        for r, s in seqs:
-            end += len(s.tokens)
-            r.done += len(s.tokens)
-            if r.done >= len(r.prompt):  # the last row of a finished prefill or a decode
-                r.out.append(int(np.argmax(a[end - 1])))
-                out_b[id(r)].append(int(np.argmax(b[end - 1])))
-                assert r.out == out_b[id(r)], f"step {step}: greedy tokens differ"
-    return worst, calls
-
-
 def test_converted_model_matches_builtin(pair):
     cfg, builtin, ours, _ = pair
     rng = np.random.default_rng(11)
@@ -172,17 +128,31 @@ def test_converted_model_matches_builtin(pair):
     ]
     a = PagedModel(builtin, NUM_BLOCKS)
     b = PagedModel(ours, NUM_BLOCKS)
-    worst, calls = serve(a, b, requests, 80, rng)
-    assert calls == 80
-    assert min(len(r.out) for r in requests) >= 64
+    seen = {"calls": 0, "worst": 0.0, "mixed": 0}
+
+    def check(step, logits, reqs):
+        seen["calls"] += 1
+        assert logits[0].shape == logits[1].shape
+        diff = float(np.abs(logits[0] - logits[1]).max())
+        assert diff <= TOL, f"step {step}: logits differ by {diff}"
+        seen["worst"] = max(seen["worst"], diff)
+        live = [r for r in reqs if r.arrive <= step]
+        if any(r.done < len(r.prompt) + 1 for r in live) and any(r.done > len(r.prompt) for r in live):
+            seen["mixed"] += 1  # a prefill and a decode in the same call
+        for r in reqs:
+            assert r.out.get(0) == r.out.get(1), f"step {step}: greedy tokens differ"
+
+    serve([a, b], requests, 80, NUM_BLOCKS, rng, check)
+    assert seen["calls"] == 80 and seen["mixed"] >= 3
+    assert min(len(r.out[0]) for r in requests) >= 64
     # The caches hold the same tokens (slots in use only: the built-in op writes past a sequence's
     # end in its last block).
     for name, cache in a.caches.items():
         for r in requests:
-            for j in range(r.done - 1):  # the last generated token is not in the cache yet
+            for j in range(r.done):
                 blk, slot = r.blocks[j // BS], j % BS
                 np.testing.assert_allclose(b.caches[name][blk, :, slot], cache[blk, :, slot], atol=TOL, rtol=0)
-    print(f"{cfg.name}: {calls} calls, max |logits ours - built-in| = {worst:.2e}")
+    print(f"{cfg.name}: {seen['calls']} calls, max |logits ours - built-in| = {seen['worst']:.2e}")
 
 
 def test_converted_file_roundtrip(pair, core, tmp_path):
