@@ -1,0 +1,262 @@
+"""A real (tiny) LLM graph on our op: tools/tiny_llm.py's stateful Llama-shaped decoder, turned into
+a paged graph by OpenVINO's own ``paged_attention_transformation`` (built-in
+``PagedAttentionExtension``), then converted by tools/pa_convert.py to our ``PagedAttention`` and run
+with the extension loaded (``$PA_EXTENSION_LIB``, default target/release/libpaged_attention.so).
+
+Truth is OpenVINO: the stateful SDPA model checks the paged graph the transformation made, and the
+built-in op runs the same schedule as ours (tools/generate.py ``serve``: prefills of several prompts in one call, chunked
+prefill, requests joining while others decode, blocks handed out in shuffled order). Each model
+decodes greedily from its own logits: the tokens must be identical and the logits of every step
+within 1e-4 (f32 caches, f32 inference).
+"""
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+
+import pa_convert
+import tiny_llm
+from generate import Request, serve
+from paged_model import F32_CONFIG, PagedModel, Seq
+
+ROOT = Path(__file__).resolve().parents[2]
+EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention.so"))
+TOL = 1e-4
+BS = 32
+NUM_BLOCKS = 40
+
+
+@pytest.fixture(scope="module")
+def core():
+    if not EXT_LIB.is_file():
+        pytest.fail(f"{EXT_LIB} not found: build it with `cargo build --release --features openvino`")
+    c = ov.Core()
+    c.add_extension(str(EXT_LIB))
+    return c
+
+
+def paged(name):
+    """A fresh paged (built-in PA) model of variant ``name``."""
+    return pa_convert.to_paged(tiny_llm.build(tiny_llm.VARIANTS[name]), BS)
+
+
+@pytest.fixture(scope="module", params=sorted(tiny_llm.VARIANTS))
+def pair(request, core, tmp_path_factory):
+    """(config, built-in PA model compiled, ours compiled, converted xml path) for one variant."""
+    name = request.param
+    cfg = tiny_llm.VARIANTS[name]
+    model = paged(name)
+    assert len(pa_convert.pa_nodes(model)) == cfg.layers
+    builtin = core.compile_model(model, "CPU", F32_CONFIG)
+    out = tmp_path_factory.mktemp(name) / "model_pa.xml"
+    assert pa_convert.convert_model(model, out) == cfg.layers
+    ours_model = core.read_model(out)
+    ours_nodes = pa_convert.pa_nodes(ours_model, "PagedAttention")
+    assert len(ours_nodes) == cfg.layers
+    assert not pa_convert.pa_nodes(ours_model)
+    for n in ours_nodes:
+        assert (n.get_input_size(), n.get_output_size()) == (16, 2)
+    ours = core.compile_model(ours_model, "CPU", F32_CONFIG)
+    return cfg, builtin, ours, out
+
+
+# ------------------------------------------------------------------ the paged graph is right
+
+def stateful_logits(core, cfg, tokens, prompt_len):
+    """Logits of the stateful SDPA model: prefill ``tokens[:prompt_len]``, then one token a step."""
+    req = core.compile_model(tiny_llm.build(cfg), "CPU", F32_CONFIG).create_infer_request()
+
+    def run(ids, start):
+        return req.infer({"input_ids": np.array([ids]), "attention_mask": np.ones((1, start + len(ids)), np.int64),
+                          "position_ids": np.arange(start, start + len(ids))[None],
+                          "beam_idx": np.zeros(1, np.int32)})[0][0]
+
+    rows = [run(tokens[:prompt_len], 0)]
+    for p in range(prompt_len, len(tokens)):
+        rows.append(run([tokens[p]], p))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("name", sorted(tiny_llm.VARIANTS))
+def test_transformed_graph_matches_stateful_model(core, name):
+    """OpenVINO's transformation accepted the generated graph unmodified and the built-in op
+    reproduces the stateful model (a prompt, then decode past the sliding window)."""
+    cfg = tiny_llm.VARIANTS[name]
+    rng = np.random.default_rng(7)
+    tokens = [int(t) for t in rng.integers(0, cfg.vocab, 60)]
+    want = stateful_logits(core, cfg, tokens, 45)
+    run = PagedModel(core.compile_model(paged(name), "CPU", F32_CONFIG), 4)
+    blocks = [2, 0]
+    got = [run.step([Seq(tokens[:45], 0, blocks)])]
+    for p in range(45, 60):
+        got.append(run.step([Seq([tokens[p]], p, blocks)]))
+    got = np.concatenate(got)
+    assert got.shape == want.shape == (60, cfg.vocab)
+    assert np.abs(got - want).max() <= TOL
+
+
+def test_sliding_window_is_in_effect(core):
+    """The window variant's graph differs from the same weights without a window once a query
+    sees more than `w` keys (so the comparisons above exercise the window)."""
+    cfg = tiny_llm.VARIANTS["sliding_window"]
+    assert 0 < cfg.sliding_window < 45
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, cfg.vocab, 60)]
+    with_w = stateful_logits(core, cfg, tokens, 45)
+    without = stateful_logits(core, tiny_llm.Config(**{**cfg.__dict__, "sliding_window": 0}), tokens, 45)
+    assert np.abs(with_w[: cfg.sliding_window] - without[: cfg.sliding_window]).max() <= TOL
+    assert np.abs(with_w[cfg.sliding_window + 1:] - without[cfg.sliding_window + 1:]).max() > 1e-2
+
+
+# ------------------------------------------------------------------ ours vs built-in, a schedule
+
+def test_converted_model_matches_builtin(pair):
+    cfg, builtin, ours, _ = pair
+    rng = np.random.default_rng(11)
+    prompt = lambda n: [int(t) for t in rng.integers(0, cfg.vocab, n)]  # noqa: E731
+    requests = [
+        Request(prompt(5), 0, 64),
+        Request(prompt(33), 0, 64),
+        Request(prompt(100), 2, 48),  # chunked prefill: 48 + 48 + 4 tokens
+        Request(prompt(64), 5, 64),
+        Request(prompt(1), 9, 64),
+    ]
+    a = PagedModel(builtin, NUM_BLOCKS)
+    b = PagedModel(ours, NUM_BLOCKS)
+    seen = {"calls": 0, "worst": 0.0, "mixed": 0}
+
+    def check(step, logits, reqs):
+        seen["calls"] += 1
+        assert logits[0].shape == logits[1].shape
+        diff = float(np.abs(logits[0] - logits[1]).max())
+        assert diff <= TOL, f"step {step}: logits differ by {diff}"
+        seen["worst"] = max(seen["worst"], diff)
+        live = [r for r in reqs if r.arrive <= step]
+        if any(r.done < len(r.prompt) + 1 for r in live) and any(r.done > len(r.prompt) for r in live):
+            seen["mixed"] += 1  # a prefill and a decode in the same call
+        for r in reqs:
+            assert r.out.get(0) == r.out.get(1), f"step {step}: greedy tokens differ"
+
+    serve([a, b], requests, 80, NUM_BLOCKS, rng, check)
+    assert seen["calls"] == 80 and seen["mixed"] >= 3
+    assert min(len(r.out[0]) for r in requests) >= 64
+    # The caches hold the same tokens (slots in use only: the built-in op writes past a sequence's
+    # end in its last block).
+    for name, cache in a.caches.items():
+        for r in requests:
+            for j in range(r.done):
+                blk, slot = r.blocks[j // BS], j % BS
+                np.testing.assert_allclose(b.caches[name][blk, :, slot], cache[blk, :, slot], atol=TOL, rtol=0)
+    print(f"{cfg.name}: {seen['calls']} calls, max |logits ours - built-in| = {seen['worst']:.2e}")
+
+
+def test_converted_file_roundtrip(pair, core, tmp_path):
+    """The CLI takes the stateful IR (as optimum-intel writes it) and gives the same model as the
+    in-memory path; converting the saved PagedAttentionExtension IR gives it too."""
+    cfg, _, ours, converted = pair
+    stateful = tmp_path / "openvino_model.xml"
+    ov.save_model(tiny_llm.build(cfg), stateful, compress_to_fp16=False)
+    out = tmp_path / "cli.xml"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), str(stateful), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    saved_builtin = tmp_path / "builtin_pa.xml"
+    ov.save_model(paged(cfg.name), saved_builtin, compress_to_fp16=False)
+    out2 = tmp_path / "from_pa_ir.xml"
+    assert pa_convert.convert_file(saved_builtin, out2) == cfg.layers
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab, 40)]
+    want = PagedModel(ours, 4).step([Seq(tokens, 0, [1, 3])])
+    for path in (out, out2):
+        got = PagedModel(core.compile_model(core.read_model(path), "CPU", F32_CONFIG), 4).step(
+            [Seq(tokens, 0, [1, 3])])
+        assert np.abs(got - want).max() <= 1e-6
+    # Converting our own output again is refused, not silently passed through.
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), str(out), str(tmp_path / "x.xml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "already uses PagedAttention" in r.stderr
+
+
+# ------------------------------------------------------------------ refusals
+
+def with_input(port, value):
+    """A paged gqa4 model whose first PA node gets ``value`` (a Node) on ``port``."""
+    model = paged("gqa4")
+    pa_convert.pa_nodes(model)[0].input(port).replace_source_output(value.output(0))
+    return model
+
+
+REFUSED = [
+    (17, "xattention_threshold", lambda: ops.constant(np.array([0.9], np.float32))),
+    (18, "xattention_block_size", lambda: ops.constant(np.array(128, np.int32))),
+    (20, "sinks", lambda: ops.constant(np.full([1, 8, 1, 1], 0.5, np.float32))),
+    (21, "adaptive_rkv_start_size", lambda: ops.parameter([], ov.Type.i32, name="rkv_start")),
+    (25, "token_type_ids", lambda: ops.constant(np.array([1, 0], np.int32))),
+    (26, "qq_bias", lambda: ops.constant(np.array([1], np.uint8))),
+]
+
+
+@pytest.mark.parametrize("port,name,make", REFUSED, ids=[r[1] for r in REFUSED])
+def test_converter_refuses_unsupported_input(tmp_path, port, name, make):
+    value = make()
+    model = with_input(port, value)
+    if value.get_type_name() == "Parameter":  # a model input the converter cannot see the value of
+        model.add_parameters([value])
+    with pytest.raises(pa_convert.Unsupported, match=rf"input {port} \({name}\)"):
+        pa_convert.convert_model(model, tmp_path / "out.xml")
+    assert not (tmp_path / "out.xml").exists()
+
+
+def test_converter_accepts_zero_scalars_and_refuses_used_output_2(tmp_path):
+    # A zero scalar is neutral (the transformation itself writes 0 for the xattention sizes).
+    ok = with_input(19, ops.constant(np.array(0, np.int32)))
+    assert pa_convert.convert_model(ok, tmp_path / "ok.xml") == 2
+    model = paged("gqa4")
+    pa = pa_convert.pa_nodes(model)[0]
+    model.add_results([ops.result(pa.output(2))])
+    with pytest.raises(pa_convert.Unsupported, match=r"output 2 \(adaptive_rkv_diversity\) is used"):
+        pa_convert.convert_model(model, tmp_path / "out.xml")
+
+
+def test_converter_refuses_untyped_caches_and_cli_names_the_input(tmp_path):
+    from openvino._offline_transformations import paged_attention_transformation
+
+    model = tiny_llm.build(tiny_llm.VARIANTS["gqa1"])
+    paged_attention_transformation(model)  # caches left dynamic, as the transformation makes them
+    raw = tmp_path / "untyped.xml"
+    ov.save_model(model, raw, compress_to_fp16=False)
+    with pytest.raises(pa_convert.Unsupported, match=r"input 3 \(key_cache\).*key_cache\.0"):
+        pa_convert.convert_file(raw, tmp_path / "out.xml")
+    bad = tmp_path / "sinks.xml"
+    ov.save_model(with_input(20, ops.constant(np.full([1, 8, 1, 1], 0.5, np.float32))), bad,
+                  compress_to_fp16=False)
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), str(bad), str(tmp_path / "o.xml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "input 20 (sinks)" in r.stderr and "does not implement" in r.stderr
+
+
+def test_converted_ir_structure(pair):
+    """Every converted node: 16 input ports fed in our order, 2 output ports, nothing of the
+    built-in op left."""
+    cfg, _, _, path = pair
+    root = ET.parse(path).getroot()
+    layers = {lay.get("id"): lay for lay in root.iter("layer")}
+    pas = [lay for lay in layers.values() if lay.get("type") == "PagedAttention"]
+    assert len(pas) == cfg.layers and all(lay.get("version") == "ie_internal_opset" for lay in pas)
+    assert not [lay for lay in layers.values() if lay.get("type") == "PagedAttentionExtension"]
+    for lay in pas:
+        assert [p.get("id") for p in lay.find("input")] == [str(i) for i in range(16)]
+        assert [p.get("id") for p in lay.find("output")] == ["16", "17"]
+        feeds = {e.get("to-port"): layers[e.get("from-layer")] for e in root.iter("edge")
+                 if e.get("to-layer") == lay.get("id")}
+        assert sorted(feeds, key=int) == [str(i) for i in range(16)]
+        assert feeds["3"].get("name").startswith("key_cache.")
+        assert feeds["4"].get("name").startswith("value_cache.")
+        for port, name in ((5, "past_lens"), (6, "subsequence_begins"), (7, "block_indices"),
+                           (8, "block_indices_begins")):
+            assert feeds[str(port)].get("name") == name

@@ -1,0 +1,85 @@
+"""Drives a paged LLM graph step by step from Python: the inputs ``paged_attention_transformation``
+gives a model (input_ids, position_ids, past_lens, subsequence_begins, block_indices,
+block_indices_begins, max_context_len, key_cache.N, value_cache.N), whichever op sits in it
+(OpenVINO's ``PagedAttentionExtension`` or our ``PagedAttention`` after tools/pa_convert.py).
+
+The caller owns the schedule (which sequences run, their new tokens, past lengths and block
+tables); ``PagedModel`` owns the caches (one numpy array per cache input, shared with the request
+so the op's in-place writes land there) and sets every input explicitly on every call
+(OPENVINO.md: plugin bug with default tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import openvino as ov
+
+F32_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+
+_NP = {ov.Type.f32: np.float32, ov.Type.f16: np.float16, ov.Type.i32: np.int32, ov.Type.i64: np.int64}
+
+
+@dataclass
+class Seq:
+    """One sequence's part of a step: ``tokens`` new token ids at positions ``past..past+n``,
+    its cache blocks ``blocks`` (enough for past + n tokens)."""
+    tokens: list
+    past: int
+    blocks: list
+
+
+class PagedModel:
+    def __init__(self, compiled: ov.CompiledModel, num_blocks: int):
+        self.compiled = compiled
+        self.req = compiled.create_infer_request()
+        self.names = {i.get_any_name() for i in compiled.inputs}
+        self.caches = {}
+        for inp in compiled.inputs:
+            name = inp.get_any_name()
+            if name.startswith(("key_cache.", "value_cache.")):
+                ps = inp.get_partial_shape()
+                dims = [num_blocks] + [ps[i].get_length() for i in range(1, 4)]
+                self.caches[name] = np.zeros(dims, _NP[inp.get_element_type()])
+        if not self.caches:
+            raise ValueError("the model has no key_cache.N / value_cache.N inputs")
+        self.block_size = next(iter(self.caches.values())).shape[2]
+        self._keep = []
+
+    def step(self, seqs: list[Seq]) -> np.ndarray:
+        """Runs one call over ``seqs`` (in order); returns the logits of every new token, [T, V]
+        float32, rows in the order of the sequences' tokens."""
+        bs = self.block_size
+        ids, pos, past, begins, bi, bib = [], [], [], [0], [], [0]
+        for s in seqs:
+            need = -(-(s.past + len(s.tokens)) // bs)
+            if len(s.blocks) < need:
+                raise ValueError(f"{len(s.blocks)} blocks for {s.past + len(s.tokens)} tokens")
+            ids += list(s.tokens)
+            pos += range(s.past, s.past + len(s.tokens))
+            past.append(s.past)
+            begins.append(len(ids))
+            bi += list(s.blocks)
+            bib.append(len(bi))
+        feeds = {
+            "input_ids": np.array(ids, np.int64),
+            "position_ids": np.array(pos, np.int64),
+            "past_lens": np.array(past, np.int32),
+            "subsequence_begins": np.array(begins, np.int32),
+            "block_indices": np.array(bi, np.int32),
+            "block_indices_begins": np.array(bib, np.int32),
+            "max_context_len": np.array(max(p + len(s.tokens) for p, s in zip(past, seqs)), np.int32),
+        }
+        feeds.update(self.caches)
+        missing = self.names - set(feeds)
+        if missing:
+            raise ValueError(f"no value for the model inputs {sorted(missing)}")
+        tensors = {}
+        for inp in self.compiled.inputs:
+            name = inp.get_any_name()
+            tensors[name] = ov.Tensor(np.require(feeds[name], requirements="C"), shared_memory=True)
+            self.req.set_tensor(inp, tensors[name])
+        self._keep = tensors  # alive until the next call replaces them
+        self.req.infer()
+        logits = self.req.get_tensor(self.compiled.outputs[0]).data
+        return np.array(logits, dtype=np.float32, copy=True).reshape(len(ids), -1)

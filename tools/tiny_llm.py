@@ -1,0 +1,198 @@
+"""A tiny Llama-shaped decoder with seeded random weights, in the stateful form optimum-intel
+exports, built with OpenVINO's Python opset API; and the glue that turns it into a paged model.
+
+The graph: inputs ``input_ids`` i64 [B,S], ``attention_mask`` i64 [B,L], ``position_ids`` i64 [B,S],
+``beam_idx`` i32 [B]; per layer RMSNorm, Q/K/V projections, RoPE (rotate-half, as HF Llama), K/V
+read from a variable (``ReadValue``), gathered by ``beam_idx``, concatenated with the new K/V and
+written back (``Assign``), GQA by Unsqueeze-Broadcast-Reshape of K/V (HF ``repeat_kv``), an
+additive float mask built from ``attention_mask`` (causal, optionally with a sliding window in the
+form transformers builds for gpt-oss: ``kv_idx > q_idx - w`` in a chain of BitwiseAnds), then
+``ScaledDotProductAttention``, output projection, residual, SwiGLU MLP; final RMSNorm and a
+``logits`` [B,S,V] output. These are the shapes ``paged_attention_transformation``
+(``openvino._offline_transformations``) matches: it replaces every SDPA with a
+``PagedAttentionExtension`` node, unmodified.
+
+``pa_convert.to_paged`` applies that transformation (and types the caches);
+``pa_convert.convert_model`` then writes the model with our op. ``python tools/tiny_llm.py OUT_DIR``
+writes the stateful IR of each variant.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import openvino.opset6 as ops6
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    vocab: int = 320
+    hidden: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    head_size: int = 64
+    intermediate: int = 512
+    sliding_window: int = 0  # 0: none
+    scale: float | None = None  # None: SDPA's default 1/sqrt(D) (no scale input)
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    seed: int = 0
+
+
+# The variants the tests prove: GQA groups 1 and 4, a sliding window, an explicit scale.
+VARIANTS = {
+    "gqa1": Config("gqa1", heads=4, kv_heads=4, head_size=64),
+    "gqa4": Config("gqa4", heads=8, kv_heads=2, head_size=32, scale=0.2),
+    "sliding_window": Config("sliding_window", heads=8, kv_heads=2, head_size=32, sliding_window=40),
+}
+
+_NEG = float(np.finfo(np.float32).min)  # what transformers fills masked scores with
+
+
+def _c(value, dtype=np.int64):
+    return ops.constant(np.array(value, dtype=dtype))
+
+
+def _rms_norm(x, weight, eps):
+    var = ops.reduce_mean(ops.multiply(x, x), _c([-1]), keep_dims=True)
+    inv = ops.divide(_c(1.0, np.float32), ops.sqrt(ops.add(var, _c(eps, np.float32))))
+    return ops.multiply(ops.multiply(x, inv), ops.constant(weight))
+
+
+def _linear(x, w):
+    """x @ w.T (weights stored [out, in], as PyTorch does and optimum exports)."""
+    return ops.matmul(x, ops.constant(w), transpose_a=False, transpose_b=True)
+
+
+def _heads(x, n, d):
+    """[B,S,n*d] -> [B,n,S,d]."""
+    return ops.transpose(ops.reshape(x, _c([0, 0, n, d]), special_zero=True), _c([0, 2, 1, 3]))
+
+
+def _rotate_half(x, d):
+    x1 = ops.slice(x, _c([0]), _c([d // 2]), _c([1]), _c([3]))
+    x2 = ops.slice(x, _c([d // 2]), _c([d]), _c([1]), _c([3]))
+    return ops.concat([ops.negative(x2), x1], axis=-1)
+
+
+def _rope(x, cos, sin, d):
+    return ops.add(ops.multiply(x, cos), ops.multiply(_rotate_half(x, d), sin))
+
+
+def _mask(cfg, input_ids, attention_mask):
+    """Additive [B,1,S,L] mask: key j is visible to query i (position past+i) when j <= past+i,
+    attention_mask[b, j] != 0 and, with a window w, j > past+i-w."""
+    total = ops.gather(ops.shape_of(attention_mask), _c(1), _c(0))
+    cur = ops.gather(ops.shape_of(input_ids), _c(1), _c(0))
+    past = ops.subtract(total, cur)
+    q_idx = ops.unsqueeze(ops.range(past, total, _c(1), output_type="i64"), _c(1))  # [S,1]
+    kv_idx = ops.unsqueeze(ops.range(_c(0), total, _c(1), output_type="i64"), _c(0))  # [1,L]
+    causal = ops.less_equal(kv_idx, q_idx)
+    if cfg.sliding_window:
+        in_window = ops.greater(kv_idx, ops.add(q_idx, _c(-cfg.sliding_window)))
+    else:
+        in_window = ops.greater_equal(kv_idx, _c(0))
+    pad = ops.unsqueeze(ops.not_equal(attention_mask, _c(0)), _c([1, 2]))  # [B,1,1,L]
+    keep = ops.bitwise_and(causal, in_window)
+    keep = ops.bitwise_and(keep, ops.greater_equal(kv_idx, _c(0)))
+    keep = ops.bitwise_and(pad, keep)
+    keep = ops.bitwise_and(keep, ops.greater_equal(q_idx, _c(0)))
+    shape = ops.concat([ops.gather(ops.shape_of(attention_mask), _c([0]), _c(0)), _c([1]),
+                        ops.unsqueeze(cur, _c(0)), ops.unsqueeze(total, _c(0))], axis=0)
+    keep = ops.broadcast(keep, shape)
+    add = ops.select(keep, _c(0.0, np.float32), _c(_NEG, np.float32))
+    return ops.slice(add, _c([0]), ops.unsqueeze(total, _c(0)), _c([1]), _c([3]))
+
+
+def build(cfg: Config) -> ov.Model:
+    """The stateful SDPA model of ``cfg`` (weights from ``np.random.default_rng(cfg.seed)``)."""
+    rng = np.random.default_rng(cfg.seed)
+    H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
+    G = H // Hkv
+    assert H % Hkv == 0 and D % 2 == 0
+
+    def w(*shape, std=None):
+        std = std if std is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm_w():
+        return (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
+
+    input_ids = ops.parameter([-1, -1], ov.Type.i64, name="input_ids")
+    attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
+    position_ids = ops.parameter([-1, -1], ov.Type.i64, name="position_ids")
+    beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+    params = [input_ids, attention_mask, position_ids, beam_idx]
+    for p in params:
+        p.output(0).get_tensor().set_names({p.get_friendly_name()})
+
+    x = ops.gather(ops.constant(w(cfg.vocab, E, std=1.0)), input_ids, _c(0))  # [B,S,E]
+
+    # RoPE tables from position_ids: [B,1,S,D], shared by all layers.
+    inv_freq = (1.0 / cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
+    pos = ops.unsqueeze(ops.convert(position_ids, ov.Type.f32), _c(-1))  # [B,S,1]
+    freqs = ops.multiply(pos, ops.constant(inv_freq))  # [B,S,D/2]
+    emb = ops.unsqueeze(ops.concat([freqs, freqs], axis=-1), _c(1))  # [B,1,S,D]
+    cos, sin = ops.cos(emb), ops.sin(emb)
+
+    mask = _mask(cfg, input_ids, attention_mask)
+    batch = ops.gather(ops.shape_of(input_ids), _c([0]), _c(0))
+    sinks = []
+    for layer in range(cfg.layers):
+        h = _rms_norm(x, norm_w(), cfg.eps)
+        q = _rope(_heads(_linear(h, w(H * D, E)), H, D), cos, sin, D)
+        k = _rope(_heads(_linear(h, w(Hkv * D, E)), Hkv, D), cos, sin, D)
+        v = _heads(_linear(h, w(Hkv * D, E)), Hkv, D)
+        kv = []
+        for what, cur in (("key", k), ("value", v)):
+            var_id = f"past_key_values.{layer}.{what}"
+            init = ops.broadcast(_c(0.0, np.float32),
+                                 ops.concat([batch, _c([Hkv, 0, D])], axis=0))
+            past = ops6.read_value(init, var_id, ov.Type.f32, ov.PartialShape([-1, Hkv, -1, D]))
+            past = ops.gather(past, beam_idx, _c(0))
+            full = ops.concat([past, cur], axis=2)
+            sinks.append(ops6.assign(full, var_id))
+            if G > 1:  # transformers' repeat_kv
+                full = ops.unsqueeze(full, _c(2))
+                target = ops.concat([ops.gather(ops.shape_of(full), _c([0, 1]), _c(0)), _c([G]),
+                                     ops.gather(ops.shape_of(full), _c([3, 4]), _c(0))], axis=0)
+                full = ops.broadcast(full, target)
+                full = ops.reshape(full, _c([0, H, -1, D]), special_zero=True)
+            kv.append(full)
+        sdpa_in = [q, kv[0], kv[1], mask]
+        if cfg.scale is not None:
+            sdpa_in.append(_c(cfg.scale, np.float32))
+        attn = ops.scaled_dot_product_attention(*sdpa_in, causal=False)
+        attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, H * D]), special_zero=True)
+        x = ops.add(x, _linear(attn, w(E, H * D)))
+        h = _rms_norm(x, norm_w(), cfg.eps)
+        gate = ops.swish(_linear(h, w(cfg.intermediate, E)))
+        up = _linear(h, w(cfg.intermediate, E))
+        x = ops.add(x, _linear(ops.multiply(gate, up), w(E, cfg.intermediate)))
+    logits = _linear(_rms_norm(x, norm_w(), cfg.eps), w(cfg.vocab, E))
+    res = ops.result(logits)
+    res.output(0).get_tensor().set_names({"logits"})
+    return ov.Model([res], sinks, params, f"tiny_llm_{cfg.name}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--variant", choices=sorted(VARIANTS), action="append",
+                    help="variant(s) to write (default: all)")
+    args = ap.parse_args()
+    for name in args.variant or sorted(VARIANTS):
+        d = args.out_dir / name
+        d.mkdir(parents=True, exist_ok=True)
+        ov.save_model(build(VARIANTS[name]), d / "openvino_model.xml", compress_to_fp16=False)
+        print(d / "openvino_model.xml")
+
+
+if __name__ == "__main__":
+    main()
