@@ -15,9 +15,7 @@ would hand it a converted copy), and the built-in op refuses a bf16 cache under 
 AVX-512 CPUs. The C ABI path uses the library's own pool, sized with
 pa_set_num_threads. Each repetition runs the paths back to back (so machine noise hits them
 alike); the table gives min and median ms, the ratio OpenVINO built-in / ours inside OpenVINO
-(min/min), ours inside OpenVINO against the bare C ABI call (with the median ms of an infer that
-OpenVINO spends outside our node, from a PERF_COUNT twin of the model: waking its stream thread,
-shape inference, output handling; no extension can remove it), KV GB/s (cache bytes the attention
+(min/min), ours inside OpenVINO against the bare C ABI call, KV GB/s (cache bytes the attention
 must read, at the min time) and GFLOP/s (4*D flops per visible (query head, key) pair) with our
 share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run.
 Outputs of the paths are compared (max abs difference) as a sanity check. A thread-scaling table
@@ -193,27 +191,11 @@ class Call:
         cfg = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": threads}
         self._ext_compiled = core.compile_model(model, "CPU", cfg)
         self._ext_req = self._ext_compiled.create_infer_request()
-        # The same model with PERF_COUNT on, only to split an infer into our node and the rest.
-        self._prof_req = core.compile_model(model, "CPU", dict(cfg, PERF_COUNT=True)).create_infer_request()
         self._ext_tensors = []
         for i, (_, et, _, a) in enumerate(ins):
             t = ov.Tensor(a, list(a.shape), ov.Type.bf16) if et == "bf16" else ov.Tensor(a, shared_memory=True)
             self._ext_tensors.append(t)
             self._ext_req.set_input_tensor(i, t)
-            self._prof_req.set_input_tensor(i, t)
-
-    def ov_own_ms(self, reps):
-        """Median ms of an infer of our model spent outside our node (OpenVINO's own per-infer
-        work: waking its stream thread, shape inference, output handling), from PERF_COUNT."""
-        own = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            self._prof_req.infer(share_outputs=True)
-            total = (time.perf_counter() - t) * 1e3
-            node = sum(p.real_time.total_seconds() * 1e3 for p in self._prof_req.get_profiling_info()
-                       if p.node_type == "Reference")
-            own.append(total - node)
-        return statistics.median(own)
 
     def run_ext(self):
         self._ext_req.infer(share_outputs=True)
@@ -266,7 +248,7 @@ def main():
     print(f"# OpenVINO {ov.__version__.split('-')[0]}, INFERENCE_PRECISION_HINT={args.hint} for both ops, "
           f"{ncpu} CPUs; our extension: {'yes' if has_ext else 'n/a (library built without --features openvino)'}")
     hdr = ("| workload | cache | threads | ours in OV ms min / med | OV built-in ms min / med | ratio OV/ours "
-           "| ours C ABI ms min (in OV vs C ABI; OV's own ms per infer) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak) "
+           "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak) "
            "| OV GB/s | max abs diff |")
     rows = []
     first = True
@@ -319,7 +301,6 @@ def main():
                     v_out, v_sc = call.ov_outputs()
                     o_out, o_sc = call.our_outputs()
                     diff = max(float(np.abs(o_out - v_out).max()), float(np.abs(o_sc - v_sc).max()))
-                own = call.ov_own_ms(args.reps) if ext else None
                 emin = min(ext) if ext else None
                 vmin = min(ovt) if ovt else None
                 t = emin if emin is not None else omin
@@ -330,13 +311,12 @@ def main():
                            ext_med=statistics.median(ext) if ext else None,
                            ratio=(vmin / emin) if (vmin and emin) else None, gbs=gbs,
                            bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
-                           fma_pct=100 * gfl / machine["fma_gflops"], diff=diff, machine=machine,
-                           ov_own_ms=own)
+                           fma_pct=100 * gfl / machine["fma_gflops"], diff=diff, machine=machine)
                 rows.append(row)
                 ext_txt = ext_err or f"{emin:.2f} / {row['ext_med']:.2f}"
                 ov_txt = ov_err or f"{vmin:.2f} / {row['ov_med']:.2f}"
                 ratio_txt = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
-                vs = f" ({100 * (emin / omin - 1):+.0f}%; OV's own {own:.2f})" if emin else ""
+                vs = f" ({100 * (emin / omin - 1):+.0f}%)" if emin else ""
                 ov_gbs = f"{call.kv_bytes / vmin / 1e6:.1f}" if vmin else "-"
                 print(f"| {label} | {ctype} | {nthr} | {ext_txt} | {ov_txt} | {ratio_txt} | {omin:.2f}{vs} "
                       f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {ov_gbs} "

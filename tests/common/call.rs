@@ -14,11 +14,28 @@ pub enum Data {
 }
 
 /// Rounds `x` to the nearest value of float type `ty` (f64 -> storage type).
+/// `x` rounded to the nearest bf16 (ties to even), in one rounding. Not `bf16::from_f64`:
+/// half 2.x rounds some values just above a tie down (`0x3F028005` as f32 gives `0x3F02`, the
+/// nearest is `0x3F03`), which made the reference disagree with a correct kernel by one unit.
+/// Rounding to f32 with round-to-odd first keeps the second rounding exact (f32 has more than
+/// two bits beyond bf16's), the classic fix for double rounding.
+pub fn bf16_of(x: f64) -> bf16 {
+    let mut f = x as f32;
+    if f.is_finite() && f as f64 != x {
+        // Inexact: take the f32 below |x| and make its last bit odd.
+        if (f as f64).abs() > x.abs() {
+            f = f32::from_bits(f.to_bits() - 1);
+        }
+        f = f32::from_bits(f.to_bits() | 1);
+    }
+    bf16::from_f32(f)
+}
+
 pub fn round_to(ty: ElemType, x: f64) -> f64 {
     match ty {
         ElemType::F32 => x as f32 as f64,
         ElemType::F16 => f16::from_f64(x).to_f64(),
-        ElemType::BF16 => bf16::from_f64(x).to_f64(),
+        ElemType::BF16 => bf16_of(x).to_f64(),
         ElemType::I32 => panic!("round_to(i32)"),
     }
 }
@@ -28,7 +45,7 @@ impl Data {
         match ty {
             ElemType::F32 => Data::F32(v.iter().map(|&x| x as f32).collect()),
             ElemType::F16 => Data::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
-            ElemType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+            ElemType::BF16 => Data::BF16(v.iter().map(|&x| bf16_of(x)).collect()),
             ElemType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
         }
     }
@@ -92,7 +109,7 @@ impl Data {
         match self {
             Data::F32(v) => v[i] = x as f32,
             Data::F16(v) => v[i] = f16::from_f64(x),
-            Data::BF16(v) => v[i] = bf16::from_f64(x),
+            Data::BF16(v) => v[i] = bf16_of(x),
             Data::I32(v) => v[i] = x as i32,
         }
     }

@@ -32,19 +32,22 @@
 //! reference.
 //!
 //! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `amx` (the `avx512` loops, plus
-//! AMX-BF16 tiles for the QK and PV products of prefill items of a bf16 query), else `avx512`
+//! AMX-BF16 tiles for the QK and PV products of prefill items of a bf16 query or a bf16 cache), else `avx512`
 //! (AVX-512 F + BW + VL + DQ, 16-wide with masked tails), else `avx2` (AVX2 + FMA + F16C,
 //! 8-wide), else `scalar`. `PA_SIMD=scalar|avx2|avx512|amx` forces a level for a process; a
 //! level the CPU lacks gives the best one it has (the levels are nested: every AMX CPU has
 //! AVX-512, every AVX-512 CPU has AVX2). [`execute_with`] picks a level per call (tests), with
 //! the same fallback ([`SimdLevel::effective`]).
 //!
-//! Precision: an f32 or f16 query is f32 math on every level. Only a bf16 query (the model or
-//! the host's precision hint asked for bf16) lets the `amx` level round its operands to bf16:
-//! f32/f16 value rows and the softmax weights are rounded to nearest even, f32/f16 keys are
-//! split into two bf16, products are exact and summed in f32, softmax stays f32, and the result
-//! stays within 1e-2 of a float64 reference fed the same (bf16 query, cache-typed) values, as
-//! OpenVINO's own op under a bf16 hint.
+//! Precision: an f32 or f16 query is f32 math on every level. On the `amx` level, prefill
+//! items of such a query with a bf16 cache run on tiles with every operand cut into bf16 parts
+//! that sum to it (f32 query: three, f16: two, weights: three; a bf16 cache is exact), which
+//! keeps f32 accuracy (see `prefill_amx`). Only a bf16 query (the model or the host's precision
+//! hint asked for bf16) lets the `amx` level round its operands to bf16: f32/f16 value rows
+//! and the softmax weights are rounded to nearest even, f32/f16 keys are split into two bf16,
+//! products are exact and summed in f32, softmax stays f32, and the result stays within 1e-2
+//! of a float64 reference fed the same (bf16 query, cache-typed) values, as OpenVINO's own op
+//! under a bf16 hint.
 //!
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
@@ -161,10 +164,16 @@ pub fn amx_items_run() -> u64 {
     0
 }
 
-/// The AMX token when prefill items of this call may use tiles: the `Amx` level, a bf16 query
-/// (the precision rule: any other query type is f32 math) and a CPU/OS that grants AMX.
-fn amx_for<Q: 'static>(opts: FastOptions) -> Option<Amx> {
-    if opts.simd.effective() < SimdLevel::Amx || TypeId::of::<Q>() != TypeId::of::<half::bf16>() {
+/// The AMX token when prefill items of this call may use tiles: the `Amx` level, a CPU/OS that
+/// grants AMX, and a bf16 query (bf16 math on tiles) or a bf16 cache (an f32 or f16 query gets
+/// f32 math on tiles, its operands cut into bf16 parts, see `prefill_amx`). An f32 or f16
+/// cache with an f32 or f16 query stays on the AVX-512 loops: cut into two or three parts, its
+/// products cost more tile work than the FMA loops take (measured, README "Performance").
+fn amx_for<Q: 'static, C: 'static>(opts: FastOptions) -> Option<Amx> {
+    let bf16 = TypeId::of::<half::bf16>();
+    if opts.simd.effective() < SimdLevel::Amx
+        || (TypeId::of::<Q>() != bf16 && TypeId::of::<C>() != bf16)
+    {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -285,7 +294,7 @@ impl<M: TileMicro> TypedOp for Fast<M> {
             vc: b.value_cache,
             block_indices: b.block_indices,
             runner: opts.runner,
-            amx: amx_for::<Q>(opts),
+            amx: amx_for::<Q, C>(opts),
         };
         let (stats, stash) = attention::attention(m, &ctx, b.output);
         match stash {

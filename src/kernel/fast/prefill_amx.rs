@@ -1,19 +1,32 @@
-//! Step 3 for prefill items of a bf16 query on AMX-BF16 tiles: the item of `prefill` (one KV
-//! head, one query tile, all visible keys) with its two products, QK and PV, on tiles.
+//! Step 3 for prefill items on AMX-BF16 tiles (a bf16 query, or any query with a bf16 cache):
+//! the item of `prefill` (one KV head, one query tile, all visible keys) with its two
+//! products, QK and PV, on tiles.
 //!
 //! Everything else is `prefill`'s: the item geometry, masks and ALiBi (`mask_tile_strided`),
 //! the stash of score logits, the online-softmax step (`TileMicro::softmax_t`, f32) and the
 //! output writing. Keys are visited in spans of up to `SPAN` keys rather than one block at a
 //! time: one softmax step per span means fewer round trips of the accumulator through tiles.
 //!
-//! Precision (see `micro/x86/amx.rs`): the bf16 query is exact; a bf16 cache is exact; an f16
-//! or f32 cache has each key element split into two bf16 (hi + lo: exact for f16, 2^-17
-//! relative for f32) and QK runs over the doubled key width against the query row repeated,
-//! because a key rounded to bf16 moves a logit by up to `scale*sqrt(D)*|q|*2^-9`, which a sharp
-//! softmax turns into more than 1e-2 of output (seen at D=256, scale 0.38, |q| <= 3). Values
-//! are rounded to bf16 once (their error reaches the output unamplified, at most 2^-9 of
-//! |v|), the logits are scaled in f32 after the tile product (the scale is not rounded), and
-//! the softmax weights are rounded to bf16 for PV; all sums are f32.
+//! Operands are cut into bf16 parts ([`Parts`]): rounding a value, then what is left of it,
+//! and so on (part `i` is below `2^(-8i)` of the value). A product of two cut operands is the
+//! sum of the products of their parts whose orders add up to at most 2 (the rest are below
+//! 2^-24 relative together); the QK products are laid side by side along the tile's sum
+//! dimension (key row = the key parts of each product in turn, query row = the matching query
+//! parts), the PV products are one tile pass each into the same accumulator.
+//! - f32 math (an f32 or f16 query): the query in three parts (f32) or two (f16, exact), the
+//!   softmax weights in three, keys and values whole (bf16 cache: exact; the caller only
+//!   comes here with a bf16 cache, where this beats the FMA loops). Products of bf16 are exact
+//!   and summed in f32, smallest first, so the logits and outputs keep f32 accuracy (2e-6 of
+//!   float64 in `tests/amx.rs`, with a sharp softmax).
+//! - bf16 math (a bf16 query): the query is exact; a bf16 cache is exact; an f16 or f32 cache
+//!   has each key cut into two parts (exact for f16, 2^-17 relative for f32), because a key
+//!   rounded to bf16 moves a logit by up to `scale*sqrt(D)*|q|*2^-9`, which a sharp softmax
+//!   turns into more than 1e-2 of output (seen at D=256, scale 0.38, |q| <= 3). Values are
+//!   rounded to bf16 once (their error reaches the output unamplified, at most 2^-9 of |v|)
+//!   and the softmax weights are rounded to bf16 for PV.
+//!
+//! In both, the logits are scaled in f32 after the tile product (the scale is not rounded)
+//! and all sums are f32.
 //!
 //! Operands are packed once per call ([`prepack`], when the copies fit the same budget as
 //! `prefill::prewiden`), else per span from the cache.
@@ -50,17 +63,88 @@ fn dp_of(d: usize) -> usize {
     d.div_ceil(32) * 32
 }
 
-/// Whether keys of cache type `C` are split into two bf16 (every type but bf16).
-fn split<C: Float>() -> bool {
-    TypeId::of::<C>() != TypeId::of::<half::bf16>()
+/// bf16 parts of a value of type `T` that sum to it: 1 for bf16, 2 for f16 (exact), 3 for
+/// f32 (within 2^-26 relative).
+fn parts_of<T: 'static>() -> usize {
+    if TypeId::of::<T>() == TypeId::of::<half::bf16>() {
+        1
+    } else if TypeId::of::<T>() == TypeId::of::<half::f16>() {
+        2
+    } else {
+        3
+    }
 }
 
-/// Width of a packed key row: `dp`, or `2*dp` for split keys (hi in `0..dp`, lo after).
-fn kw_of<C: Float>(d: usize) -> usize {
-    if split::<C>() {
-        2 * dp_of(d)
-    } else {
-        dp_of(d)
+/// How many bf16 parts each operand of an item is cut into (see the module doc).
+#[derive(Clone, Copy, Debug)]
+struct Parts {
+    q: usize,
+    k: usize,
+    v: usize,
+    p: usize,
+}
+
+impl Parts {
+    fn of<Q: Float, C: Float>() -> Parts {
+        if TypeId::of::<Q>() == TypeId::of::<half::bf16>() {
+            // bf16 math: keys keep two parts (see the module doc), values and weights one.
+            Parts {
+                q: 1,
+                k: parts_of::<C>().min(2),
+                v: 1,
+                p: 1,
+            }
+        } else {
+            // f32 math: every operand whole.
+            Parts {
+                q: parts_of::<Q>(),
+                k: parts_of::<C>(),
+                v: parts_of::<C>(),
+                p: 3,
+            }
+        }
+    }
+
+    /// The (key part, query part) products of QK, smallest first: the tiles sum along this
+    /// order, so the small products gather in a small sum before the large ones join it (the
+    /// rounding error stays that of a plain f32 dot product).
+    fn qk(self) -> Vec<(usize, usize)> {
+        let mut t = terms(self.k, self.q);
+        t.reverse();
+        t
+    }
+
+    /// The (value part, weight part) products of PV.
+    fn pv(self) -> Vec<(usize, usize)> {
+        terms(self.v, self.p)
+    }
+
+    /// Width of a packed key row: one `dp` segment per QK product.
+    fn kw(self, d: usize) -> usize {
+        self.qk().len() * dp_of(d)
+    }
+}
+
+/// The products `(a, b)` of part `a` of one operand and part `b` of the other that a sum keeps:
+/// those with `a + b <= 2`, largest first (part `i` is below `2^(-8i)` of the value, so the
+/// dropped ones are below 2^-24 relative together).
+fn terms(na: usize, nb: usize) -> Vec<(usize, usize)> {
+    (0..=2)
+        .flat_map(|s| {
+            (0..na)
+                .filter(move |&a| a <= s && s - a < nb)
+                .map(move |a| (a, s - a))
+        })
+        .collect()
+}
+
+/// Cuts `row` (destroyed) into `n` bf16 parts, part `i` at `parts[i*stride..][..row.len()]`.
+fn cut(amx: Amx, row: &mut [f32], n: usize, parts: &mut [u16], stride: usize) {
+    for i in 0..n {
+        amx.round(row, &mut parts[i * stride..]);
+        if i + 1 < n {
+            amx.residual(row);
+        }
     }
 }
 
@@ -72,11 +156,13 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
     ctx: &Ctx<'_, Q, C>,
 ) -> Option<Packed> {
     let plan = ctx.plan;
-    let (dp, kw) = (dp_of(plan.d), kw_of::<C>(plan.d));
-    let budget = 2 * plan.t * plan.h * plan.d;
+    let parts = Parts::of::<Q, C>();
+    let (dp, kw) = (dp_of(plan.d), parts.kw(plan.d));
+    // The copies of `prewiden`, times the parts: memory per call stays O(T*H*D).
+    let budget = 2 * plan.t * plan.h * plan.d * parts.qk().len().max(parts.v);
     let (k, v, base) = per_head_regions(
         ctx,
-        |sp| ((sp.ctx() + 32) * kw, (sp.ctx() + 32) * dp),
+        |sp| ((sp.ctx() + 32) * kw, (sp.ctx() + 32) * dp * parts.v),
         budget,
         |s, kvh, ka: &mut [u16], va: &mut [u16]| {
             let n = plan.seqs[s].ctx();
@@ -105,6 +191,7 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
 struct PackScratch {
     rows: Vec<f32>,
     cols: Vec<f32>,
+    kparts: Vec<u16>,
 }
 
 thread_local! {
@@ -112,10 +199,11 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Keys `j0..j1` of KV head `kvh` of sequence `s`, rounded to bf16: key `j` into row `j - j0`
-/// of `kp` (`kw` wide, split when `C` is not bf16) and column `j - j0` of `vt` (`ld` wide).
-/// Padding columns of `kp` and rows `D..dp` of `vt` are left as they are (zero in the callers'
-/// buffers).
+/// Keys `j0..j1` of KV head `kvh` of sequence `s` cut into bf16 parts ([`Parts`]): key `j`
+/// into row `j - j0` of `kp` (`kw` wide: part `a` of each QK product `(a, b)` in turn) and
+/// column `j - j0` of `vt` (`ld` wide; rows `a*dp..a*dp + D` hold value part `a`). Padding
+/// columns of `kp` and rows `D..dp` of each part of `vt` are left as they are (zero in the
+/// callers' buffers).
 #[allow(clippy::too_many_arguments)]
 fn pack_keys<M: TileMicro, Q: Float, C: Float>(
     m: M,
@@ -132,12 +220,14 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let (d, bs) = (plan.d, plan.bs);
-    let (dp, kw) = (dp_of(d), kw_of::<C>(d));
+    let parts = Parts::of::<Q, C>();
+    let (dp, kw, qk) = (dp_of(d), parts.kw(d), parts.qk());
     let sp = &plan.seqs[s];
     // Values go through an f32 transpose 64 keys at a time (whole 8-row blocks for it).
     const CH: usize = 64;
     let rows = aligned(&mut sc.rows, CH * d);
     let cols = aligned(&mut sc.cols, d * CH);
+    let kparts = aligned(&mut sc.kparts, parts.k * d);
     let mut c0 = j0;
     while c0 < j1 {
         let c1 = (c0 + CH).min(j1);
@@ -147,13 +237,11 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
             let len = (b - a) * d;
             let stage = &mut rows[(a - c0) * d..(b - c0) * d];
             m.widen(&ctx.kc[off..off + len], stage);
-            for (jj, row) in stage.chunks_exact(d).enumerate() {
+            for (jj, row) in stage.chunks_exact_mut(d).enumerate() {
+                cut(amx, row, parts.k, kparts, d);
                 let dst = &mut kp[(a - j0 + jj) * kw..][..kw];
-                if split::<C>() {
-                    let (hi, lo) = dst.split_at_mut(dp);
-                    amx.round_split(row, hi, lo);
-                } else {
-                    amx.round(row, dst);
+                for (t, &(ka, _)) in qk.iter().enumerate() {
+                    dst[t * dp..t * dp + d].copy_from_slice(&kparts[ka * d..(ka + 1) * d]);
                 }
             }
             m.widen(&ctx.vc[off..off + len], stage);
@@ -162,7 +250,8 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
         rows[n * d..n8 * d].fill(0.0);
         m.transpose(rows, n, d, cols, n8);
         for x in 0..d {
-            amx.round(&cols[x * n8..x * n8 + n], &mut vt[x * ld + c0 - j0..]);
+            let col = &mut cols[x * n8..x * n8 + n];
+            cut(amx, col, parts.v, &mut vt[x * ld + c0 - j0..], dp * ld);
         }
         c0 = c1;
     }
@@ -242,7 +331,8 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let (h, d, g) = (plan.h, plan.d, plan.g);
-    let (dp, kw) = (dp_of(d), kw_of::<C>(d));
+    let parts = Parts::of::<Q, C>();
+    let (dp, kw, qk, pv) = (dp_of(d), parts.kw(d), parts.qk(), parts.pv());
     let ir = ItemRows::new(ctx, it);
     let sp = &plan.seqs[ir.si];
     let (rows, r32) = (ir.rows, ir.rows.div_ceil(32) * 32);
@@ -262,19 +352,22 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         pack,
     } = sc;
 
-    // Query pairs [kw/2][r32]: rows rounded (exact for bf16) into [r32][kw] (twice over for
-    // split keys), then transposed as u32 pairs. Not scaled: the scale multiplies the f32
-    // logits.
+    // Query pairs [kw/2][r32]: rows cut into parts, part `b` of each QK product `(a, b)` in
+    // turn, into [r32][kw], then transposed as u32 pairs. Not scaled: the scale multiplies
+    // the f32 logits.
     let qf = aligned(qf, g * d);
+    let qparts = aligned(&mut pack.kparts, parts.q * d);
     let qb = aligned(qb, r32 * kw / 2);
     qb.fill(0);
     for ti in 0..ir.nt {
         let src = &ctx.query[((sp.begin + ir.t0 + ti) * h + kvh * g) * d..][..g * d];
         m.widen(src, qf);
         let qb16 = as_u16_mut(qb);
-        for (gi, row) in qf.chunks_exact(d).enumerate() {
-            for half in (0..kw).step_by(dp) {
-                amx.round(row, &mut qb16[(ti * g + gi) * kw + half..]);
+        for (gi, row) in qf.chunks_exact_mut(d).enumerate() {
+            cut(amx, row, parts.q, qparts, d);
+            let dst = &mut qb16[(ti * g + gi) * kw..][..kw];
+            for (t, &(_, qb_)) in qk.iter().enumerate() {
+                dst[t * dp..t * dp + d].copy_from_slice(&qparts[qb_ * d..(qb_ + 1) * d]);
             }
         }
     }
@@ -289,19 +382,16 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     // Rows past the softmax's `rows8` keep factor 1.
     cb.fill(1.0);
     let st = aligned(st, SPAN * r32);
-    let pt = aligned(pt, SPAN / 2 * r32);
+    // Weight pairs of each part, one plane of [SPAN/2][r32] per part.
+    let plane = SPAN / 2 * r32;
+    let pt = aligned(pt, parts.p * plane);
     let ctx_len = sp.ctx();
     let heads = packed
         .and_then(|p| p.base[ir.si].map(|b| (p, b)))
         .map(|(p, (bk, bv))| {
-            let (ok, ov) = (
-                bk + kvh * (ctx_len + 32) * kw,
-                bv + kvh * (ctx_len + 32) * dp,
-            );
-            (
-                &p.k[ok..ok + (ctx_len + 32) * kw],
-                &p.v[ov..ov + (ctx_len + 32) * dp],
-            )
+            let vlen = (ctx_len + 32) * dp * parts.v;
+            let (ok, ov) = (bk + kvh * (ctx_len + 32) * kw, bv + kvh * vlen);
+            (&p.k[ok..ok + (ctx_len + 32) * kw], &p.v[ov..ov + vlen])
         });
 
     let mut j0 = ir.lo;
@@ -312,7 +402,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             Some((k, v)) => (&k[j0 * kw..], &v[j0..], ctx_len + 32),
             None => {
                 let kp = aligned(kp, SPAN * kw);
-                let vt = aligned(vt, dp * SPAN);
+                let vt = aligned(vt, parts.v * dp * SPAN);
                 // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
                 kp.fill(0);
                 vt.fill(0);
@@ -340,8 +430,23 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 }
             }
         }
-        amx.pair_rows(st, r32, n, n32, pt);
-        tl.pv_t(vs, ldv, dp, pt, n32, r32, acc_t);
+        for b in 0..parts.p {
+            if b > 0 {
+                amx.residual(&mut st[..n * r32]);
+            }
+            amx.pair_rows(st, r32, n, n32, &mut pt[b * plane..]);
+        }
+        for &(a, b) in &pv {
+            tl.pv_t(
+                &vs[a * dp * ldv..],
+                ldv,
+                dp,
+                &pt[b * plane..],
+                n32,
+                r32,
+                acc_t,
+            );
+        }
         j0 = j1;
     }
     let acc = aligned(acc, r32 * dp);

@@ -10,10 +10,16 @@ pub(crate) fn round_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
 
-/// `(round_bf16(x), round_bf16(x - hi))`: `x` as the sum of two bf16.
-pub(crate) fn split_bf16(x: f32) -> (u16, u16) {
-    let hi = round_bf16(x);
-    (hi, round_bf16(x - f32::from_bits((hi as u32) << 16)))
+/// `x` cut into three bf16 parts: each the rounding of what the earlier ones leave (an
+/// infinite part leaves 0). Their sum is `x` within 2^-26 relative (f32), two are exact for f16.
+pub(crate) fn split_bf16(x: f32) -> [u16; 3] {
+    let mut r = x;
+    [0; 3].map(|_| {
+        let p = round_bf16(r);
+        let pf = f32::from_bits((p as u32) << 16);
+        r = if pf.is_infinite() { 0.0 } else { r - pf };
+        p
+    })
 }
 
 /// `x` rounded to bf16, as the tile product reads it.

@@ -2,9 +2,9 @@
 //! Linux, the per-process `arch_prctl` permission), the tile configuration, bf16 packing of the
 //! operands, and one 32x32 tile micro-kernel both products run on.
 //!
-//! Precision rule: the AMX path only runs for a bf16 query (the caller checks). Its inputs are
-//! rounded to bf16 (a bf16 query or cache is exact; f32/f16 cache rows and the softmax weights
-//! are rounded to nearest even), products and sums are f32. An f32 query never comes here.
+//! Precision: the tiles multiply bf16 operands exactly and sum in f32; how operands become
+//! bf16 (rounded once, or cut into parts with [`Amx::residual`] for f32 accuracy) is the
+//! caller's rule (`prefill_amx`).
 //!
 //! Layouts (all zero-padded, `dp` = D rounded up to 32, `r32` = rows rounded up to 32, a "pair
 //! row" being two bf16 in one u32, the first in the low half, as `tdpbf16ps` pairs them):
@@ -61,14 +61,13 @@ impl Amx {
         unsafe { round(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
     }
 
-    /// `x` as the sum of two bf16, `hi[i]` = round(x), `lo[i]` = round(x - hi) (exact for an
-    /// f16 `x`, within 2^-17 relative for f32): a key split so keeps its precision in a tile
-    /// product (`scalar_amx::split_bf16` is the twin).
-    pub(crate) fn round_split(self, src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
-        assert!(hi.len() >= src.len() && lo.len() >= src.len());
-        // SAFETY: `self` proves AVX-512F/BW/BF16; `src.len()` elements of all three are in
-        // bounds.
-        unsafe { round_split(src.as_ptr(), hi.as_mut_ptr(), lo.as_mut_ptr(), src.len()) }
+    /// `x[i] -= round(x[i])`: what is left of `x` after its bf16 part, so that rounding `x`,
+    /// then its residual, and so on, cuts it into bf16 parts whose sum is `x` (two parts are
+    /// exact for f16 and within 2^-17 relative for f32, three within 2^-26 for f32). An
+    /// infinite part leaves a residual of 0, not NaN (`scalar_amx::split_bf16` is the twin).
+    pub(crate) fn residual(self, x: &mut [f32]) {
+        // SAFETY: `self` proves AVX-512F/BW/BF16; `x.len()` elements are in bounds.
+        unsafe { residual(x.as_mut_ptr(), x.len()) }
     }
 
     /// Weight pairs `pt[j2*ldt + r]` = (p[2*j2][r], p[2*j2+1][r]) rounded to bf16, from the
@@ -358,19 +357,20 @@ unsafe fn round(src: *const f32, dst: *mut u16, n: usize) {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn round_split(src: *const f32, hi: *mut u16, lo: *mut u16, n: usize) {
+unsafe fn residual(x: *mut f32, n: usize) {
+    let inf = _mm512_set1_ps(f32::INFINITY);
     let mut i = 0;
     while i < n {
         let k = (n - i).min(16);
         let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
-        // SAFETY: elements i..i+k < n of all three, masked.
+        // SAFETY: elements i..i+k < n, masked.
         unsafe {
-            let v = _mm512_maskz_loadu_ps(mask, src.add(i));
+            let v = _mm512_maskz_loadu_ps(mask, x.add(i));
             let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
             let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
-            let l: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
-            _mm256_mask_storeu_epi16(hi.add(i) as *mut i16, mask, h);
-            _mm256_mask_storeu_epi16(lo.add(i) as *mut i16, mask, l);
+            let inf_part = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(hf), inf);
+            let r = _mm512_mask_mov_ps(_mm512_sub_ps(v, hf), inf_part, _mm512_setzero_ps());
+            _mm512_mask_storeu_ps(x.add(i), mask, r);
         }
         i += k;
     }
@@ -475,24 +475,38 @@ mod tests {
         }
     }
 
+    /// Rounding, then rounding the residual, cuts a value into the parts of the twin: two are
+    /// exact for f16, three within 2^-26 relative for f32; infinities keep zero residuals.
     #[test]
     fn split_rounding_matches_the_scalar_twin_and_is_exact_for_f16() {
         let Some(a) = amx() else { return };
         let mut rng = Rng(8);
-        let x: Vec<f32> = rng.v(999).iter().map(|v| v * 7.0).collect();
+        let mut x: Vec<f32> = rng.v(999).iter().map(|v| v * 7.0).collect();
+        x.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-39, -0.0]);
         let f16s: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
         for src in [&x, &f16s] {
-            let (mut hi, mut lo) = (vec![0u16; src.len()], vec![0u16; src.len()]);
-            a.round_split(src, &mut hi, &mut lo);
-            for (i, &v) in src.iter().enumerate() {
-                assert_eq!((hi[i], lo[i]), split_bf16(v), "element {i} = {v:e}");
+            let mut r = src.clone();
+            let mut parts = vec![vec![0u16; src.len()]; 3];
+            for p in parts.iter_mut() {
+                a.round(&r, p);
+                a.residual(&mut r);
             }
-        }
-        let (mut hi, mut lo) = (vec![0u16; f16s.len()], vec![0u16; f16s.len()]);
-        a.round_split(&f16s, &mut hi, &mut lo);
-        for (i, &v) in f16s.iter().enumerate() {
-            let sum = f32::from_bits((hi[i] as u32) << 16) + f32::from_bits((lo[i] as u32) << 16);
-            assert_eq!(sum, v, "f16 value {v:e} is not hi + lo");
+            for (i, &v) in src.iter().enumerate() {
+                let got = [parts[0][i], parts[1][i], parts[2][i]];
+                assert_eq!(got, split_bf16(v), "element {i} = {v:e}");
+                let bf = |b: u16| f32::from_bits((b as u32) << 16) as f64;
+                let sum = bf(got[0]) + bf(got[1]) + bf(got[2]);
+                if v.is_finite() && v.abs() < 1e30 && (v == 0.0 || v.abs() > 1e-30) {
+                    let two = bf(got[0]) + bf(got[1]);
+                    assert!(
+                        (sum - v as f64).abs() <= v.abs() as f64 * 2f64.powi(-26),
+                        "{v:e}"
+                    );
+                    if src == &f16s {
+                        assert_eq!(two, v as f64, "f16 value {v:e} is not hi + lo");
+                    }
+                }
+            }
         }
     }
 
