@@ -436,17 +436,11 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             }
             amx.pair_rows(st, r32, n, n32, &mut pt[b * plane..]);
         }
-        for &(a, b) in &pv {
-            tl.pv_t(
-                &vs[a * dp * ldv..],
-                ldv,
-                dp,
-                &pt[b * plane..],
-                n32,
-                r32,
-                acc_t,
-            );
-        }
+        let terms: Vec<(&[u16], &[u32])> = pv
+            .iter()
+            .map(|&(a, b)| (&vs[a * dp * ldv..], &pt[b * plane..]))
+            .collect();
+        tl.pv_t(&terms, ldv, dp, n32, r32, acc_t);
         j0 = j1;
     }
     let acc = aligned(acc, r32 * dp);

@@ -132,15 +132,17 @@ impl Tiles {
         }
     }
 
-    /// PV on tiles: `acc[x*r32 + r] += sum_j vt[x*ldv + j] * p[j][r]` for `x < dp`, `r < r32`,
-    /// `j < n32`, with `pt` the weight pairs (`n32/2` rows of `r32`). Keys summed in order, f32.
+    /// PV on tiles for a sum of products: `acc[x*r32 + r] += sum_t sum_j vt_t[x*ldv + j] *
+    /// p_t[j][r]` for `x < dp`, `r < r32`, `j < n32`, each `(vt_t, pt_t)` of `terms` a values
+    /// panel (`dp` rows of stride `ldv`) and its weight pairs (`n32/2` rows of `r32`). Each
+    /// 32x32 block of `acc` stays in tiles across the terms (loaded and stored once); terms are
+    /// summed in order, keys in order, in f32.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn pv_t(
         &self,
-        vt: &[u16],
+        terms: &[(&[u16], &[u32])],
         ldv: usize,
         dp: usize,
-        pt: &[u32],
         n32: usize,
         r32: usize,
         acc: &mut [f32],
@@ -148,25 +150,29 @@ impl Tiles {
         assert!(
             dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32)
         );
-        assert!(ldv >= n32);
-        assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
-        assert!(acc.len() >= dp * r32);
+        assert!(ldv >= n32 && acc.len() >= dp * r32);
+        for (vt, pt) in terms {
+            assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
+        }
         for xb in (0..dp).step_by(32) {
             for rb in (0..r32).step_by(32) {
-                // Value rows xb..xb+32 (keys 0..n32, stride ldv), weight-pair rows 0..n32/2 at
-                // columns rb..rb+32 and accumulator rows xb..xb+32 at columns rb..rb+32:
-                // SAFETY: all inside the slices (asserted above); `self` proves the tile config.
+                let c = acc[xb * r32 + rb..].as_mut_ptr() as *mut u8;
+                // SAFETY: accumulator rows xb..xb+32 at columns rb..rb+32, value rows
+                // xb..xb+32 (keys 0..n32, stride ldv) and weight-pair rows 0..n32/2 at
+                // columns rb..rb+32 of every term are inside the slices (asserted above);
+                // `self` proves the tile configuration.
                 unsafe {
-                    block(
-                        vt.as_ptr().add(xb * ldv) as *const u8,
-                        ldv * 2,
-                        pt.as_ptr().add(rb) as *const u8,
-                        r32 * 4,
-                        acc.as_mut_ptr().add(xb * r32 + rb) as *mut u8,
-                        r32 * 4,
-                        n32 / 32,
-                        true,
-                    )
+                    c_load(c, r32 * 4);
+                    for (vt, pt) in terms {
+                        k_loop(
+                            vt.as_ptr().add(xb * ldv) as *const u8,
+                            ldv * 2,
+                            pt.as_ptr().add(rb) as *const u8,
+                            r32 * 4,
+                            n32 / 32,
+                        );
+                    }
+                    c_store(c, r32 * 4);
                 }
             }
         }
@@ -201,14 +207,13 @@ impl TileCfg {
     }
 }
 
-/// One 32x32 f32 block `C += A * B`: A is 32 rows of bf16 (stride `lda` bytes, rows 16..32
-/// at `a + 16*lda`), read 32 elements (64 bytes) per k-step; B is pair rows (stride `ldb`
-/// bytes), 16 per k-step, columns 0..16 at `b` and 16..32 at `b + 64`; C rows have stride
-/// `ldc` bytes. `load_c` false starts from zero.
+/// One 32x32 f32 block `C += A * B` (`load_c` false: `C = A * B`): A is 32 rows of bf16
+/// (stride `lda` bytes, rows 16..32 at `a + 16*lda`), read 32 elements (64 bytes) per k-step;
+/// B is pair rows (stride `ldb` bytes), 16 per k-step, columns 0..16 at `b` and 16..32 at
+/// `b + 64`; C rows have stride `ldc` bytes.
 ///
 /// # Safety
-/// The tile configuration of [`Amx::tiles`] must be loaded on this thread, `ksteps >= 1`, and
-/// every byte addressed above must be inside live allocations (C writable).
+/// As [`c_load`], [`k_loop`] and [`c_store`].
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn block(
@@ -221,33 +226,71 @@ unsafe fn block(
     ksteps: usize,
     load_c: bool,
 ) {
-    debug_assert!(ksteps >= 1);
-    // SAFETY (whole function): the caller's contract covers every address below; the tile
-    // registers are outside Rust's register model, so they keep their contents between the
-    // three blocks.
+    // SAFETY: the caller's contract.
+    unsafe {
+        if load_c {
+            c_load(c, ldc);
+        } else {
+            c_zero();
+        }
+        k_loop(a, lda, b, ldb, ksteps);
+        c_store(c, ldc);
+    }
+}
+
+/// Loads the 32x32 f32 block at `c` (rows of stride `ldc` bytes) into tiles 0-3.
+///
+/// # Safety
+/// The tile configuration of [`Amx::tiles`] is loaded on this thread; the 32 rows of 128 bytes
+/// are inside a live allocation.
+#[inline]
+unsafe fn c_load(c: *const u8, ldc: usize) {
+    // SAFETY: the caller's contract; tile registers are outside Rust's register model, so
+    // they keep their contents until the next tile instruction.
     unsafe {
         let c2 = c.add(16 * ldc);
+        asm!(
+            "tileloadd tmm0, [{c} + {ldc}]",
+            "tileloadd tmm1, [{c} + {ldc} + 64]",
+            "tileloadd tmm2, [{c2} + {ldc}]",
+            "tileloadd tmm3, [{c2} + {ldc} + 64]",
+            c = in(reg) c,
+            c2 = in(reg) c2,
+            ldc = in(reg) ldc,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+}
+
+/// Zeroes tiles 0-3 (a 32x32 f32 block).
+///
+/// # Safety
+/// The tile configuration of [`Amx::tiles`] is loaded on this thread.
+#[inline]
+unsafe fn c_zero() {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem, preserves_flags),
+        );
+    }
+}
+
+/// Adds `A * B` over `ksteps` k-steps to the block in tiles 0-3 (operands as in [`block`]).
+///
+/// # Safety
+/// The tile configuration of [`Amx::tiles`] is loaded on this thread, `ksteps >= 1`, and every
+/// byte addressed is inside live allocations.
+#[inline]
+unsafe fn k_loop(a: *const u8, lda: usize, b: *const u8, ldb: usize, ksteps: usize) {
+    debug_assert!(ksteps >= 1);
+    // SAFETY: the caller's contract.
+    unsafe {
         let a2 = a.add(16 * lda);
-        if load_c {
-            asm!(
-                "tileloadd tmm0, [{c} + {ldc}]",
-                "tileloadd tmm1, [{c} + {ldc} + 64]",
-                "tileloadd tmm2, [{c2} + {ldc}]",
-                "tileloadd tmm3, [{c2} + {ldc} + 64]",
-                c = in(reg) c,
-                c2 = in(reg) c2,
-                ldc = in(reg) ldc,
-                options(nostack, readonly, preserves_flags),
-            );
-        } else {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem, preserves_flags),
-            );
-        }
         asm!(
             "2:",
             "tileloadd tmm4, [{a} + {lda}]",
@@ -263,10 +306,6 @@ unsafe fn block(
             "add {b}, {bstep}",
             "dec {k}",
             "jnz 2b",
-            "tilestored [{c} + {ldc}], tmm0",
-            "tilestored [{c} + {ldc} + 64], tmm1",
-            "tilestored [{c2} + {ldc}], tmm2",
-            "tilestored [{c2} + {ldc} + 64], tmm3",
             a = inout(reg) a => _,
             a2 = inout(reg) a2 => _,
             b = inout(reg) b => _,
@@ -274,10 +313,29 @@ unsafe fn block(
             lda = in(reg) lda,
             ldb = in(reg) ldb,
             bstep = in(reg) 16 * ldb,
+            options(nostack, readonly),
+        );
+    }
+}
+
+/// Stores tiles 0-3 to the 32x32 f32 block at `c` (rows of stride `ldc` bytes).
+///
+/// # Safety
+/// As [`c_load`], the rows writable.
+#[inline]
+unsafe fn c_store(c: *mut u8, ldc: usize) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let c2 = c.add(16 * ldc);
+        asm!(
+            "tilestored [{c} + {ldc}], tmm0",
+            "tilestored [{c} + {ldc} + 64], tmm1",
+            "tilestored [{c2} + {ldc}], tmm2",
+            "tilestored [{c2} + {ldc} + 64], tmm3",
             c = in(reg) c,
             c2 = in(reg) c2,
             ldc = in(reg) ldc,
-            options(nostack),
+            options(nostack, preserves_flags),
         );
     }
 }
@@ -598,16 +656,20 @@ mod tests {
                     }
                     let mut pt = vec![0u32; n32 / 2 * r32];
                     a.pair_rows(&p, r32, n, n32, &mut pt);
+                    // Odd n: a sum of two terms (the block stays in tiles across them).
+                    let reps = 1 + n % 2;
+                    let terms = vec![(&vt[..], &pt[..]); reps];
                     let mut got = acc0.clone();
-                    a.tiles().pv_t(&vt, ldv, dp, &pt, n32, r32, &mut got);
-                    let mut want = acc0.clone();
-                    pv_t_bf16(&p, r32, rows, &v, n, d, &mut want, r32);
-                    let mut mag = abs(&acc0);
-                    pv_t_bf16(&p, r32, rows, &abs(&v), n, d, &mut mag, r32);
+                    a.tiles().pv_t(&terms, ldv, dp, n32, r32, &mut got);
+                    let (mut want, mut mag) = (acc0.clone(), abs(&acc0));
+                    for _ in 0..reps {
+                        pv_t_bf16(&p, r32, rows, &v, n, d, &mut want, r32);
+                        pv_t_bf16(&p, r32, rows, &abs(&v), n, d, &mut mag, r32);
+                    }
                     for x in 0..d {
                         for r in 0..rows {
                             let i = x * r32 + r;
-                            let tol = order_bound(n + 1, mag[i]);
+                            let tol = order_bound(reps * n + 1, mag[i]);
                             assert!(
                                 (got[i] - want[i]).abs() <= tol,
                                 "D={d} rows={rows} n={n}: acc[{x}][{r}] = {:e}, twin {:e}",
