@@ -165,12 +165,30 @@ fn rayon_for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
         .for_each(|i| run_item(f, i));
 }
 
+/// Where the first panic of a region's tasks waits for the calling thread.
+type PanicSlot = Mutex<Option<Box<dyn Any + Send>>>;
+
+/// Keeps `p` unless an earlier panic is kept already.
+fn keep_panic(slot: &PanicSlot, p: Box<dyn Any + Send>) {
+    slot.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get_or_insert(p);
+}
+
+/// Re-raises the kept panic, if any, on the calling thread.
+fn reraise(slot: &PanicSlot) {
+    let p = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+    if let Some(p) = p {
+        resume_unwind(p);
+    }
+}
+
 /// The state a host's tasks share: the next unclaimed item and the first panic.
 struct HostRegion<'a> {
     next: AtomicUsize,
     n: usize,
     f: &'a (dyn Fn(usize) + Sync),
-    panic: Mutex<Option<Box<dyn Any + Send>>>,
+    panic: PanicSlot,
 }
 
 impl HostRegion<'_> {
@@ -198,8 +216,7 @@ unsafe extern "C" fn host_task(task_ctx: *mut c_void, _worker: usize) {
     if let Err(p) = r {
         // Stop the other tasks from claiming more items.
         region.next.store(region.n, Ordering::Relaxed);
-        let mut slot = region.panic.lock().unwrap_or_else(PoisonError::into_inner);
-        slot.get_or_insert(p);
+        keep_panic(&region.panic, p);
     }
 }
 
@@ -221,14 +238,7 @@ fn host_for_each(h: HostRunner, n: usize, f: &(dyn Fn(usize) + Sync)) {
             &region as *const HostRegion<'_> as *mut c_void,
         )
     };
-    let panic = region
-        .panic
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
-    if let Some(p) = panic {
-        resume_unwind(p);
-    }
+    reraise(&region.panic);
     // A runner that skipped tasks leaves items unclaimed: run them here rather than lose them.
     region.drain();
 }
@@ -259,7 +269,7 @@ struct Team {
     done: AtomicUsize,
     /// The driver has returned: helpers leave.
     closed: std::sync::atomic::AtomicBool,
-    panic: Mutex<Option<Box<dyn Any + Send>>>,
+    panic: PanicSlot,
 }
 
 /// A [`Runner::Team`]: the team of the region the call runs in.
@@ -297,8 +307,7 @@ impl Team {
             let mut w = self.work.lock().unwrap_or_else(PoisonError::into_inner);
             w.next = w.n;
             drop(w);
-            let mut slot = self.panic.lock().unwrap_or_else(PoisonError::into_inner);
-            slot.get_or_insert(p);
+            keep_panic(&self.panic, p);
         }
         self.done.fetch_add(1, Ordering::Release);
     }
@@ -334,14 +343,7 @@ impl Team {
             std::hint::spin_loop();
         }
         self.work.lock().unwrap_or_else(PoisonError::into_inner).f = None;
-        let panic = self
-            .panic
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(p) = panic {
-            resume_unwind(p);
-        }
+        reraise(&self.panic);
     }
 
     /// A helper: runs items of the driver's regions until the driver returns, or until no
