@@ -65,15 +65,23 @@ class Unsupported(Exception):
 
 
 # ------------------------------------------------------------------------------ stateful -> paged
-def to_paged(model, block_size: int = 32, cache_type: str = "f32"):
+def to_paged(model, block_size: int = 32, cache_type: str = "f32", serving: bool = False):
     """Applies OpenVINO's ``paged_attention_transformation`` to ``model`` (in place) and types its
     cache Parameters ``cache_type [?, Hkv, block_size, D]`` from the PA nodes' rt_info
     (num_k_heads, k_head_size, num_v_heads, v_head_size): the transformation leaves them dynamic
-    and GenAI types them the same way before compiling. Returns the model."""
+    and GenAI types them the same way before compiling. ``serving``: also ask the transformation
+    for what a cache manager with eviction needs (GenAI's cache-eviction options): outputs
+    ``scores.N``, inputs ``score_aggregation_window`` and the rotation inputs
+    (``rotated_block_indices.N``, ``rotation_deltas.N``, ``model_rotation_trig_lut``), which the
+    converter maps to our inputs 15 and 12..14. Returns the model."""
     import openvino as ov
     from openvino._offline_transformations import paged_attention_transformation
 
-    paged_attention_transformation(model)
+    if serving:
+        paged_attention_transformation(model, use_score_outputs=True, allow_score_aggregation=True,
+                                       allow_cache_rotation=True)
+    else:
+        paged_attention_transformation(model)
     nodes = pa_nodes(model)
     if not nodes:
         raise Unsupported("paged_attention_transformation found no ScaledDotProductAttention it "
