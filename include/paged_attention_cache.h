@@ -248,7 +248,7 @@ typedef struct pa_scheduler_counters {
 } pa_scheduler_counters;
 
 /* out: not NULL. */
-pa_status pa_scheduler_counters(pa_scheduler *s, pa_scheduler_counters *out);
+pa_status pa_scheduler_get_counters(pa_scheduler *s, pa_scheduler_counters *out);
 
 #ifdef __cplusplus
 }

@@ -707,16 +707,18 @@ mod tests {
         assert_ne!(t1[1], t2[1]);
         assert_eq!(
             st2.copies[0].src,
-            st.block_indices[1],
+            st.block_indices[1] as u32,
             "the copy starts from the prompt's partial block"
         );
         s.complete_step(&[(1, 51), (2, 61)]).unwrap();
         let c = s.counters();
         assert_eq!((c.forks, c.steps, c.block_copies), (1, 2, 1));
-        // The child finishes after 3 generated tokens in all (2 inherited + 1), the parent
+        // The child finishes after 3 generated tokens in all (1 inherited + 2), the parent
         // after 4.
         let st3 = s.schedule().unwrap();
-        assert_eq!(s.complete_step(&sample(&st3)).unwrap(), vec![1]);
+        assert_eq!(s.complete_step(&sample(&st3)).unwrap(), vec![2]);
+        let st4 = s.schedule().unwrap();
+        assert_eq!(s.complete_step(&sample(&st4)).unwrap(), vec![1]);
         assert!(s.is_idle());
         s.manager().check_invariants().unwrap();
     }

@@ -829,7 +829,7 @@ pub unsafe extern "C" fn pa_scheduler_fork(
 /// # Safety
 /// `s` live; `out` writable.
 #[no_mangle]
-pub unsafe extern "C" fn pa_scheduler_counters(
+pub unsafe extern "C" fn pa_scheduler_get_counters(
     s: *mut PaScheduler,
     out: *mut PaSchedulerCounters,
 ) -> i32 {

@@ -203,11 +203,11 @@ static int scheduler_smoke(void) {
     }
     CHECK(forked && finished == 4, "forked %d, finished %zu", forked, finished);
     pa_scheduler_counters c;
-    OK(pa_scheduler_counters(s, &c));
+    OK(pa_scheduler_get_counters(s, &c));
     CHECK(c.forks == 1 && c.steps == steps && c.preemptions == 0 && c.evictions == 0,
           "counters: forks %llu, steps %llu", (unsigned long long)c.forks,
           (unsigned long long)c.steps);
-    CHECK(pa_scheduler_counters(s, NULL) == PA_STATUS_NULL_POINTER, "NULL counters accepted");
+    CHECK(pa_scheduler_get_counters(s, NULL) == PA_STATUS_NULL_POINTER, "NULL counters accepted");
     pa_cache_stats cs;
     OK(pa_scheduler_stats(s, &cs));
     CHECK(cs.used_blocks == 0 && cs.free_blocks + cs.cached_blocks == NB, "blocks leaked");
