@@ -12,7 +12,8 @@ step's inputs (the same block tables, past_lens and rotation inputs for both), s
 ``scores`` outputs over the layers into the scheduler (score-driven eviction when a sequence holds
 more blocks than its budget; the kept blocks that move get the rotation inputs of the next call),
 samples one greedy token per emitting sequence and completes the step. Planned forks add a parallel
-sample of a decoding request (its second-best token) that shares the request's blocks. Each model
+sample of a decoding request (its second-best token) that shares the request's blocks. When the pool
+runs out the scheduler preempts (frees a sequence and recomputes it later). Each model
 decodes from its own logits; the scheduler follows ``lead`` (ours by default). Prints the event
 counters, generated tokens, tokens per second of each model and the largest logit difference.
 """
@@ -82,10 +83,11 @@ def workload(vocab, seed=11, new_tokens=64):
     return arrivals, forks
 
 
-def scheduler_config(num_blocks=64):
+def scheduler_config(num_blocks=24):
     """Scheduler settings of the tests and the README: 64-row calls (so long prompts are
     prefilled in chunks beside the decodes), eviction budget 3 blocks per sequence (first and last
-    block kept), prefix caching on."""
+    block kept), prefix caching on; 24 blocks make the pool run out (preemptions) in
+    ``workload``."""
     return dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=64, max_seqs=16,
                 prefix_caching=True, eviction=(1, 1, 3))
 
@@ -170,7 +172,7 @@ def main(argv=None):
     src.add_argument("--model", type=Path, help="a stateful SDPA LLM IR (optimum-intel export)")
     ap.add_argument("--rope-base", type=float, default=10000.0,
                     help="the model's RoPE base (rope_theta), for re-rotating moved keys")
-    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="INFERENCE_NUM_THREADS for both models")
     ap.add_argument("--extension", type=Path, default=DEFAULT_LIB)

@@ -296,9 +296,8 @@ impl Scheduler {
             });
         }
         let p = self.entry(parent)?;
-        let decoding = self.running.contains(&parent)
-            && p.generated >= 1
-            && p.tokens.len() == p.processed + 1;
+        let decoding =
+            self.running.contains(&parent) && p.generated >= 1 && p.tokens.len() == p.processed + 1;
         if !decoding {
             return Err(PaError::InvalidState {
                 detail: format!("request {parent} is not decoding, so it cannot be forked"),
@@ -685,20 +684,47 @@ mod tests {
             "waiting, not decoding"
         );
         let st = s.schedule().unwrap();
-        assert!(matches!(s.fork(1, 2, 9, 4), Err(PaError::InvalidState { .. })));
+        assert!(matches!(
+            s.fork(1, 2, 9, 4),
+            Err(PaError::InvalidState { .. })
+        ));
         s.complete_step(&[(1, 50)]).unwrap();
-        assert!(matches!(s.fork(1, 2, 9, 1), Err(PaError::InvalidArgument { .. })));
-        assert!(matches!(s.fork(3, 2, 9, 4), Err(PaError::UnknownSequence { .. })));
-        assert!(matches!(s.fork(1, 1, 9, 4), Err(PaError::InvalidState { .. })));
+        assert!(matches!(
+            s.fork(1, 2, 9, 1),
+            Err(PaError::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            s.fork(3, 2, 9, 4),
+            Err(PaError::UnknownSequence { .. })
+        ));
+        assert!(matches!(
+            s.fork(1, 1, 9, 4),
+            Err(PaError::InvalidState { .. })
+        ));
         let before = s.manager().stats();
         s.fork(1, 2, 60, 3).unwrap();
-        assert_eq!(s.manager().stats().used_blocks, before.used_blocks, "no block allocated");
+        assert_eq!(
+            s.manager().stats().used_blocks,
+            before.used_blocks,
+            "no block allocated"
+        );
         assert_eq!(s.manager().stats().shared_blocks, 2);
-        assert_eq!(s.tokens(2).unwrap(), &[1000, 1001, 1002, 1003, 1004, 1005, 60]);
+        assert_eq!(
+            s.tokens(2).unwrap(),
+            &[1000, 1001, 1002, 1003, 1004, 1005, 60]
+        );
         let st2 = s.schedule().unwrap();
-        assert_eq!(st2.token_ids, vec![50, 60], "each continues with its own token");
+        assert_eq!(
+            st2.token_ids,
+            vec![50, 60],
+            "each continues with its own token"
+        );
         assert_eq!(st2.past_lens, vec![6, 6]);
-        assert_eq!(st2.copies.len(), 1, "the shared partial block is copied once");
+        assert_eq!(
+            st2.copies.len(),
+            1,
+            "the shared partial block is copied once"
+        );
         let (t1, t2) = (
             s.manager().block_table(1).unwrap(),
             s.manager().block_table(2).unwrap(),
@@ -706,8 +732,7 @@ mod tests {
         assert_eq!(t1[0], t2[0], "the full block stays shared");
         assert_ne!(t1[1], t2[1]);
         assert_eq!(
-            st2.copies[0].src,
-            st.block_indices[1] as u32,
+            st2.copies[0].src, st.block_indices[1] as u32,
             "the copy starts from the prompt's partial block"
         );
         s.complete_step(&[(1, 51), (2, 61)]).unwrap();
@@ -762,7 +787,10 @@ mod tests {
         let st = s.schedule().unwrap();
         assert!(st.past_lens[0] >= 4);
         let c = s.counters();
-        assert_eq!((c.prefix_hits, c.prefix_hit_tokens), (1, st.past_lens[0] as u64));
+        assert_eq!(
+            (c.prefix_hits, c.prefix_hit_tokens),
+            (1, st.past_lens[0] as u64)
+        );
     }
 
     #[test]
