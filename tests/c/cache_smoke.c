@@ -208,6 +208,7 @@ static int scheduler_smoke(void) {
           "counters: forks %llu, steps %llu", (unsigned long long)c.forks,
           (unsigned long long)c.steps);
     CHECK(pa_scheduler_get_counters(s, NULL) == PA_STATUS_NULL_POINTER, "NULL counters accepted");
+    CHECK(pa_scheduler_fork(NULL, 1, 2, 0, 2) == PA_STATUS_NULL_POINTER, "NULL scheduler forked");
     pa_cache_stats cs;
     OK(pa_scheduler_stats(s, &cs));
     CHECK(cs.used_blocks == 0 && cs.free_blocks + cs.cached_blocks == NB, "blocks leaked");
