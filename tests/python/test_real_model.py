@@ -242,6 +242,27 @@ def test_converted_file_roundtrip(pair, core, tmp_path):
     assert r.returncode == 2 and "already uses PagedAttention" in r.stderr
 
 
+def test_cli_serving_graph_has_scores_and_rotation_inputs(core, tmp_path):
+    """``pa_convert.py --serving`` gives the converted graph what the serving loop feeds and reads:
+    our inputs 12..15 fed by the rotation / score window Parameters, outputs scores.N."""
+    stateful = tmp_path / "openvino_model.xml"
+    ov.save_model(tiny_llm.build(tiny_llm.VARIANTS["gqa4"]), stateful, compress_to_fp16=False)
+    out = tmp_path / "serving.xml"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--serving", str(stateful), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    model = core.read_model(out)
+    names = {i.get_any_name() for i in model.inputs}
+    assert {"rotated_block_indices.0", "rotation_deltas.1", "model_rotation_trig_lut",
+            "score_aggregation_window"} <= names
+    assert {o.get_any_name() for o in model.outputs} >= {"scores.0", "scores.1"}
+    for n in pa_convert.pa_nodes(model, "PagedAttention"):
+        feeds = [n.input_value(i).get_node() for i in range(12, 16)]
+        assert [f.get_type_name() for f in feeds] == ["Parameter"] * 4
+        assert feeds[2].get_friendly_name() == "model_rotation_trig_lut"
+        assert feeds[3].get_friendly_name() == "score_aggregation_window"
+
+
 # ------------------------------------------------------------------ refusals
 
 def with_input(port, value):
