@@ -224,6 +224,32 @@ pa_status pa_scheduler_counts(pa_scheduler *s, size_t *out_waiting, size_t *out_
 /* out: not NULL; statistics of the scheduler's block manager. */
 pa_status pa_scheduler_stats(pa_scheduler *s, pa_cache_stats *out);
 
+/* Forks the running request parent into a new request child (a parallel sample) between steps
+ * (after pa_scheduler_complete_step, before the next schedule): the child shares the parent's
+ * cached blocks (a write into a shared partial block is copied first: see the step's copies)
+ * and continues from the parent's tokens with first_token in place of the parent's last
+ * sampled token. The parent must be decoding (PA_STATUS_INVALID_STATE otherwise).
+ * max_new_tokens counts all generated tokens, those inherited from the parent included, and
+ * must exceed them. */
+pa_status pa_scheduler_fork(pa_scheduler *s, uint64_t parent, uint64_t child, uint32_t first_token,
+                            size_t max_new_tokens);
+
+/* Events since pa_scheduler_create. */
+typedef struct pa_scheduler_counters {
+    uint64_t steps;             /* steps handed out by pa_scheduler_schedule */
+    uint64_t preemptions;
+    uint64_t forks;
+    uint64_t prefix_hits;       /* admissions that reused cached blocks */
+    uint64_t prefix_hit_tokens; /* tokens those admissions reused */
+    uint64_t block_copies;      /* copies handed out (copy-on-write, eviction of shared blocks) */
+    uint64_t evictions;         /* (sequence, step) pairs that lost blocks to eviction */
+    uint64_t evicted_blocks;
+    uint64_t rotated_blocks;    /* rotation entries handed out (keys re-rotated) */
+} pa_scheduler_counters;
+
+/* out: not NULL. */
+pa_status pa_scheduler_get_counters(pa_scheduler *s, pa_scheduler_counters *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,13 +1,21 @@
-"""Greedy generation on a paged LLM graph with a small continuous-batching schedule, OpenVINO's
-built-in PagedAttentionExtension and our PagedAttention side by side on the same schedule.
+"""Greedy generation on a paged LLM graph, served by the project's scheduler and cache manager
+(src/cache/, through its C ABI: tools/pa_scheduler.py), with OpenVINO's built-in
+PagedAttentionExtension and our PagedAttention on the same schedule.
 
-    python tools/generate.py [--variant gqa4 | --model STATEFUL.xml] [--steps 80] [--threads N]
+    python tools/generate.py [--variant gqa4 | --model STATEFUL.xml] [--threads N]
 
-The schedule (``serve``): requests arrive over time; a prompt is prefilled in chunks of at most
-``chunk`` tokens, in the same call as other requests' decode steps; blocks come from a shuffled free
-list as sequences grow. Each model decodes from its own logits. Blocks are handed out here in
-Python (this is not the project's cache manager / scheduler, src/cache/). Prints calls, generated
-tokens, tokens per second of each model and the largest logit difference.
+The loop (``serve``): requests arrive over time; each step the scheduler plans one op call
+(continuous batching: decodes and prefill chunks of at most ``max_batched_tokens`` rows in one
+call; prefix-cache hits; blocks from its pool); the loop performs the step's block copies on every
+layer's caches, builds the rotation LUT when the step re-rotates keys, runs each model on the
+step's inputs (the same block tables, past_lens and rotation inputs for both), sums our op's
+``scores`` outputs over the layers into the scheduler (score-driven eviction when a sequence holds
+more blocks than its budget; the kept blocks that move get the rotation inputs of the next call),
+samples one greedy token per emitting sequence and completes the step. Planned forks add a parallel
+sample of a decoding request (its second-best token) that shares the request's blocks. When the pool
+runs out the scheduler preempts (frees a sequence and recomputes it later). Each model
+decodes from its own logits; the scheduler follows ``lead`` (ours by default). Prints the event
+counters, generated tokens, tokens per second of each model and the largest logit difference.
 """
 from __future__ import annotations
 
@@ -15,58 +23,141 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from paged_model import F32_CONFIG, PagedModel, Seq
+from pa_scheduler import DEFAULT_LIB, Library, Scheduler
+
+BLOCK_SIZE = 32  # the CPU plugin's built-in op runs only this block size
 
 
-class Request:
-    def __init__(self, prompt, arrive, chunk):
-        self.prompt, self.arrive, self.chunk = list(prompt), arrive, chunk
-        self.done = 0  # tokens in the cache
-        self.out = {}  # model index -> generated tokens
-        self.blocks = []
+@dataclass
+class Arrival:
+    id: int
+    prompt: list
+    step: int  # the request is added before this step is scheduled
+    max_new_tokens: int
 
 
-def serve(models, requests, steps, num_blocks, rng, on_step=None):
-    """Runs ``steps`` calls of every model in ``models`` (PagedModel, same block size) on one
-    schedule. ``on_step(step, logits_per_model)`` may check each call. Returns the seconds each
-    model spent in its calls."""
-    bs = models[0].block_size
-    free = list(rng.permutation(num_blocks))
-    spent = [0.0] * len(models)
-    for step in range(steps):
-        live = [r for r in requests if r.arrive <= step]
-        if not live:
+@dataclass
+class Fork:
+    """When request ``parent`` has generated ``after`` tokens, fork ``child`` from it with the
+    parent's second-best token; the child generates up to ``max_new_tokens`` in all."""
+    parent: int
+    child: int
+    after: int
+    max_new_tokens: int
+
+
+@dataclass
+class Served:
+    out: list  # per model: request id -> greedy tokens (a fork's list starts with its first token)
+    first_past: dict  # request id -> past_len of its first scheduled chunk (> 0: a prefix hit)
+    counters: dict
+    calls: int = 0
+    spent: list = field(default_factory=list)  # seconds in each model's calls
+
+    def generated(self, i=0):
+        return sum(len(t) for t in self.out[i].values())
+
+
+def workload(vocab, seed=11, new_tokens=64):
+    """The schedule the tests and the README run: 10 requests (prompts of 1 to 130 tokens)
+    arriving over 20 steps, one repeating the first 70 tokens of request 0 (a prefix hit), and a
+    fork of request 4 after its 3rd token. Each request generates ``new_tokens`` tokens."""
+    rng = np.random.default_rng(seed)
+
+    def prompt(n):
+        return [int(t) for t in rng.integers(0, vocab, n)]
+
+    p0 = prompt(80)
+    plan = [(80, 0), (5, 0), (33, 1), (100, 2), (45, 3), (1, 5), (None, 6), (20, 10), (130, 14), (9, 20)]
+    arrivals = []
+    for rid, (n, step) in enumerate(plan):
+        p = p0 if rid == 0 else (p0[:70] + prompt(20) if n is None else prompt(n))
+        arrivals.append(Arrival(rid, p, step, new_tokens))
+    forks = [Fork(parent=4, child=100, after=3, max_new_tokens=3 + new_tokens)]
+    return arrivals, forks
+
+
+def scheduler_config(num_blocks=24):
+    """Scheduler settings of the tests and the README: 64-row calls (so long prompts are
+    prefilled in chunks beside the decodes), eviction budget 3 blocks per sequence (first and last
+    block kept), prefix caching on; 24 blocks make the pool run out (preemptions) in
+    ``workload``."""
+    return dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=64, max_seqs=16,
+                prefix_caching=True, eviction=(1, 1, 3))
+
+
+def serve(models, sched: Scheduler, lib: Library, arrivals, forks, head_size, rope_base,
+          lead=-1, pre_step=None, on_step=None, max_calls=1000) -> Served:
+    """Runs the requests to completion. ``models``: PagedModels (the same graph but for the op,
+    caches of ``sched``'s pool size). ``pre_step(st, models)`` runs after the copies, before the
+    calls; ``on_step(st, logits, models)`` after them (each model's ``scores`` set)."""
+    pending = sorted(arrivals, key=lambda a: a.step)
+    plans = list(forks)
+    res = Served(out=[{} for _ in models], first_past={}, counters={}, spent=[0.0] * len(models))
+    last_row = {}  # request id -> the lead model's logits row it sampled from
+    cache_pairs = [[(m.caches[k], m.caches["value" + k[3:]]) for k in m.caches if k.startswith("key_cache.")]
+                   for m in models]
+    step = 0
+    while True:
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            sched.add_request(a.id, a.prompt, a.max_new_tokens)
+        waiting, running = sched.counts()
+        if not pending and waiting + running == 0:
+            break
+        if res.calls >= max_calls:
+            raise RuntimeError(f"not done after {max_calls} calls")
+        st = sched.schedule()
+        step += 1
+        if not st.seq_ids:  # nothing runs until the next arrival
+            sched.complete_step({})
             continue
-        seqs = []
-        for r in live:
-            if r.done < len(r.prompt):
-                new = r.prompt[r.done:r.done + r.chunk]
-            else:  # all models agree on the tokens so far (on_step checks), follow model 0
-                new = [r.out[0][-1]]
-            while len(r.blocks) < -(-(r.done + len(new)) // bs):
-                if not free:
-                    raise RuntimeError(f"out of blocks at step {step}")
-                r.blocks.append(int(free.pop()))
-            seqs.append((r, Seq(new, r.done, list(r.blocks))))
+        for pairs in cache_pairs:
+            for kc, vc in pairs:
+                lib.copy_blocks(kc, vc, st.copies)
+        rotation = None
+        if len(st.rotated_block_indices):
+            rotation = (st.rotated_block_indices, st.rotation_deltas,
+                        lib.rotation_lut(st.lut_rows, head_size, rope_base))
+        seqs = [Seq(st.tokens_of(b), int(st.past_lens[b]), st.blocks_of(b)) for b in range(len(st.seq_ids))]
+        for b, rid in enumerate(st.seq_ids):
+            res.first_past.setdefault(rid, int(st.past_lens[b]))
+        if pre_step is not None:
+            pre_step(st, models)
         logits = []
         for i, m in enumerate(models):
             t0 = time.perf_counter()
-            logits.append(m.step([s for _, s in seqs]))
-            spent[i] += time.perf_counter() - t0
-        end = 0
-        for r, s in seqs:
-            end += len(s.tokens)
-            r.done += len(s.tokens)
-            if r.done >= len(r.prompt):  # the last row of a finished prefill, or a decode
+            logits.append(m.step(seqs, rotation))
+            res.spent[i] += time.perf_counter() - t0
+        res.calls += 1
+        sched.accumulate_scores(np.sum(models[lead].scores, axis=0))
+        sampled = {}
+        for b, rid in enumerate(st.seq_ids):
+            if st.emits[b]:
+                row = st.subsequence_begins[b + 1] - 1
                 for i, lg in enumerate(logits):
-                    r.out.setdefault(i, []).append(int(np.argmax(lg[end - 1])))
+                    res.out[i].setdefault(rid, []).append(int(np.argmax(lg[row])))
+                sampled[rid] = res.out[lead][rid][-1]
+                last_row[rid] = [lg[row] for lg in logits]
         if on_step is not None:
-            on_step(step, logits, requests)
-    return spent
+            on_step(st, logits, models)
+        sched.complete_step(sampled)
+        for f in list(plans):
+            if len(res.out[lead].get(f.parent, [])) == f.after and f.parent in sampled:
+                for i, row in enumerate(last_row[f.parent]):
+                    res.out[i][f.child] = [int(np.argsort(row)[-2])]
+                sched.fork(f.parent, f.child, res.out[lead][f.child][0], f.max_new_tokens)
+                plans.remove(f)
+    if plans:
+        raise RuntimeError(f"forks never happened: {plans}")
+    res.counters = sched.counters()
+    return res
 
 
 def main(argv=None):
@@ -79,18 +170,19 @@ def main(argv=None):
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--variant", choices=sorted(tiny_llm.VARIANTS), default="gqa4")
     src.add_argument("--model", type=Path, help="a stateful SDPA LLM IR (optimum-intel export)")
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--rope-base", type=float, default=10000.0,
+                    help="the model's RoPE base (rope_theta), for re-rotating moved keys")
+    ap.add_argument("--blocks", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="INFERENCE_NUM_THREADS for both models")
-    ap.add_argument("--extension", type=Path,
-                    default=Path(__file__).resolve().parents[1] / "target/release/libpaged_attention.so")
+    ap.add_argument("--extension", type=Path, default=DEFAULT_LIB)
     args = ap.parse_args(argv)
 
     core = ov.Core()
     core.add_extension(str(args.extension))
     stateful = (core.read_model(args.model) if args.model
                 else tiny_llm.build(tiny_llm.VARIANTS[args.variant]))
-    model = pa_convert.to_paged(stateful)
+    model = pa_convert.to_paged(stateful, BLOCK_SIZE, serving=True)
     config = dict(F32_CONFIG)
     if args.threads:
         config["INFERENCE_NUM_THREADS"] = args.threads
@@ -100,26 +192,26 @@ def main(argv=None):
         ours = core.compile_model(core.read_model(ours_xml), "CPU", config)
     builtin = core.compile_model(model, "CPU", config)
     vocab = builtin.outputs[0].get_partial_shape()[-1].get_length()
+    head_size = int(pa_convert.pa_nodes(model)[0].get_rt_info()["k_head_size"].astype(int))
 
-    rng = np.random.default_rng(0)
-    requests = [Request(rng.integers(0, vocab, n), arrive, 48)
-                for n, arrive in ((5, 0), (33, 0), (100, 2), (64, 5), (1, 9), (20, 12), (70, 15), (9, 20))]
+    arrivals, forks = workload(vocab, new_tokens=args.new_tokens)
     worst = [0.0]
 
-    def check(step, logits, reqs):
+    def check(st, logits, models):
         worst[0] = max(worst[0], float(np.abs(logits[0] - logits[1]).max()))
-        for r in reqs:
-            if r.out and r.out[0] != r.out[1]:
-                raise SystemExit(f"step {step}: greedy tokens differ")
 
+    lib = Library(args.extension)
+    sched = Scheduler(lib, **scheduler_config(args.blocks))
     models = [PagedModel(builtin, args.blocks), PagedModel(ours, args.blocks)]
-    spent = serve(models, requests, args.steps, args.blocks, rng, check)
-    generated = sum(len(r.out.get(0, [])) for r in requests)
-    print(f"{args.steps} calls, {len(requests)} requests, {generated} generated tokens, identical greedy tokens")
-    for name, s in zip(("OpenVINO built-in PagedAttentionExtension", "ours (PagedAttention extension)"), spent):
-        print(f"  {name:42s} {s:7.3f} s  {generated / s:8.1f} generated tokens/s")
+    res = serve(models, sched, lib, arrivals, forks, head_size, args.rope_base, on_step=check)
+    same = res.out[0] == res.out[1]
+    print(f"{res.calls} calls, {len(res.out[1])} requests ({len(forks)} forked), {res.generated(1)} generated "
+          f"tokens, greedy tokens {'identical' if same else 'DIFFERENT'}")
+    print("  scheduler: " + ", ".join(f"{k} {v}" for k, v in res.counters.items()))
+    for name, s in zip(("OpenVINO built-in PagedAttentionExtension", "ours (PagedAttention extension)"), res.spent):
+        print(f"  {name:42s} {s:7.3f} s  {res.generated(1) / s:8.1f} generated tokens/s")
     print(f"  max |logits ours - built-in| = {worst[0]:.2e}")
-    return 0
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 2-output ``PagedAttention`` (``ie_internal_opset``, docs/contract.md), which the extension
 ``libpaged_attention.so`` runs.
 
-    python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type f32]
+    python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type f32] [--serving]
 
 IN.xml is either a stateful SDPA LLM (as optimum-intel exports it: the converter applies
 ``paged_attention_transformation`` and types the caches ``[?, Hkv, block_size, D]`` first, as GenAI
@@ -65,15 +65,23 @@ class Unsupported(Exception):
 
 
 # ------------------------------------------------------------------------------ stateful -> paged
-def to_paged(model, block_size: int = 32, cache_type: str = "f32"):
+def to_paged(model, block_size: int = 32, cache_type: str = "f32", serving: bool = False):
     """Applies OpenVINO's ``paged_attention_transformation`` to ``model`` (in place) and types its
     cache Parameters ``cache_type [?, Hkv, block_size, D]`` from the PA nodes' rt_info
     (num_k_heads, k_head_size, num_v_heads, v_head_size): the transformation leaves them dynamic
-    and GenAI types them the same way before compiling. Returns the model."""
+    and GenAI types them the same way before compiling. ``serving``: also ask the transformation
+    for what a cache manager with eviction needs (GenAI's cache-eviction options): outputs
+    ``scores.N``, inputs ``score_aggregation_window`` and the rotation inputs
+    (``rotated_block_indices.N``, ``rotation_deltas.N``, ``model_rotation_trig_lut``), which the
+    converter maps to our inputs 15 and 12..14. Returns the model."""
     import openvino as ov
     from openvino._offline_transformations import paged_attention_transformation
 
-    paged_attention_transformation(model)
+    if serving:
+        paged_attention_transformation(model, use_score_outputs=True, allow_score_aggregation=True,
+                                       allow_cache_rotation=True)
+    else:
+        paged_attention_transformation(model)
     nodes = pa_nodes(model)
     if not nodes:
         raise Unsupported("paged_attention_transformation found no ScaledDotProductAttention it "
@@ -257,20 +265,22 @@ def convert_ir(in_xml, out_xml) -> int:
     return len(pas)
 
 
-def convert_model(model, out_xml, block_size: int = 32, cache_type: str = "f32") -> int:
-    """Converts an in-memory model: a stateful SDPA LLM (transformed here first) or one that
-    already holds PagedAttentionExtension nodes with typed caches. Writes ``out_xml`` (+ .bin)."""
+def convert_model(model, out_xml, block_size: int = 32, cache_type: str = "f32",
+                  serving: bool = False) -> int:
+    """Converts an in-memory model: a stateful SDPA LLM (transformed here first, ``serving`` as
+    in ``to_paged``) or one that already holds PagedAttentionExtension nodes with typed caches.
+    Writes ``out_xml`` (+ .bin)."""
     import openvino as ov
 
     if not pa_nodes(model):
-        to_paged(model, block_size, cache_type)
+        to_paged(model, block_size, cache_type, serving)
     with tempfile.TemporaryDirectory() as tmp:
         paged = Path(tmp) / "paged.xml"
         ov.save_model(model, paged, compress_to_fp16=False)
         return convert_ir(paged, out_xml)
 
 
-def convert_file(in_xml, out_xml, block_size: int = 32, cache_type: str = "f32") -> int:
+def convert_file(in_xml, out_xml, block_size: int = 32, cache_type: str = "f32", serving: bool = False) -> int:
     in_xml = Path(in_xml)
     text = in_xml.read_text(encoding="utf-8")
     if f'type="{BUILTIN_TYPE}"' in text:
@@ -279,7 +289,7 @@ def convert_file(in_xml, out_xml, block_size: int = 32, cache_type: str = "f32")
         raise Unsupported(f"{in_xml} already uses {OUR_TYPE} ({OUR_VERSION}): nothing to convert")
     import openvino as ov
 
-    return convert_model(ov.Core().read_model(in_xml), out_xml, block_size, cache_type)
+    return convert_model(ov.Core().read_model(in_xml), out_xml, block_size, cache_type, serving)
 
 
 def main(argv=None):
@@ -290,9 +300,12 @@ def main(argv=None):
                     help="cache block size when the converter types the caches (default 32)")
     ap.add_argument("--cache-type", choices=CACHE_TYPES, default="f32",
                     help="cache element type when the converter types the caches (default f32)")
+    ap.add_argument("--serving", action="store_true",
+                    help="with a stateful IN: also give the graph the scores outputs and the cache "
+                         "rotation / score window inputs that eviction needs (tools/generate.py)")
     args = ap.parse_args(argv)
     try:
-        n = convert_file(args.input, args.output, args.block_size, args.cache_type)
+        n = convert_file(args.input, args.output, args.block_size, args.cache_type, args.serving)
     except Unsupported as e:
         print(f"pa_convert: refused: {e}", file=sys.stderr)
         return 2

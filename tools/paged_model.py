@@ -4,9 +4,15 @@ block_indices_begins, max_context_len, key_cache.N, value_cache.N), whichever op
 (OpenVINO's ``PagedAttentionExtension`` or our ``PagedAttention`` after tools/pa_convert.py).
 
 The caller owns the schedule (which sequences run, their new tokens, past lengths and block
-tables); ``PagedModel`` owns the caches (one numpy array per cache input, shared with the request
-so the op's in-place writes land there) and sets every input explicitly on every call
-(OPENVINO.md: plugin bug with default tensors).
+tables, cache rotations); ``PagedModel`` owns the caches (one numpy array per cache input, shared
+with the request so the op's in-place writes land there) and sets every input explicitly on every
+call (the CPU plugin misbehaves with default tensors of dynamic inputs).
+
+A graph transformed with ``pa_convert.to_paged(..., serving=True)`` also has the inputs of cache
+rotation (``rotated_block_indices.N``, ``rotation_deltas.N``, ``model_rotation_trig_lut``) and
+``score_aggregation_window``, and outputs ``scores.N``: ``step`` feeds the rotation it is given to
+every layer (or empty tensors), sums each sequence's new tokens' attention
+(``score_aggregation_window = n_s``) and keeps the scores of the call in ``self.scores``.
 """
 from __future__ import annotations
 
@@ -45,10 +51,13 @@ class PagedModel:
             raise ValueError("the model has no key_cache.N / value_cache.N inputs")
         self.block_size = next(iter(self.caches.values())).shape[2]
         self._keep = []
+        self.scores = []
 
-    def step(self, seqs: list[Seq]) -> np.ndarray:
+    def step(self, seqs: list[Seq], rotation=None) -> np.ndarray:
         """Runs one call over ``seqs`` (in order); returns the logits of every new token, [T, V]
-        float32, rows in the order of the sequences' tokens."""
+        float32, rows in the order of the sequences' tokens. ``rotation``: ``(block_indices [R],
+        deltas [R, BS], trig_lut [M, D])`` applied to every layer's key cache before the call
+        (the op's inputs), or None. ``self.scores`` then holds each layer's scores output."""
         bs = self.block_size
         ids, pos, past, begins, bi, bib = [], [], [], [0], [], [0]
         for s in seqs:
@@ -71,6 +80,16 @@ class PagedModel:
             "max_context_len": np.array(max(p + len(s.tokens) for p, s in zip(past, seqs)), np.int32),
         }
         feeds.update(self.caches)
+        feeds["score_aggregation_window"] = np.array([len(s.tokens) for s in seqs], np.int32)
+        if rotation is None:
+            rotation = (np.zeros(0, np.int32), np.zeros((0, bs), np.int32), np.zeros((0, 0), np.float32))
+        rbi, deltas, lut = rotation
+        feeds["model_rotation_trig_lut"] = np.asarray(lut, np.float32)
+        for name in self.names:
+            if name.startswith("rotated_block_indices."):
+                feeds[name] = np.asarray(rbi, np.int32)
+            elif name.startswith("rotation_deltas."):
+                feeds[name] = np.asarray(deltas, np.int32).reshape(len(rbi), bs)
         missing = self.names - set(feeds)
         if missing:
             raise ValueError(f"no value for the model inputs {sorted(missing)}")
@@ -82,4 +101,6 @@ class PagedModel:
         self._keep = tensors  # alive until the next call replaces them
         self.req.infer()
         logits = self.req.get_tensor(self.compiled.outputs[0]).data
+        self.scores = [np.array(self.req.get_tensor(o).data, np.float32, copy=True)
+                       for o in self.compiled.outputs if o.get_any_name().startswith("scores.")]
         return np.array(logits, dtype=np.float32, copy=True).reshape(len(ids), -1)

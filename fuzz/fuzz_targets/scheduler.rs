@@ -3,7 +3,9 @@
 //! written where its block tables say (after its copies). Each sequence's rows must carry the
 //! request's next unprocessed tokens (from the start again after a preemption), at cache
 //! positions past_len.., and (without eviction) every scheduled sequence's whole
-//! history must read back through its block table after every step.
+//! history must read back through its block table after every step. Between steps a request
+//! that just sampled may be forked: the child's history is the parent's with its own last token,
+//! and the shared blocks must read back for both (the copies of copy-on-write included).
 #![no_main]
 use std::collections::BTreeMap;
 
@@ -159,7 +161,27 @@ fuzz_target!(|data: &[u8]| {
             )
         };
         assert_eq!(st, 0, "complete_step");
+        if !out_ids.is_empty() && b.below(4) == 0 {
+            let parent = out_ids[b.below(out_ids.len())];
+            let child = 8 + b.below(8) as u64;
+            let first = b.below(4) as u32;
+            // SAFETY: live handle.
+            let st = unsafe { pa_scheduler_fork(s, parent, child, first, 1 + b.below(6)) };
+            // Refusals: the parent finished (12), the child exists (13), max_new_tokens too
+            // small (2).
+            assert!(matches!(st, 0 | 2 | 12 | 13), "fork: status {st}");
+            if st == 0 {
+                let mut toks = reqs[&parent].clone();
+                *toks.last_mut().expect("a parent that sampled has tokens") = first;
+                reqs.insert(child, toks);
+                processed.insert(child, processed[&parent]);
+            }
+        }
     }
+    let mut c = PaSchedulerCounters::default();
+    // SAFETY: live handle; c is writable.
+    assert_eq!(unsafe { pa_scheduler_get_counters(s, &mut c) }, 0);
+    assert!(c.steps <= steps as u64 && c.evictions <= c.evicted_blocks);
     // SAFETY: created above, destroyed once.
     unsafe { pa_scheduler_destroy(s) };
 });

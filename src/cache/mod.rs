@@ -25,5 +25,5 @@ pub use eviction::{
 pub use manager::{copy_blocks, Append, BlockCopy, BlockManager, CacheStats, ManagerConfig, SeqId};
 pub use pool::{block_hash, BlockId, BlockPool};
 pub use rng::SplitMix64;
-pub use scheduler::{Request, ScheduledSeq, Scheduler, SchedulerConfig, Step};
+pub use scheduler::{Request, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters, Step};
 pub use simulate::{simulate, SimConfig, SimReport};

@@ -11,6 +11,10 @@
 //! 3. if nothing was preempted, waiting requests are admitted in the same order while the
 //!    token budget, `max_seqs` and free blocks last (prefix-cache hits cost no blocks); a
 //!    request that does not fit stops admission (no overtaking).
+//!
+//! Between steps a decoding request can be forked ([`Scheduler::fork`], a parallel sample that
+//! shares its blocks); [`Scheduler::counters`] counts what happened, so a serving loop can show
+//! that forks, prefix hits, copies, evictions and rotations really occurred.
 
 use super::eviction::{EvictionPolicy, RotationInputs};
 use super::manager::{BlockCopy, BlockManager, ManagerConfig, SeqId};
@@ -100,6 +104,25 @@ impl Step {
     }
 }
 
+/// Events since the scheduler was created (see [`Scheduler::counters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerCounters {
+    /// Steps handed out by `schedule`.
+    pub steps: u64,
+    pub preemptions: u64,
+    pub forks: u64,
+    /// Admissions that reused cached blocks, and the tokens they reused.
+    pub prefix_hits: u64,
+    pub prefix_hit_tokens: u64,
+    /// Block copies handed out (copy-on-write and copies of shared blocks eviction moves).
+    pub block_copies: u64,
+    /// Sequences that lost blocks to eviction (one per sequence and step), and the blocks.
+    pub evictions: u64,
+    pub evicted_blocks: u64,
+    /// Entries of the rotation inputs handed out (blocks whose keys were re-rotated).
+    pub rotated_blocks: u64,
+}
+
 #[derive(Clone, Debug)]
 struct Entry {
     req: Request,
@@ -122,7 +145,7 @@ pub struct Scheduler {
     arrivals: u64,
     /// Sequences of the step handed out and not completed yet.
     in_flight: Option<Vec<ScheduledSeq>>,
-    preemptions: u64,
+    counters: SchedulerCounters,
 }
 
 impl Scheduler {
@@ -145,7 +168,7 @@ impl Scheduler {
             running: Vec::new(),
             arrivals: 0,
             in_flight: None,
-            preemptions: 0,
+            counters: SchedulerCounters::default(),
         })
     }
 
@@ -167,7 +190,11 @@ impl Scheduler {
     }
     /// Preemptions since creation.
     pub fn preemptions(&self) -> u64 {
-        self.preemptions
+        self.counters.preemptions
+    }
+    /// Events since creation.
+    pub fn counters(&self) -> SchedulerCounters {
+        self.counters
     }
     /// Prompt and generated tokens of a live request.
     pub fn tokens(&self, id: SeqId) -> Result<&[u32]> {
@@ -240,7 +267,63 @@ impl Scheduler {
         }
         self.running.retain(|&r| r != id);
         self.waiting.push(id);
-        self.preemptions += 1;
+        self.counters.preemptions += 1;
+        Ok(())
+    }
+
+    /// Forks the running request `parent` into a new request `child` (a parallel sample): the
+    /// child shares all of the parent's cached blocks (a write into a shared partial block is
+    /// copied first) and continues from the parent's tokens, with `first_token` in place of the
+    /// parent's last sampled token. Only between steps, and only while the parent decodes (its
+    /// one unprocessed token is that sampled token). The child inherits the parent's priority
+    /// and generated count: it finishes after `max_new_tokens` generated tokens in all, which
+    /// must be more than the parent has generated.
+    pub fn fork(
+        &mut self,
+        parent: SeqId,
+        child: SeqId,
+        first_token: u32,
+        max_new_tokens: usize,
+    ) -> Result<()> {
+        if self.in_flight.is_some() {
+            return Err(PaError::InvalidState {
+                detail: "fork() while a step is in flight (call complete_step() first)".into(),
+            });
+        }
+        if self.entries.contains_key(&child) {
+            return Err(PaError::InvalidState {
+                detail: format!("request {child} already exists"),
+            });
+        }
+        let p = self.entry(parent)?;
+        let decoding =
+            self.running.contains(&parent) && p.generated >= 1 && p.tokens.len() == p.processed + 1;
+        if !decoding {
+            return Err(PaError::InvalidState {
+                detail: format!("request {parent} is not decoding, so it cannot be forked"),
+            });
+        }
+        if max_new_tokens <= p.generated {
+            return Err(PaError::InvalidArgument {
+                detail: format!(
+                    "the fork of request {parent} needs max_new_tokens > {} (generated so far), \
+                     got {max_new_tokens}",
+                    p.generated
+                ),
+            });
+        }
+        let mut e = p.clone();
+        self.mgr.fork(parent, child)?;
+        if let Some(last) = e.tokens.last_mut() {
+            *last = first_token;
+        }
+        e.req.id = child;
+        e.req.max_new_tokens = max_new_tokens;
+        e.arrival = self.arrivals;
+        self.arrivals += 1;
+        self.entries.insert(child, e);
+        self.running.push(child);
+        self.counters.forks += 1;
         Ok(())
     }
 
@@ -263,6 +346,9 @@ impl Scheduler {
                 }
                 match self.mgr.evict(id, policy) {
                     Ok(ev) => {
+                        if !ev.evicted.is_empty() {
+                            self.counters.evictions += 1;
+                        }
                         step.evicted_blocks += ev.evicted.len();
                         step.copies.extend(ev.copies);
                     }
@@ -320,6 +406,10 @@ impl Scheduler {
                 if let Some(e) = self.entries.get_mut(&id) {
                     e.processed = cached;
                 }
+                if cached > 0 {
+                    self.counters.prefix_hits += 1;
+                    self.counters.prefix_hit_tokens += cached as u64;
+                }
                 chunks.push((id, a.past_len, n));
                 budget -= n;
                 self.waiting.remove(0);
@@ -353,6 +443,11 @@ impl Scheduler {
             });
         }
         step.rotation = self.mgr.take_rotation();
+        let c = &mut self.counters;
+        c.steps += 1;
+        c.evicted_blocks += step.evicted_blocks as u64;
+        c.block_copies += step.copies.len() as u64;
+        c.rotated_blocks += step.rotation.as_ref().map_or(0, |r| r.len()) as u64;
         self.in_flight = Some(step.seqs.clone());
         Ok(step)
     }
@@ -578,6 +673,124 @@ mod tests {
             Err(PaError::OutOfBlocks { .. })
         ));
         assert!(s.add_request(req(1, 0, 1, 0)).is_err());
+    }
+
+    #[test]
+    fn a_fork_shares_the_blocks_copies_the_partial_one_and_continues_with_its_token() {
+        let mut s = sched(16, 64);
+        s.add_request(req(1, 6, 4, 0)).unwrap(); // blocks 0..4 full, 4..6 partial
+        assert!(
+            matches!(s.fork(1, 2, 9, 4), Err(PaError::InvalidState { .. })),
+            "waiting, not decoding"
+        );
+        let st = s.schedule().unwrap();
+        assert!(matches!(
+            s.fork(1, 2, 9, 4),
+            Err(PaError::InvalidState { .. })
+        ));
+        s.complete_step(&[(1, 50)]).unwrap();
+        assert!(matches!(
+            s.fork(1, 2, 9, 1),
+            Err(PaError::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            s.fork(3, 2, 9, 4),
+            Err(PaError::UnknownSequence { .. })
+        ));
+        assert!(matches!(
+            s.fork(1, 1, 9, 4),
+            Err(PaError::InvalidState { .. })
+        ));
+        let before = s.manager().stats();
+        s.fork(1, 2, 60, 3).unwrap();
+        assert_eq!(
+            s.manager().stats().used_blocks,
+            before.used_blocks,
+            "no block allocated"
+        );
+        assert_eq!(s.manager().stats().shared_blocks, 2);
+        assert_eq!(
+            s.tokens(2).unwrap(),
+            &[1000, 1001, 1002, 1003, 1004, 1005, 60]
+        );
+        let st2 = s.schedule().unwrap();
+        assert_eq!(
+            st2.token_ids,
+            vec![50, 60],
+            "each continues with its own token"
+        );
+        assert_eq!(st2.past_lens, vec![6, 6]);
+        assert_eq!(
+            st2.copies.len(),
+            1,
+            "the shared partial block is copied once"
+        );
+        let (t1, t2) = (
+            s.manager().block_table(1).unwrap(),
+            s.manager().block_table(2).unwrap(),
+        );
+        assert_eq!(t1[0], t2[0], "the full block stays shared");
+        assert_ne!(t1[1], t2[1]);
+        assert_eq!(
+            st2.copies[0].src, st.block_indices[1] as u32,
+            "the copy starts from the prompt's partial block"
+        );
+        s.complete_step(&[(1, 51), (2, 61)]).unwrap();
+        let c = s.counters();
+        assert_eq!((c.forks, c.steps, c.block_copies), (1, 2, 1));
+        // The child finishes after 3 generated tokens in all (1 inherited + 2), the parent
+        // after 4.
+        let st3 = s.schedule().unwrap();
+        assert_eq!(s.complete_step(&sample(&st3)).unwrap(), vec![2]);
+        let st4 = s.schedule().unwrap();
+        assert_eq!(s.complete_step(&sample(&st4)).unwrap(), vec![1]);
+        assert!(s.is_idle());
+        s.manager().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn counters_see_prefix_hits_evictions_and_rotations() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            num_blocks: 16,
+            block_size: 4,
+            prefix_caching: true,
+            max_batched_tokens: 64,
+            max_seqs: 8,
+            eviction: Some(EvictionPolicy {
+                start: 1,
+                recent: 1,
+                budget: 3,
+            }),
+        })
+        .unwrap();
+        s.add_request(req(1, 9, 8, 0)).unwrap();
+        let mut evicted_steps = 0;
+        while !s.is_idle() {
+            let st = s.schedule().unwrap();
+            if st.evicted_blocks > 0 {
+                evicted_steps += 1;
+                let r = st.rotation.as_ref().expect("kept blocks moved");
+                assert!(!r.is_empty());
+            }
+            let scores: Vec<f32> = (0..st.scores_len()).map(|i| i as f32).collect();
+            s.accumulate_scores(&st, &scores).unwrap();
+            s.complete_step(&sample(&st)).unwrap();
+        }
+        let c = s.counters();
+        assert!(evicted_steps >= 1);
+        assert_eq!(c.evictions, evicted_steps);
+        assert!(c.evicted_blocks >= c.evictions && c.rotated_blocks >= c.evictions);
+        assert_eq!((c.prefix_hits, c.forks, c.preemptions), (0, 0, 0));
+        let mut r = req(1, 9, 1, 0); // request 1's prompt again: its first block is cached
+        r.id = 2;
+        s.add_request(r).unwrap();
+        let st = s.schedule().unwrap();
+        assert!(st.past_lens[0] >= 4);
+        let c = s.counters();
+        assert_eq!(
+            (c.prefix_hits, c.prefix_hit_tokens),
+            (1, st.past_lens[0] as u64)
+        );
     }
 
     #[test]

@@ -6,7 +6,8 @@
 use super::boundary;
 use crate::cache::{
     copy_blocks, fill_rotation_lut, rotation_lut_len, BlockCopy, BlockManager, CacheStats,
-    EvictionPolicy, ManagerConfig, Request, RotationDirection, Scheduler, SchedulerConfig, Step,
+    EvictionPolicy, ManagerConfig, Request, RotationDirection, Scheduler, SchedulerConfig,
+    SchedulerCounters, Step,
 };
 use crate::error::PaError;
 
@@ -49,6 +50,37 @@ impl From<CacheStats> for PaCacheStats {
             used_slots: s.used_slots,
             fragmentation: s.fragmentation,
             sequences: s.sequences,
+        }
+    }
+}
+
+/// C `pa_scheduler_counters`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PaSchedulerCounters {
+    pub steps: u64,
+    pub preemptions: u64,
+    pub forks: u64,
+    pub prefix_hits: u64,
+    pub prefix_hit_tokens: u64,
+    pub block_copies: u64,
+    pub evictions: u64,
+    pub evicted_blocks: u64,
+    pub rotated_blocks: u64,
+}
+
+impl From<SchedulerCounters> for PaSchedulerCounters {
+    fn from(c: SchedulerCounters) -> Self {
+        PaSchedulerCounters {
+            steps: c.steps,
+            preemptions: c.preemptions,
+            forks: c.forks,
+            prefix_hits: c.prefix_hits,
+            prefix_hit_tokens: c.prefix_hit_tokens,
+            block_copies: c.block_copies,
+            evictions: c.evictions,
+            evicted_blocks: c.evicted_blocks,
+            rotated_blocks: c.rotated_blocks,
         }
     }
 }
@@ -773,6 +805,42 @@ pub unsafe extern "C" fn pa_scheduler_stats(s: *mut PaScheduler, out: *mut PaCac
         }
         // SAFETY: non-NULL (checked), writable per the header.
         unsafe { out.write(s.sched.manager().stats().into()) };
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `s` live.
+#[no_mangle]
+pub unsafe extern "C" fn pa_scheduler_fork(
+    s: *mut PaScheduler,
+    parent: u64,
+    child: u64,
+    first_token: u32,
+    max_new_tokens: usize,
+) -> i32 {
+    boundary(|| {
+        // SAFETY: header contract for `s`.
+        let s = unsafe { handle(s, "scheduler") }?;
+        s.sched.fork(parent, child, first_token, max_new_tokens)
+    })
+}
+
+/// # Safety
+/// `s` live; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn pa_scheduler_get_counters(
+    s: *mut PaScheduler,
+    out: *mut PaSchedulerCounters,
+) -> i32 {
+    boundary(|| {
+        // SAFETY: header contract for `s`.
+        let s = unsafe { handle(s, "scheduler") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: non-NULL (checked), writable per the header.
+        unsafe { out.write(s.sched.counters().into()) };
         Ok(())
     })
 }

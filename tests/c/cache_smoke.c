@@ -127,7 +127,8 @@ static pa_tensor tensor(int32_t elem, int32_t rank, const int64_t *dims, void *d
     return t;
 }
 
-/* Continuous batching feeding the op: 3 requests, chunked prefill, decode to completion. */
+/* Continuous batching feeding the op: 3 requests, chunked prefill, a fork of a decoding
+ * request, decode to completion; the counters saw the fork and every step. */
 static int scheduler_smoke(void) {
     enum { NB = 16, BS = 4, H = 2, HKV = 1, D = 8, MAXT = 8 };
     pa_scheduler_config cfg = {NB, BS, 1, MAXT, 4, 0, 0, 0};
@@ -142,6 +143,7 @@ static int scheduler_smoke(void) {
     float q[MAXT * H * D], k[MAXT * HKV * D], v[MAXT * HKV * D], out[MAXT * H * D];
     float scores[NB * BS + MAXT];
     size_t finished = 0, steps = 0, waiting = 1, running = 1;
+    int forked = 0;
     while (waiting + running > 0) {
         CHECK(++steps < 100, "did not finish");
         pa_scheduler_step st;
@@ -188,9 +190,25 @@ static int scheduler_smoke(void) {
             if (st.emits[i]) { ids[n] = st.seq_ids[i]; toks[n] = 1000 + (uint32_t)steps; n++; }
         OK(pa_scheduler_complete_step(s, ids, toks, n, &fin));
         finished += fin;
+        if (!forked && fin == 0 && n > 0) {
+            /* ids[0] just sampled a token, so it decodes next: fork a parallel sample of it */
+            CHECK(pa_scheduler_fork(s, ids[0], 400, 77, 1) == PA_STATUS_INVALID_ARGUMENT,
+                  "a fork with no tokens left to generate accepted");
+            OK(pa_scheduler_fork(s, ids[0], 400, 77, 6));
+            CHECK(pa_scheduler_fork(s, ids[0], 400, 77, 6) == PA_STATUS_INVALID_STATE,
+                  "duplicate child accepted");
+            forked = 1;
+        }
         OK(pa_scheduler_counts(s, &waiting, &running));
     }
-    CHECK(finished == 3, "finished %zu", finished);
+    CHECK(forked && finished == 4, "forked %d, finished %zu", forked, finished);
+    pa_scheduler_counters c;
+    OK(pa_scheduler_get_counters(s, &c));
+    CHECK(c.forks == 1 && c.steps == steps && c.preemptions == 0 && c.evictions == 0,
+          "counters: forks %llu, steps %llu", (unsigned long long)c.forks,
+          (unsigned long long)c.steps);
+    CHECK(pa_scheduler_get_counters(s, NULL) == PA_STATUS_NULL_POINTER, "NULL counters accepted");
+    CHECK(pa_scheduler_fork(NULL, 1, 2, 0, 2) == PA_STATUS_NULL_POINTER, "NULL scheduler forked");
     pa_cache_stats cs;
     OK(pa_scheduler_stats(s, &cs));
     CHECK(cs.used_blocks == 0 && cs.free_blocks + cs.cached_blocks == NB, "blocks leaked");

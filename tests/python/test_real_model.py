@@ -4,10 +4,11 @@ a paged graph by OpenVINO's own ``paged_attention_transformation`` (built-in
 with the extension loaded (``$PA_EXTENSION_LIB``, default target/release/libpaged_attention.so).
 
 Truth is OpenVINO: the stateful SDPA model checks the paged graph the transformation made, and the
-built-in op runs the same schedule as ours (tools/generate.py ``serve``: prefills of several prompts in one call, chunked
-prefill, requests joining while others decode, blocks handed out in shuffled order). Each model
-decodes greedily from its own logits: the tokens must be identical and the logits of every step
-within 1e-4 (f32 caches, f32 inference).
+built-in op runs the same schedule as ours (tools/generate.py ``serve``, driven by our scheduler and
+cache manager: late arrivals, chunked prefill beside decodes, a prefix hit, a fork, eviction with
+rotation, preemption). Each model decodes greedily from its own logits: the tokens must be identical
+and the logits of every step within 1e-4 (f32 caches, f32 inference). Rotated keys are checked
+against a float64 re-rotation.
 """
 import os
 import subprocess
@@ -22,14 +23,15 @@ import pytest
 
 import pa_convert
 import tiny_llm
-from generate import Request, serve
+from generate import scheduler_config, serve, workload
+from pa_scheduler import Library, Scheduler
 from paged_model import F32_CONFIG, PagedModel, Seq
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention.so"))
 TOL = 1e-4
 BS = 32
-NUM_BLOCKS = 40
+SERVE_BLOCKS = 24  # small enough that the pool runs out: preemptions too
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,10 @@ def core():
     return c
 
 
-def paged(name):
-    """A fresh paged (built-in PA) model of variant ``name``."""
-    return pa_convert.to_paged(tiny_llm.build(tiny_llm.VARIANTS[name]), BS)
+def paged(name, serving=False):
+    """A fresh paged (built-in PA) model of variant ``name`` (``serving``: with scores outputs
+    and rotation inputs)."""
+    return pa_convert.to_paged(tiny_llm.build(tiny_llm.VARIANTS[name]), BS, serving=serving)
 
 
 @pytest.fixture(scope="module", params=sorted(tiny_llm.VARIANTS))
@@ -51,7 +54,7 @@ def pair(request, core, tmp_path_factory):
     """(config, built-in PA model compiled, ours compiled, converted xml path) for one variant."""
     name = request.param
     cfg = tiny_llm.VARIANTS[name]
-    model = paged(name)
+    model = paged(name, serving=True)
     assert len(pa_convert.pa_nodes(model)) == cfg.layers
     builtin = core.compile_model(model, "CPU", F32_CONFIG)
     out = tmp_path_factory.mktemp(name) / "model_pa.xml"
@@ -113,46 +116,104 @@ def test_sliding_window_is_in_effect(core):
     assert np.abs(with_w[cfg.sliding_window + 1:] - without[cfg.sliding_window + 1:]).max() > 1e-2
 
 
-# ------------------------------------------------------------------ ours vs built-in, a schedule
+# ------------------------------------------------------------------ ours vs built-in, served
 
-def test_converted_model_matches_builtin(pair):
+def written_slots(st):
+    """(block, slot) of every token row the step writes into the caches."""
+    out = []
+    for b in range(len(st.seq_ids)):
+        blocks, past = st.blocks_of(b), int(st.past_lens[b])
+        out += [(blocks[p // BS], p % BS) for p in range(past, past + len(st.tokens_of(b)))]
+    return out
+
+
+def rotated_f64(keys, deltas, head_size, base):
+    """Float64 RoPE re-rotation of cached keys ``[R, Hkv, BS, D]`` back by ``deltas [R, BS]``
+    positions (the rotate-half layout of tools/tiny_llm.py), with angles computed here, not taken
+    from any LUT."""
+    half = head_size // 2
+    f = base ** (-2.0 * np.arange(half) / head_size)
+    a = -deltas.astype(np.float64)[:, None, :, None] * f  # [R, 1, BS, D/2]
+    x, y = keys[..., :half].astype(np.float64), keys[..., half:].astype(np.float64)
+    return np.concatenate([x * np.cos(a) - y * np.sin(a), x * np.sin(a) + y * np.cos(a)], axis=-1)
+
+
+def test_served_by_our_scheduler_matches_builtin(pair):
+    """tools/generate.py's serving loop, driven by our scheduler and cache manager through the C
+    ABI, runs the built-in op and ours on one schedule: 10 requests arriving over time, chunked
+    prefill beside decodes, a prefix-cache hit, a fork (copy-on-write of the shared partial block),
+    score-driven eviction (our op's scores) with rotation of the moved blocks. Every call: logits
+    and scores within 1e-4, the new tokens' cache rows equal; every rotated key (both ops) equals a
+    float64 RoPE re-rotation of the key before the call. Greedy tokens identical, >= 64 a request;
+    the scheduler's counters prove each event happened."""
     cfg, builtin, ours, _ = pair
-    rng = np.random.default_rng(11)
-    prompt = lambda n: [int(t) for t in rng.integers(0, cfg.vocab, n)]  # noqa: E731
-    requests = [
-        Request(prompt(5), 0, 64),
-        Request(prompt(33), 0, 64),
-        Request(prompt(100), 2, 48),  # chunked prefill: 48 + 48 + 4 tokens
-        Request(prompt(64), 5, 64),
-        Request(prompt(1), 9, 64),
-    ]
-    a = PagedModel(builtin, NUM_BLOCKS)
-    b = PagedModel(ours, NUM_BLOCKS)
-    seen = {"calls": 0, "worst": 0.0, "mixed": 0}
+    lib = Library(EXT_LIB)
+    sched = Scheduler(lib, **scheduler_config(SERVE_BLOCKS))
+    arrivals, forks = workload(cfg.vocab)
+    a, b = PagedModel(builtin, SERVE_BLOCKS), PagedModel(ours, SERVE_BLOCKS)
+    seen = {"worst": 0.0, "worst_scores": 0.0, "chunked": 0, "mixed": 0, "rotation_calls": 0,
+            "rotated_keys": 0}
+    before = {}
 
-    def check(step, logits, reqs):
-        seen["calls"] += 1
-        assert logits[0].shape == logits[1].shape
+    def pre_step(st, models):
+        before.clear()
+        if len(st.rotated_block_indices):
+            for i, m in enumerate(models):
+                for name, cache in m.caches.items():
+                    if name.startswith("key_cache."):
+                        before[i, name] = cache[st.rotated_block_indices].copy()
+
+    def on_step(st, logits, models):
         diff = float(np.abs(logits[0] - logits[1]).max())
-        assert diff <= TOL, f"step {step}: logits differ by {diff}"
+        assert diff <= TOL, f"logits differ by {diff}"
         seen["worst"] = max(seen["worst"], diff)
-        live = [r for r in reqs if r.arrive <= step]
-        if any(r.done < len(r.prompt) + 1 for r in live) and any(r.done > len(r.prompt) for r in live):
-            seen["mixed"] += 1  # a prefill and a decode in the same call
-        for r in reqs:
-            assert r.out.get(0) == r.out.get(1), f"step {step}: greedy tokens differ"
+        assert len(models[0].scores) == len(models[1].scores) == cfg.layers
+        for sa, sb in zip(models[0].scores, models[1].scores):
+            assert sa.shape == sb.shape == (st.scores_len,)
+            d = float(np.abs(sa - sb).max())
+            assert d <= TOL, f"scores differ by {d}"
+            seen["worst_scores"] = max(seen["worst_scores"], d)
+        for k, rid in enumerate(st.seq_ids):
+            if st.emits[k]:
+                row = st.subsequence_begins[k + 1] - 1
+                assert np.argmax(logits[0][row]) == np.argmax(logits[1][row]), f"request {rid}: tokens differ"
+        prefill = [len(st.tokens_of(k)) > 1 for k in range(len(st.seq_ids))]
+        seen["chunked"] += any(not e for e in st.emits)
+        seen["mixed"] += any(prefill) and not all(prefill)
+        slots = written_slots(st)
+        for name in models[0].caches:
+            ca, cb = models[0].caches[name], models[1].caches[name]
+            for blk, slot in slots:
+                np.testing.assert_allclose(cb[blk, :, slot], ca[blk, :, slot], atol=TOL, rtol=0)
+        if before:
+            seen["rotation_calls"] += 1
+            untouched = np.ones(st.rotation_deltas.shape, bool)
+            for r, blk in enumerate(st.rotated_block_indices):
+                for wb, slot in slots:
+                    if wb == blk:
+                        untouched[r, slot] = False
+            for (i, name), keys in before.items():
+                want = rotated_f64(keys, st.rotation_deltas, cfg.head_size, cfg.rope_theta)
+                got = models[i].caches[name][st.rotated_block_indices]
+                err = np.abs(got - want).transpose(0, 2, 1, 3)[untouched]
+                assert err.size and err.max() <= 1e-5, f"model {i} {name}: rotation off by {err.max()}"
+                seen["rotated_keys"] += int(untouched.sum())
 
-    serve([a, b], requests, 80, NUM_BLOCKS, rng, check)
-    assert seen["calls"] == 80 and seen["mixed"] >= 3
-    assert min(len(r.out[0]) for r in requests) >= 64
-    # The caches hold the same tokens (slots in use only: the built-in op writes past a sequence's
-    # end in its last block).
-    for name, cache in a.caches.items():
-        for r in requests:
-            for j in range(r.done):
-                blk, slot = r.blocks[j // BS], j % BS
-                np.testing.assert_allclose(b.caches[name][blk, :, slot], cache[blk, :, slot], atol=TOL, rtol=0)
-    print(f"{cfg.name}: {seen['calls']} calls, max |logits ours - built-in| = {seen['worst']:.2e}")
+    res = serve([a, b], sched, lib, arrivals, forks, cfg.head_size, cfg.rope_theta,
+                pre_step=pre_step, on_step=on_step)
+    c = res.counters
+    assert res.out[0] == res.out[1]
+    assert len(res.out[0]) == len(arrivals) + len(forks) >= 9
+    assert min(len(t) for t in res.out[0].values()) >= 64
+    assert len({len(r.prompt) for r in arrivals}) >= 8, "prompts of different lengths"
+    assert c["forks"] == 1 and c["block_copies"] >= 1 and c["preemptions"] >= 1
+    assert c["prefix_hits"] >= 1 and res.first_past[6] >= BS, "request 6 reuses request 0's blocks"
+    assert c["evictions"] >= 1 and c["evicted_blocks"] >= 1 and c["rotated_blocks"] >= 1
+    assert seen["rotation_calls"] >= 1 and seen["rotated_keys"] > 0
+    assert seen["chunked"] >= 2 and seen["mixed"] >= 3
+    assert res.out[0][100][0] != res.out[0][4][2], "the fork continues with another token"
+    print(f"{cfg.name}: {res.calls} calls, {c}, max |logits ours - built-in| = {seen['worst']:.2e}, "
+          f"scores {seen['worst_scores']:.2e}")
 
 
 def test_converted_file_roundtrip(pair, core, tmp_path):
@@ -179,6 +240,27 @@ def test_converted_file_roundtrip(pair, core, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), str(out), str(tmp_path / "x.xml")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "already uses PagedAttention" in r.stderr
+
+
+def test_cli_serving_graph_has_scores_and_rotation_inputs(core, tmp_path):
+    """``pa_convert.py --serving`` gives the converted graph what the serving loop feeds and reads:
+    our inputs 12..15 fed by the rotation / score window Parameters, outputs scores.N."""
+    stateful = tmp_path / "openvino_model.xml"
+    ov.save_model(tiny_llm.build(tiny_llm.VARIANTS["gqa4"]), stateful, compress_to_fp16=False)
+    out = tmp_path / "serving.xml"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--serving", str(stateful), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    model = core.read_model(out)
+    names = {i.get_any_name() for i in model.inputs}
+    assert {"rotated_block_indices.0", "rotation_deltas.1", "model_rotation_trig_lut",
+            "score_aggregation_window"} <= names
+    assert {o.get_any_name() for o in model.outputs} >= {"scores.0", "scores.1"}
+    for n in pa_convert.pa_nodes(model, "PagedAttention"):
+        feeds = [n.input_value(i).get_node() for i in range(12, 16)]
+        assert [f.get_type_name() for f in feeds] == ["Parameter"] * 4
+        assert feeds[2].get_friendly_name() == "model_rotation_trig_lut"
+        assert feeds[3].get_friendly_name() == "score_aggregation_window"
 
 
 # ------------------------------------------------------------------ refusals
