@@ -8,9 +8,9 @@
 use super::micro::Micro;
 use super::partition::Item;
 use super::shared::SharedMut;
-use super::tile::{load_q, mask_tile, Ctx, Scratch};
+use super::tile::{finite_outside, load_q, mask_tile, Ctx, Scratch};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles, window_start};
+use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// Runs one decode item.
@@ -71,6 +71,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             .map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
         let st = &mut s[..rows * n];
         m.dec_qk(&qbuf[r0 * d..(r0 + rows) * d], rows, kt, n, d, st, kn);
+        m.scale_logits(st, plan.scale);
         mask_tile(plan, st, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             for ti in first_score.max(t0)..t0 + nt {
@@ -84,16 +85,38 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
                 }
             }
         }
-        m.dec_softmax_pv(
-            st,
-            rows,
-            n,
-            vt,
-            d,
-            &mut stbuf[r0..r0 + rows],
-            &mut accbuf[r0 * d..(r0 + rows) * d],
-            vn,
-        );
+        let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
+        if finite_outside(vt, n, d, (a - j0, b - j0)) {
+            m.dec_softmax_pv(
+                st,
+                rows,
+                n,
+                vt,
+                d,
+                &mut stbuf[r0..r0 + rows],
+                &mut accbuf[r0 * d..(r0 + rows) * d],
+                vn,
+            );
+        } else {
+            // A non-finite value some row is masked for: each row over its own keys.
+            for r in 0..rows {
+                let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
+                let (a, b) = (a - j0, b - j0);
+                if a < b {
+                    let ri = r0 + r;
+                    m.dec_softmax_pv(
+                        &mut st[r * n + a..r * n + b],
+                        1,
+                        b - a,
+                        &vt[a * d..b * d],
+                        d,
+                        &mut stbuf[ri..ri + 1],
+                        &mut accbuf[ri * d..(ri + 1) * d],
+                        &[],
+                    );
+                }
+            }
+        }
     }
     for kvh in kvh0..kvh1 {
         for r in 0..rows {

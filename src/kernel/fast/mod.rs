@@ -293,7 +293,7 @@ impl<M: TileMicro> TypedOp for Fast<M> {
                 scores::from_stash(m, &ctx, &stats, &stash, b.scores);
                 pool::give(stash);
             }
-            None => scores::recompute(m, &ctx, &stats, b.scores),
+            None => scores::recompute(m, &ctx, b.scores),
         }
         Ok(())
     }

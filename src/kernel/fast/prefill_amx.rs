@@ -25,7 +25,7 @@ use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRo
 use super::shared::SharedMut;
 use super::tile::{mask_tile_strided, Ctx};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles};
+use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -204,6 +204,51 @@ fn as_u16_mut(v: &mut [u32]) -> &mut [u16] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u16, v.len() * 2) }
 }
 
+/// Whether a bf16 (bits) is finite.
+fn bf16_finite(b: u16) -> bool {
+    b & 0x7F80 != 0x7F80
+}
+
+/// Takes the non-finite values of edge keys (outside `lo..hi`, the keys some row is masked
+/// for) out of the span's tile product: each such key's value column in `vs` (`[d][ldv]`,
+/// key `j0 + jj` in column `jj`, this item's own packing) becomes 0 and its weight in `st` 0
+/// for every row, and its weighted value is added to `acc_t` (`[d][r32]`) here, for the rows
+/// that see it (f32 products, in place of the bf16 tile's).
+#[allow(clippy::too_many_arguments)]
+fn masked_non_finite<Q, C>(
+    ctx: &Ctx<'_, Q, C>,
+    ir: &ItemRows,
+    j0: usize,
+    (lo, hi): (usize, usize),
+    j1: usize,
+    st: &mut [f32],
+    r32: usize,
+    vs: &mut [u16],
+    ldv: usize,
+    acc_t: &mut [f32],
+) {
+    let plan = ctx.plan;
+    let (d, g) = (plan.d, plan.g);
+    for j in (j0..lo).chain(hi..j1) {
+        let jj = j - j0;
+        if (0..d).all(|x| bf16_finite(vs[x * ldv + jj])) {
+            continue;
+        }
+        for r in 0..ir.rows {
+            let w = std::mem::take(&mut st[jj * r32 + r]);
+            if visible(plan, ir.pos0 + r / g, j) {
+                for x in 0..d {
+                    let v = f32::from_bits((vs[x * ldv + jj] as u32) << 16);
+                    acc_t[x * r32 + r] += w * v;
+                }
+            }
+        }
+        for x in 0..d {
+            vs[x * ldv + jj] = 0;
+        }
+    }
+}
+
 /// [`prefill::run_item`](super::prefill::run_item) on tiles.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
@@ -304,24 +349,36 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             )
         });
 
+    let ldp = ctx_len + 32;
     let mut j0 = ir.lo;
     while j0 < ir.hi {
         let j1 = (j0 + SPAN).min(ir.hi);
         let (n, n32) = (j1 - j0, (j1 - j0).div_ceil(32) * 32);
-        let (ks, vs, ldv): (&[u16], &[u16], usize) = match heads {
-            Some((k, v)) => (&k[j0 * kw..], &v[j0..], ctx_len + 32),
-            None => {
-                let kp = aligned(kp, SPAN * kw);
-                let vt = aligned(vt, dp * SPAN);
-                // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
-                kp.fill(0);
-                vt.fill(0);
-                pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
-                (kp, vt, SPAN)
-            }
+        // The tile product multiplies every value of keys j0..j0+n32 by a weight, zero where
+        // a row is masked (edge keys) and for keys past j1; a non-finite value there would
+        // make it NaN (contract: masked keys never contribute). Prepacked values are used
+        // only when all of those are finite, else the span is packed here and cleaned.
+        let (lo, hi) = seen_by_all(plan, ir.pos0, ir.pos0 + ir.nt - 1, j0, j1);
+        let zero_weight = (j0..lo).chain(hi..j1).chain(j1..j0 + n32);
+        let pre = heads.filter(|(_, v)| {
+            zero_weight
+                .clone()
+                .all(|j| (0..d).all(|x| bf16_finite(v[x * ldp + j])))
+        });
+        if pre.is_none() {
+            let kp = aligned(kp, SPAN * kw);
+            let vt = aligned(vt, dp * SPAN);
+            // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
+            kp.fill(0);
+            vt.fill(0);
+            pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
+        }
+        let ks: &[u16] = match pre {
+            Some((k, _)) => &k[j0 * kw..],
+            None => aligned(kp, SPAN * kw),
         };
         tl.qk_t(ks, kw, n32, qt, r32, st);
-        m.scale(&mut st[..n * r32], plan.scale);
+        m.scale_logits(&mut st[..n * r32], plan.scale);
         // A block's worth of keys at a time, so only the pieces the causal edge or the window
         // cuts take the per-element path (one span may cover the whole diagonal).
         for off in (0..n).step_by(32) {
@@ -340,7 +397,15 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 }
             }
         }
+        if pre.is_none() {
+            let vt = aligned(vt, dp * SPAN);
+            masked_non_finite(ctx, &ir, j0, (lo, hi), j1, st, r32, vt, SPAN, acc_t);
+        }
         amx.pair_rows(st, r32, n, n32, pt);
+        let (vs, ldv): (&[u16], usize) = match pre {
+            Some((_, v)) => (&v[j0..], ldp),
+            None => (aligned(vt, dp * SPAN), SPAN),
+        };
         tl.pv_t(vs, ldv, dp, pt, n32, r32, acc_t);
         j0 = j1;
     }

@@ -57,6 +57,10 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32);
     /// `x[j] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
+    /// `s[j] = cap(s[j] * c)` ([`Lanes::cap`](crate::kernel::softmax::Lanes::cap)): logits as
+    /// the softmax takes them (the scale multiplies the dot products, never the query, so an
+    /// overflow is the logit's own).
+    fn scale_logits(self, s: &mut [f32], c: f32);
     /// `dst[j] = src[j]` widened to f32.
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]);
 }

@@ -2,6 +2,7 @@
 
 use super::Micro;
 use crate::dtype::Float;
+use crate::kernel::softmax::Lanes;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Scalar;
@@ -38,6 +39,10 @@ impl Micro for Scalar {
 
     fn scale(self, x: &mut [f32], c: f32) {
         x.iter_mut().for_each(|v| *v *= c);
+    }
+
+    fn scale_logits(self, s: &mut [f32], c: f32) {
+        s.iter_mut().for_each(|v| *v = (*v * c).cap());
     }
 
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {

@@ -55,7 +55,12 @@ impl Micro for Avx2 {
 
     fn scale(self, x: &mut [f32], c: f32) {
         // SAFETY: `self` proves the features; the function stays inside `x`.
-        unsafe { scale(x, c) }
+        unsafe { scale::<false>(x, c) }
+    }
+
+    fn scale_logits(self, s: &mut [f32], c: f32) {
+        // SAFETY: `self` proves the features; the function stays inside `s`.
+        unsafe { scale::<true>(s, c) }
     }
 
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {
@@ -184,25 +189,28 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     }
 }
 
-/// `exp(x)` for 8 lanes (Cephes polynomial, about 1 ulp); exactly 0 below -87.3 (and for -inf).
+/// `exp(x)` for 8 lanes (Cephes polynomial, about 1 ulp); exactly 0 below -87.3 (and for -inf),
+/// NaN for NaN.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(cephes::X_MIN));
-    let x = _mm256_min_ps(x, _mm256_set1_ps(cephes::X_MAX));
-    let x = _mm256_max_ps(x, _mm256_set1_ps(cephes::X_MIN));
+    // min/max return their second operand when either is NaN: `x` second keeps NaN.
+    let x = _mm256_min_ps(_mm256_set1_ps(cephes::X_MAX), x);
+    let x = _mm256_max_ps(_mm256_set1_ps(cephes::X_MIN), x);
     // SAFETY: same features as this function.
     let r = unsafe { exp8_clamped(x) };
     _mm256_andnot_ps(under, r)
 }
 
 /// `exp(x)` for `x <= 0` or `-inf` (a softmax subtracting its running max): clamped at -88,
-/// where the result is exactly 0, so no overflow clamp or underflow mask is needed.
+/// where the result is exactly 0, so no overflow clamp or underflow mask is needed. NaN stays
+/// NaN (the clamp's `max` returns its second operand, `x`, for NaN).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp8_nonpos(x: __m256) -> __m256 {
     // SAFETY: same features as this function.
-    unsafe { exp8_clamped(_mm256_max_ps(x, _mm256_set1_ps(-88.0))) }
+    unsafe { exp8_clamped(_mm256_max_ps(_mm256_set1_ps(-88.0), x)) }
 }
 
 /// `exp(x)` for `x` in `[-88, 88.37]` (Cephes polynomial, about 1 ulp); `x` below about
@@ -316,19 +324,26 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
     }
 }
 
+/// `x[j] *= c`, then [`Lanes::cap`] when `CAP` (logits).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale(x: &mut [f32], c: f32) {
+unsafe fn scale<const CAP: bool>(x: &mut [f32], c: f32) {
     let cv = _mm256_set1_ps(c);
     let n = x.len();
     let p = x.as_mut_ptr();
     let mut j = 0;
     while j + 8 <= n {
         // SAFETY: j + 8 <= n.
-        unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), cv)) };
+        unsafe {
+            let v = F32x8(_mm256_mul_ps(_mm256_loadu_ps(p.add(j)), cv));
+            _mm256_storeu_ps(p.add(j), if CAP { v.cap().0 } else { v.0 });
+        }
         j += 8;
     }
     for v in &mut x[j..] {
         *v *= c;
+        if CAP {
+            *v = v.cap();
+        }
     }
 }
 
@@ -388,5 +403,11 @@ impl Lanes for F32x8 {
     fn exp_nonpos(self) -> Self {
         // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
         F32x8(unsafe { exp8_nonpos(self.0) })
+    }
+    #[inline(always)]
+    fn cap(self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type). `min`
+        // returns its second operand, `self`, for NaN.
+        F32x8(unsafe { _mm256_min_ps(_mm256_set1_ps(f32::MAX), self.0) })
     }
 }

@@ -90,7 +90,12 @@ impl Micro for Avx512 {
 
     fn scale(self, x: &mut [f32], c: f32) {
         // SAFETY: `self` proves the features; the function stays inside `x`.
-        unsafe { scale(x, c) }
+        unsafe { scale::<false>(x, c) }
+    }
+
+    fn scale_logits(self, s: &mut [f32], c: f32) {
+        // SAFETY: `self` proves the features; the function stays inside `s`.
+        unsafe { scale::<true>(s, c) }
     }
 
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {
@@ -119,22 +124,24 @@ pub(super) unsafe fn load16<C: Float>(p: *const C, k: __mmask16) -> __m512 {
     }
 }
 
-/// `exp(x)` for 16 lanes; exactly 0 below [`cephes::X_MIN`] (and for -inf).
+/// `exp(x)` for 16 lanes; exactly 0 below [`cephes::X_MIN`] (and for -inf), NaN for NaN.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub(super) fn exp16(x: __m512) -> __m512 {
     let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(cephes::X_MIN));
-    let x = _mm512_min_ps(x, _mm512_set1_ps(cephes::X_MAX));
-    let x = _mm512_max_ps(x, _mm512_set1_ps(cephes::X_MIN));
+    // min/max return their second operand when either is NaN: `x` second keeps NaN.
+    let x = _mm512_min_ps(_mm512_set1_ps(cephes::X_MAX), x);
+    let x = _mm512_max_ps(_mm512_set1_ps(cephes::X_MIN), x);
     _mm512_maskz_mov_ps(!under, exp16_clamped(x))
 }
 
 /// `exp(x)` for `x <= 0` or `-inf` (a softmax subtracting its running max): clamped at -88,
-/// where the result is exactly 0, so no overflow clamp or underflow mask is needed.
+/// where the result is exactly 0, so no overflow clamp or underflow mask is needed. NaN stays
+/// NaN (the clamp's `max` returns its second operand, `x`, for NaN).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub(super) fn exp16_nonpos(x: __m512) -> __m512 {
-    exp16_clamped(_mm512_max_ps(x, _mm512_set1_ps(-88.0)))
+    exp16_clamped(_mm512_max_ps(_mm512_set1_ps(-88.0), x))
 }
 
 /// `exp(x)` for `x` in `[-88, X_MAX]`; `x` below about -87.68 rounds to the exponent -127,
@@ -467,7 +474,7 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scale(x: &mut [f32], c: f32) {
+unsafe fn scale<const CAP: bool>(x: &mut [f32], c: f32) {
     let cv = _mm512_set1_ps(c);
     let (n, p) = (x.len(), x.as_mut_ptr());
     let mut j = 0;
@@ -475,8 +482,9 @@ unsafe fn scale(x: &mut [f32], c: f32) {
         let k = tail((n - j).min(16));
         // SAFETY: the lanes of `k` are elements j.. < n of `x`.
         unsafe {
-            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.add(j)), cv);
-            _mm512_mask_storeu_ps(p.add(j), k, v);
+            let v = F32x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.add(j)), cv));
+            let v = if CAP { v.cap() } else { v };
+            _mm512_mask_storeu_ps(p.add(j), k, v.0);
         }
         j += 16;
     }
@@ -532,5 +540,11 @@ impl Lanes for F32x16 {
     fn exp_nonpos(self) -> Self {
         // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
         F32x16(unsafe { exp16_nonpos(self.0) })
+    }
+    #[inline(always)]
+    fn cap(self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type). `min`
+        // returns its second operand, `self`, for NaN.
+        F32x16(unsafe { _mm512_min_ps(_mm512_set1_ps(f32::MAX), self.0) })
     }
 }
