@@ -13,7 +13,7 @@
 //! - `attention`: the driver: runs every item (each KV block read once for all rows of the
 //!   tile, masked tiles skipped, online softmax per row) and merges the chunks of each row in a
 //!   fixed order.
-//! - `tile`: what items share: the call's context, per-thread scratch, scaled query rows,
+//! - `tile`: what items share: the call's context, per-thread scratch, query rows,
 //!   masks and ALiBi, prefetch hints.
 //! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
 //!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.

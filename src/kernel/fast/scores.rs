@@ -1,7 +1,9 @@
 //! Step 4: per sequence, each key's softmax weight summed over heads and over the last
 //! `score_tokens` new tokens. The weight of key `j` for (token, head) is
 //! `exp(logit - max) / sum` with that row's final statistics, so the logits are either read
-//! from the stash the attention items filled, or recomputed tile by tile.
+//! from the stash the attention items filled (with the attention's statistics), or recomputed
+//! tile by tile (with statistics of the recomputed logits, see [`recompute`]). A row adds to
+//! the keys it sees only.
 //!
 //! Work is cut into fixed spans of keys per sequence; each span sums its terms in a fixed order
 //! (token, then head), independent of the thread count.
