@@ -149,7 +149,7 @@ fn case(seed: u64, qt: ElemType, ct: ElemType, kinds: &[SeqKind], long: bool) ->
     geo.max_past = 40;
     let f = Features {
         rotation: Some(false),
-        alibi: Some(seed % 3 == 0),
+        alibi: Some(seed.is_multiple_of(3)),
         sliding_window: Some(false),
         scale: Some(Some(round_to(qt, 0.25))),
         score_window: Some(Some(ScoreWindow::Scalar(-1))),
