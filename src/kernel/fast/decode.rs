@@ -70,8 +70,16 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             .next()
             .map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
         let st = &mut s[..rows * n];
-        m.dec_qk(&qbuf[r0 * d..(r0 + rows) * d], rows, kt, n, d, st, kn);
-        m.scale_logits(st, plan.scale);
+        m.dec_qk(
+            &qbuf[r0 * d..(r0 + rows) * d],
+            rows,
+            kt,
+            n,
+            d,
+            st,
+            kn,
+            plan.scale,
+        );
         mask_tile(plan, st, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             for ti in first_score.max(t0)..t0 + nt {

@@ -43,6 +43,9 @@ pub(crate) struct Packed {
     k: Vec<u16>,
     v: Vec<u16>,
     base: Vec<Option<(usize, usize)>>,
+    /// Per (sequence, KV head): every packed value is finite (so no span needs the check of
+    /// the values its masked keys hold).
+    finite: Vec<bool>,
 }
 
 /// Padded head size (a whole QK k-step).
@@ -97,7 +100,17 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
             })
         },
     )?;
-    Some(Packed { k, v, base })
+    let hkv = plan.hkv;
+    let finite = (0..plan.seqs.len() * hkv)
+        .map(|i| {
+            base[i / hkv].is_none_or(|(_, bv)| {
+                let len = (plan.seqs[i / hkv].ctx() + 32) * dp;
+                let o = bv + (i % hkv) * len;
+                all_bf16_finite(&v[o..o + len])
+            })
+        })
+        .collect();
+    Some(Packed { k, v, base, finite })
 }
 
 /// f32 staging buffers of the packers.
@@ -207,6 +220,11 @@ fn as_u16_mut(v: &mut [u32]) -> &mut [u16] {
 /// Whether a bf16 (bits) is finite.
 fn bf16_finite(b: u16) -> bool {
     b & 0x7F80 != 0x7F80
+}
+
+/// Whether every bf16 (bits) of `s` is finite (a fold without early exit, so it vectorizes).
+fn all_bf16_finite(s: &[u16]) -> bool {
+    s.iter().fold(true, |a, &b| a & bf16_finite(b))
 }
 
 /// Takes the non-finite values of edge keys (outside `lo..hi`, the keys some row is masked
@@ -346,6 +364,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             (
                 &p.k[ok..ok + (ctx_len + 32) * kw],
                 &p.v[ov..ov + (ctx_len + 32) * dp],
+                p.finite[ir.si * plan.hkv + kvh],
             )
         });
 
@@ -359,12 +378,16 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         // make it NaN (contract: masked keys never contribute). Prepacked values are used
         // only when all of those are finite, else the span is packed here and cleaned.
         let (lo, hi) = seen_by_all(plan, ir.pos0, ir.pos0 + ir.nt - 1, j0, j1);
-        let zero_weight = (j0..lo).chain(hi..j1).chain(j1..j0 + n32);
-        let pre = heads.filter(|(_, v)| {
-            zero_weight
-                .clone()
-                .all(|j| (0..d).all(|x| bf16_finite(v[x * ldp + j])))
-        });
+        let pre = heads
+            .filter(|&(_, v, finite)| {
+                // Keys j0..lo and hi..j0+n32, row by row (contiguous in the transposed layout).
+                finite
+                    || (0..d).all(|x| {
+                        let row = &v[x * ldp..];
+                        all_bf16_finite(&row[j0..lo]) && all_bf16_finite(&row[hi..j0 + n32])
+                    })
+            })
+            .map(|(k, v, _)| (k, v));
         if pre.is_none() {
             let kp = aligned(kp, SPAN * kw);
             let vt = aligned(vt, dp * SPAN);

@@ -186,8 +186,16 @@ fn score_logits<M: Micro, Q: Float, C: Float>(
         let n = a1 - a0;
         let off = seq_row(plan, ctx.block_indices, sp, kvh, a0);
         let t = &mut st[..rows * n];
-        m.qk(&q[..rows * d], rows, &ctx.kc[off..off + n * d], n, d, t, n);
-        m.scale_logits(t, plan.scale);
+        m.qk(
+            &q[..rows * d],
+            rows,
+            &ctx.kc[off..off + n * d],
+            n,
+            d,
+            t,
+            n,
+            plan.scale,
+        );
         mask_tile(plan, t, rows, n, kvh, pos0, a0);
         for r in 0..rows {
             let (b0, b1) = visible_span(plan, pos0 + r / g, a0, a1);

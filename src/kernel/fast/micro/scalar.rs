@@ -17,6 +17,7 @@ impl Micro for Scalar {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     ) {
         for r in 0..rows {
             let qr = &q[r * d..(r + 1) * d];
@@ -26,7 +27,7 @@ impl Micro for Scalar {
                 for x in 0..d {
                     dot += qr[x] * kj[x].to_f32();
                 }
-                s[r * lds + j] = dot;
+                s[r * lds + j] = (scale * dot).cap();
             }
         }
     }

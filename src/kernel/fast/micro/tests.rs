@@ -59,9 +59,9 @@ fn qk<M: Micro, C: Float>(m: M, tier: &str) {
                 let kf: Vec<f64> = k.iter().map(|x| x.to_f32() as f64).collect();
                 let lds = n + 3;
                 let mut s = vec![f32::NAN; rows * lds];
-                m.qk(&q, rows, &k, n, d, &mut s, lds);
+                m.qk(&q, rows, &k, n, d, &mut s, lds, 1.0);
                 let mut sd = vec![f32::NAN; rows * n];
-                m.dec_qk(&q, rows, &k, n, d, &mut sd, &k);
+                m.dec_qk(&q, rows, &k, n, d, &mut sd, &k, 1.0);
                 for r in 0..rows {
                     for j in 0..n {
                         let t = (0..d).map(|x| q[r * d + x] as f64 * kf[j * d + x]);

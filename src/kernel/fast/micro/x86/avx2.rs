@@ -41,10 +41,22 @@ impl Micro for Avx2 {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), lds);
         // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
-        unsafe { qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), lds) }
+        unsafe {
+            qk::<C>(
+                q.as_ptr(),
+                rows,
+                k.as_ptr(),
+                n,
+                d,
+                s.as_mut_ptr(),
+                lds,
+                scale,
+            )
+        }
     }
 
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32) {
@@ -102,6 +114,7 @@ pub(super) unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn qk<C: Float>(
     q: *const f32,
     rows: usize,
@@ -110,6 +123,7 @@ unsafe fn qk<C: Float>(
     d: usize,
     s: *mut f32,
     lds: usize,
+    scale: f32,
 ) {
     let mut r = 0;
     while r < rows {
@@ -122,18 +136,18 @@ unsafe fn qk<C: Float>(
             unsafe {
                 let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * lds + j));
                 match (rr, kk) {
-                    (4, 3) => qk_block::<C, 4, 3>(qp, kp, d, sp, lds),
-                    (4, 2) => qk_block::<C, 4, 2>(qp, kp, d, sp, lds),
-                    (4, _) => qk_block::<C, 4, 1>(qp, kp, d, sp, lds),
-                    (3, 3) => qk_block::<C, 3, 3>(qp, kp, d, sp, lds),
-                    (3, 2) => qk_block::<C, 3, 2>(qp, kp, d, sp, lds),
-                    (3, _) => qk_block::<C, 3, 1>(qp, kp, d, sp, lds),
-                    (2, 3) => qk_block::<C, 2, 3>(qp, kp, d, sp, lds),
-                    (2, 2) => qk_block::<C, 2, 2>(qp, kp, d, sp, lds),
-                    (2, _) => qk_block::<C, 2, 1>(qp, kp, d, sp, lds),
-                    (_, 3) => qk_block::<C, 1, 3>(qp, kp, d, sp, lds),
-                    (_, 2) => qk_block::<C, 1, 2>(qp, kp, d, sp, lds),
-                    (_, _) => qk_block::<C, 1, 1>(qp, kp, d, sp, lds),
+                    (4, 3) => qk_block::<C, 4, 3>(qp, kp, d, sp, lds, scale),
+                    (4, 2) => qk_block::<C, 4, 2>(qp, kp, d, sp, lds, scale),
+                    (4, _) => qk_block::<C, 4, 1>(qp, kp, d, sp, lds, scale),
+                    (3, 3) => qk_block::<C, 3, 3>(qp, kp, d, sp, lds, scale),
+                    (3, 2) => qk_block::<C, 3, 2>(qp, kp, d, sp, lds, scale),
+                    (3, _) => qk_block::<C, 3, 1>(qp, kp, d, sp, lds, scale),
+                    (2, 3) => qk_block::<C, 2, 3>(qp, kp, d, sp, lds, scale),
+                    (2, 2) => qk_block::<C, 2, 2>(qp, kp, d, sp, lds, scale),
+                    (2, _) => qk_block::<C, 2, 1>(qp, kp, d, sp, lds, scale),
+                    (_, 3) => qk_block::<C, 1, 3>(qp, kp, d, sp, lds, scale),
+                    (_, 2) => qk_block::<C, 1, 2>(qp, kp, d, sp, lds, scale),
+                    (_, _) => qk_block::<C, 1, 1>(qp, kp, d, sp, lds, scale),
                 }
             }
             j += kk;
@@ -142,7 +156,8 @@ unsafe fn qk<C: Float>(
     }
 }
 
-/// Dot products of `R` query rows with `K` key rows (both of length `d`, row stride `d`).
+/// Dot products of `R` query rows with `K` key rows (both of length `d`, row stride `d`), stored
+/// as `cap(scale * dot)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
@@ -151,6 +166,7 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     d: usize,
     s: *mut f32,
     lds: usize,
+    scale: f32,
 ) {
     let z = _mm256_setzero_ps();
     let mut acc = [[z; K]; R];
@@ -184,7 +200,7 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
                 t += unsafe { *q.add(r * d + xx) * (*k.add(kk * d + xx)).to_f32() };
             }
             // SAFETY: entry (r, kk) of the caller's s tile.
-            unsafe { *s.add(r * lds + kk) = t };
+            unsafe { *s.add(r * lds + kk) = (scale * t).cap() };
         }
     }
 }

@@ -65,6 +65,7 @@ impl Micro for Avx512 {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), lds);
         // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
@@ -78,6 +79,7 @@ impl Micro for Avx512 {
                 s.as_mut_ptr(),
                 lds,
                 &mut Pf::none(),
+                scale,
             )
         }
     }
@@ -222,8 +224,8 @@ pub(super) fn qk_ticks(rows: usize, n: usize, d: usize) -> usize {
     blocks * d.div_ceil(16)
 }
 
-/// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`, one `pf` tick per
-/// 16 columns of a block. The caller guarantees those ranges.
+/// `s[r*lds + j] = cap(scale * <q[r*d..][..d], k[j*d..][..d]>)` for `r < rows`, `j < n`, one
+/// `pf` tick per 16 columns of a block. The caller guarantees those ranges.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn qk<C: Float>(
@@ -235,6 +237,7 @@ pub(super) unsafe fn qk<C: Float>(
     s: *mut f32,
     lds: usize,
     pf: &mut Pf,
+    scale: f32,
 ) {
     let mut r = 0;
     while r < rows {
@@ -248,9 +251,9 @@ pub(super) unsafe fn qk<C: Float>(
             unsafe {
                 let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * lds + j));
                 match rb {
-                    1 => qk_block::<C, 1, 8>(qp, rn, kp, kn, d, sp, lds, pf),
-                    2 => qk_block::<C, 2, 8>(qp, rn, kp, kn, d, sp, lds, pf),
-                    _ => qk_block::<C, 4, 4>(qp, rn, kp, kn, d, sp, lds, pf),
+                    1 => qk_block::<C, 1, 8>(qp, rn, kp, kn, d, sp, lds, pf, scale),
+                    2 => qk_block::<C, 2, 8>(qp, rn, kp, kn, d, sp, lds, pf, scale),
+                    _ => qk_block::<C, 4, 4>(qp, rn, kp, kn, d, sp, lds, pf, scale),
                 }
             }
             j += kn;
@@ -273,6 +276,7 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     s: *mut f32,
     lds: usize,
     pf: &mut Pf,
+    scale: f32,
 ) {
     let z = _mm512_setzero_ps();
     let qp: [*const f32; R] = std::array::from_fn(|i| q.wrapping_add(i.min(rn - 1) * d));
@@ -300,7 +304,9 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     for r in 0..R {
         v[r * K..(r + 1) * K].copy_from_slice(&acc[r]);
     }
-    let sums = reduce16(&v);
+    let sums = F32x16(_mm512_mul_ps(reduce16(&v), _mm512_set1_ps(scale)))
+        .cap()
+        .0;
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for r in 0..rn {
         // Row r's sums are lanes r*K..r*K+K: move them to the bottom and store the first kn.
