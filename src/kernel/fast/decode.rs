@@ -106,24 +106,15 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
                 vn,
             );
         } else {
-            // A non-finite value some row is masked for: each row over its own keys.
-            for r in 0..rows {
-                let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
-                let (a, b) = (a - j0, b - j0);
-                if a < b {
-                    let ri = r0 + r;
-                    m.dec_softmax_pv(
-                        &mut st[r * n + a..r * n + b],
-                        1,
-                        b - a,
-                        &vt[a * d..b * d],
-                        d,
-                        &mut stbuf[ri..ri + 1],
-                        &mut accbuf[ri * d..(ri + 1) * d],
-                        &[],
-                    );
-                }
-            }
+            per_row(
+                m,
+                plan,
+                (st, n),
+                vt,
+                (pos0, j0, j1),
+                &mut stbuf[r0..r0 + rows],
+                &mut accbuf[r0 * d..(r0 + rows) * d],
+            );
         }
     }
     for kvh in kvh0..kvh1 {
@@ -139,6 +130,31 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             slot[0] = stbuf[ri].max;
             slot[1] = stbuf[ri].sum;
             slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
+        }
+    }
+}
+
+/// The softmax step of a tile whose rows must not all read every value (a non-finite value
+/// some row is masked for): each row over its own keys only. Rare, so kept out of line.
+#[cold]
+#[inline(never)]
+fn per_row<M: Micro, C: Float>(
+    m: M,
+    plan: &crate::op::Plan,
+    (s, n): (&mut [f32], usize),
+    v: &[C],
+    (pos0, j0, j1): (usize, usize, usize),
+    st: &mut [OnlineSoftmax],
+    acc: &mut [f32],
+) {
+    let (d, g) = (plan.d, plan.g);
+    for r in 0..st.len() {
+        let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
+        let (a, b) = (a - j0, b - j0);
+        if a < b {
+            let w = &mut s[r * n + a..r * n + b];
+            let (row_st, row_acc) = (&mut st[r..r + 1], &mut acc[r * d..(r + 1) * d]);
+            m.dec_softmax_pv(w, 1, b - a, &v[a * d..b * d], d, row_st, row_acc, &[]);
         }
     }
 }
