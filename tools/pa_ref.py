@@ -17,6 +17,8 @@ Conventions
   With ``cache_dtype`` ``None``/``"f32"``/``"f64"`` written values are rounded to f32 for "f32" and left
   in float64 otherwise. The returned caches are float64 arrays holding values exactly representable
   in the cache type (convert with ``.astype(np.float16)`` or ``f32_to_bf16_bits`` losslessly).
+* Non-finite values follow the contract's rule ("Non-finite values"): only visible keys enter a row's
+  sums, logits beyond the f32 range saturate (``f32_logits``), NaN in gives NaN for that row.
 """
 from __future__ import annotations
 
@@ -218,6 +220,17 @@ def normalize_inputs(*inputs, **named) -> Inputs:
 
 
 # ----------------------------------------------------------------------------- the op
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def f32_logits(logits: np.ndarray) -> np.ndarray:
+    """Logits as the op holds them (docs/contract.md, "Non-finite values"): computed in f32, so
+    beyond its range they are infinities, and +inf counts as the largest finite f32 (the keys
+    whose logits overflow share the weight); NaN stays NaN."""
+    out = np.where(logits > F32_MAX, F32_MAX, logits)
+    return np.where(out < -F32_MAX, -np.inf, out)
+
+
 def paged_attention_ref(*inputs, cache_dtype=None, **named):
     """float64 reference of PagedAttention per SPEC.md. ``inputs``: the 9..16 inputs in SPEC order
     (the fields of ``Call``), positional or by name. See the module docstring for conventions.
@@ -297,18 +310,22 @@ def paged_attention_ref(*inputs, cache_dtype=None, **named):
                 mask = pos <= p
                 if sw > 0:
                     mask &= pos > p - sw
+                # Only the visible keys enter the sums: a masked row's values (even inf or NaN)
+                # never reach the output (0 * inf would be NaN).
+                vis = np.nonzero(mask)[0]
                 for h in range(H):
                     kh = h // G
-                    logits = sc * (Ks[:, kh, :] @ qr[sb[s] + i, h])
-                    if alibi is not None:
-                        logits = logits + alibi[h] * (pos - p)
-                    logits = np.where(mask, logits, -np.inf)
-                    m = logits.max()
-                    e = np.where(mask, np.exp(logits - m), 0.0)
-                    wts = e / e.sum()
-                    out[sb[s] + i, h] = wts @ Vs[:, kh, :]
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        logits = sc * (Ks[vis, kh, :] @ qr[sb[s] + i, h])
+                        if alibi is not None:
+                            logits = logits + alibi[h] * (vis - p)
+                        logits = f32_logits(logits)
+                        m = logits.max()  # NaN if any is NaN: the row is NaN either way
+                        e = np.exp(logits - m)
+                        wts = e / e.sum()
+                        out[sb[s] + i, h] = wts @ Vs[vis, kh, :]
                     if i >= n - nagg:
-                        sc_s += wts
+                        sc_s[vis] += wts
         score_blocks.append(sc_s)
     scores = np.concatenate(score_blocks) if score_blocks else np.zeros(0)
     return out.reshape(T, H * D), scores, kc, vc

@@ -320,3 +320,56 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def _ref(call):
+    with np.errstate(all="ignore"):
+        return paged_attention_ref(*call_args(call))
+
+
+def test_masked_non_finite_values_never_reach_an_output():
+    """Non-finite values (contract, "Non-finite values"): an inf/NaN in a future token's value row,
+    and in a cached value row outside the sliding window, leaves the outputs of the rows it is masked
+    for unchanged; the rows that see it get a non-finite output."""
+    rng = np.random.default_rng(7)
+    call = make_call(rng, H=2, Hkv=1, D=8, BS=4, seqs=[(6, 5)], sliding_window=4)
+    good = _ref(call)[0].reshape(5, 2, 8)
+    for bad in (np.inf, np.nan):
+        v = call["value"].copy()
+        v[3, 2] = bad  # token 3 (position 9): tokens 0..2 must not see it
+        vc = call["key_cache"].copy(), call["value_cache"].copy()
+        blk = int(call["block_indices"][0])  # position 3 = block 0, slot 3: seen by token 0 only
+        vc[1][blk, 0, 3, 5] = bad
+        out = _ref(dict(call, value=v, value_cache=vc[1]))[0].reshape(5, 2, 8)
+        np.testing.assert_array_equal(out[1:3], good[1:3])
+        assert not np.isfinite(out[0, :, 5]).any() and not np.isfinite(out[3:, :, 2]).any()
+
+
+def test_overflowing_logits_share_the_weight():
+    """Logits beyond f32 (+inf in the op) count as the largest finite f32: the overflowing keys
+    share the weight equally, the others get 0."""
+    rng = np.random.default_rng(8)
+    call = make_call(rng, H=1, Hkv=1, D=4, BS=4, seqs=[(3, 1)])
+    q = np.ones((1, 4), np.float32)
+    kc = call["key_cache"].copy()
+    blk = int(call["block_indices"][0])
+    # keys 0 and 2 overflow (float64 alone would give key 0, the larger, all the weight)
+    kc[blk, 0, :3] = [[1, 1, 1, 1], [0.1, 0, 0, 0], [1, 1, 1, 0.9]]
+    k = np.full((1, 4), -1.0, np.float32)  # the new key: -inf logit, weight 0
+    out, scores, _, vc = _ref(dict(call, query=q, key=k, key_cache=kc, scale=np.float32(3e38)))
+    np.testing.assert_allclose(scores, [0.5, 0.0, 0.5, 0.0])
+    np.testing.assert_allclose(out[0], (vc[blk, 0, 0] + vc[blk, 0, 2]) / 2)
+
+
+def test_nan_query_row_is_nan_for_that_row_only():
+    rng = np.random.default_rng(9)
+    call = make_call(rng, H=2, Hkv=1, D=8, BS=4, seqs=[(3, 4)], score_window=1)
+    good_out, good_sc = _ref(call)[:2]
+    q = call["query"].copy()
+    q[2, 3] = np.nan  # token 2, head 0
+    out, sc = _ref(dict(call, query=q))[:2]
+    o, g = out.reshape(4, 2, 8), good_out.reshape(4, 2, 8)
+    assert np.isnan(o[2, 0]).all()
+    o[2, 0] = g[2, 0]
+    np.testing.assert_array_equal(o, g)
+    np.testing.assert_array_equal(sc, good_sc)  # token 2 is not a score row (window 1)

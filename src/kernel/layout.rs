@@ -58,6 +58,27 @@ pub(crate) fn visible(plan: &Plan, pos: usize, j: usize) -> bool {
     j <= pos && j >= window_start(plan, pos)
 }
 
+/// The keys of `j0..j1` a query at position `pos` sees, as `lo..hi` (empty when none).
+#[inline(always)]
+pub(crate) fn visible_span(plan: &Plan, pos: usize, j0: usize, j1: usize) -> (usize, usize) {
+    let lo = window_start(plan, pos).max(j0);
+    (lo, (pos + 1).min(j1).max(lo))
+}
+
+/// The keys of `j0..j1` every query at positions `pos0..=pos_max` sees, as `lo..hi`: the
+/// others are masked for some of them (window of the last, causal edge of the first).
+#[inline(always)]
+pub(crate) fn seen_by_all(
+    plan: &Plan,
+    pos0: usize,
+    pos_max: usize,
+    j0: usize,
+    j1: usize,
+) -> (usize, usize) {
+    let lo = window_start(plan, pos_max).max(j0).min(j1);
+    (lo, (pos0 + 1).min(j1).max(lo))
+}
+
 /// Key tiles `[j0, j1)` of `[lo, hi)`, cut at block boundaries (a tile's rows are contiguous in
 /// the cache).
 pub(crate) fn tiles(lo: usize, hi: usize, bs: usize) -> impl Iterator<Item = (usize, usize)> {

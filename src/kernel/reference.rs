@@ -4,7 +4,7 @@
 
 use super::bind::{Bound, BoundRotation, TypedOp};
 use super::layout::{cache_row, seq_row, token_seqs, visible, window_start};
-use super::softmax::OnlineSoftmax;
+use super::softmax::{Lanes, OnlineSoftmax};
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::op::Plan;
@@ -72,18 +72,19 @@ pub(crate) fn insert<Q: Float, C: Float>(
     }
 }
 
-/// Score (logit) of query row `q` (f32, D) against key `j` for head `head` at position `pos`.
+/// Score (logit) of query row `q` (f32, D) against key `j` for head `head` at position `pos`,
+/// capped where it is made (`Lanes::cap`) as every kernel does.
 #[inline(always)]
 fn logit<C: Float>(plan: &Plan, q: &[f32], k: &[C], head: usize, pos: usize, j: usize) -> f32 {
     let mut dot = 0f32;
     for x in 0..plan.d {
         dot += q[x] * k[x].to_f32();
     }
-    let mut s = plan.scale * dot;
-    if let Some(al) = &plan.alibi {
-        s += al[head] * (j as f32 - pos as f32);
+    let s = (plan.scale * dot).cap();
+    match &plan.alibi {
+        Some(al) => (s + al[head] * (j as f32 - pos as f32)).cap(),
+        None => s,
     }
-    s
 }
 
 /// Step 3: causal attention, one (token, head) per task, online softmax over every visible key

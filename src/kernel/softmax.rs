@@ -15,6 +15,18 @@
 //!
 //! The state is generic over [`Lanes`]: `f32` for one row, or a SIMD vector holding one row per
 //! lane (the transposed prefill tiles), so the vector tiers run the same step lane-wise.
+//!
+//! Non-finite logits (docs/contract.md, "Non-finite values") need no case of their own here:
+//! - every logit goes through [`Lanes::cap`] when it is made (scale, then ALiBi), so `+inf`
+//!   (overflow) is `f32::MAX`: the max stays finite, `s - max` is never `inf - inf`, and the
+//!   keys whose logits overflowed get weight `exp(0) = 1` each, sharing the row equally;
+//! - a `-inf` logit has weight `exp(-inf - max) = 0`; a row whose logits are all `-inf` ends
+//!   with sum 0 and accumulator 0, and `acc * norm()` is `0 * inf = NaN` (no distribution);
+//! - a NaN logit makes its weight NaN (the `exp` loops of every tier keep NaN), hence the sum,
+//!   the output and the row's scores; whether a max ignores it does not matter.
+//!
+//! Masked keys are `-inf` logits too, but their values must not be read: `0 * inf` would be
+//! NaN. The tile drivers keep them out of the value products (see `fast::tile::masked_keys`).
 
 /// The arithmetic the step needs, on one row (`f32`) or lane-wise on a vector of rows.
 pub(crate) trait Lanes: Copy {
@@ -24,8 +36,11 @@ pub(crate) trait Lanes: Copy {
     fn add(self, other: Self) -> Self;
     /// `self`, with 0 in the lanes that are `-inf`.
     fn zero_if_neg_inf(self) -> Self;
-    /// `exp(self)` for `self <= 0` or `-inf` (exactly 0 at `-inf`).
+    /// `exp(self)` for `self <= 0` or `-inf` (exactly 0 at `-inf`, NaN at NaN).
     fn exp_nonpos(self) -> Self;
+    /// A logit as the softmax takes it: `+inf` becomes `f32::MAX`, anything else (NaN too)
+    /// stays.
+    fn cap(self) -> Self;
 }
 
 impl Lanes for f32 {
@@ -56,6 +71,15 @@ impl Lanes for f32 {
     #[inline(always)]
     fn exp_nonpos(self) -> f32 {
         self.exp()
+    }
+    #[inline(always)]
+    fn cap(self) -> f32 {
+        // `>` is false for NaN, which stays.
+        if self > f32::MAX {
+            f32::MAX
+        } else {
+            self
+        }
     }
 }
 

@@ -293,6 +293,20 @@ pub enum RowRule {
     DontCare,
 }
 
+/// A logit as the op holds it (contract, "Non-finite values"): the op computes logits in f32,
+/// where one beyond the range is an infinity, and `+inf` counts as the largest finite f32 (so
+/// the keys whose logits overflow share the weight); NaN stays NaN.
+fn f32_logit(l: f64) -> f64 {
+    let max = f32::MAX as f64;
+    if l > max {
+        max
+    } else if l < -max {
+        f64::NEG_INFINITY
+    } else {
+        l
+    }
+}
+
 /// The op, in f64, in SPEC order.
 pub fn reference(c: &Case) -> Expected {
     let (d, bs, hkv, h, g) = (c.d, c.bs, c.hkv, c.h, c.g());
@@ -400,7 +414,7 @@ pub fn reference(c: &Case) -> Expected {
                     if let Some(a) = &c.alibi {
                         l += a[head] * (j as f64 - p as f64);
                     }
-                    logits.push(l);
+                    logits.push(f32_logit(l));
                 }
                 let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();

@@ -8,9 +8,9 @@
 use super::micro::Micro;
 use super::partition::Item;
 use super::shared::SharedMut;
-use super::tile::{load_q, mask_tile, Ctx, Scratch};
+use super::tile::{finite_outside, load_q, mask_tile, Ctx, Scratch};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles, window_start};
+use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// Runs one decode item.
@@ -70,7 +70,16 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             .next()
             .map_or((&[][..], &[][..]), |(a, b, hn)| tile_at(a, b, hn));
         let st = &mut s[..rows * n];
-        m.dec_qk(&qbuf[r0 * d..(r0 + rows) * d], rows, kt, n, d, st, kn);
+        m.dec_qk(
+            &qbuf[r0 * d..(r0 + rows) * d],
+            rows,
+            kt,
+            n,
+            d,
+            st,
+            kn,
+            plan.scale,
+        );
         mask_tile(plan, st, rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             for ti in first_score.max(t0)..t0 + nt {
@@ -84,16 +93,29 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
                 }
             }
         }
-        m.dec_softmax_pv(
-            st,
-            rows,
-            n,
-            vt,
-            d,
-            &mut stbuf[r0..r0 + rows],
-            &mut accbuf[r0 * d..(r0 + rows) * d],
-            vn,
-        );
+        let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
+        if finite_outside(vt, n, d, (a - j0, b - j0)) {
+            m.dec_softmax_pv(
+                st,
+                rows,
+                n,
+                vt,
+                d,
+                &mut stbuf[r0..r0 + rows],
+                &mut accbuf[r0 * d..(r0 + rows) * d],
+                vn,
+            );
+        } else {
+            per_row(
+                m,
+                plan,
+                (st, n),
+                vt,
+                (pos0, j0, j1),
+                &mut stbuf[r0..r0 + rows],
+                &mut accbuf[r0 * d..(r0 + rows) * d],
+            );
+        }
     }
     for kvh in kvh0..kvh1 {
         for r in 0..rows {
@@ -108,6 +130,31 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             slot[0] = stbuf[ri].max;
             slot[1] = stbuf[ri].sum;
             slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
+        }
+    }
+}
+
+/// The softmax step of a tile whose rows must not all read every value (a non-finite value
+/// some row is masked for): each row over its own keys only. Rare, so kept out of line.
+#[cold]
+#[inline(never)]
+fn per_row<M: Micro, C: Float>(
+    m: M,
+    plan: &crate::op::Plan,
+    (s, n): (&mut [f32], usize),
+    v: &[C],
+    (pos0, j0, j1): (usize, usize, usize),
+    st: &mut [OnlineSoftmax],
+    acc: &mut [f32],
+) {
+    let (d, g) = (plan.d, plan.g);
+    for r in 0..st.len() {
+        let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
+        let (a, b) = (a - j0, b - j0);
+        if a < b {
+            let w = &mut s[r * n + a..r * n + b];
+            let (row_st, row_acc) = (&mut st[r..r + 1], &mut acc[r * d..(r + 1) * d]);
+            m.dec_softmax_pv(w, 1, b - a, &v[a * d..b * d], d, row_st, row_acc, &[]);
         }
     }
 }

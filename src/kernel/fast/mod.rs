@@ -13,7 +13,7 @@
 //! - `attention`: the driver: runs every item (each KV block read once for all rows of the
 //!   tile, masked tiles skipped, online softmax per row) and merges the chunks of each row in a
 //!   fixed order.
-//! - `tile`: what items share: the call's context, per-thread scratch, scaled query rows,
+//! - `tile`: what items share: the call's context, per-thread scratch, query rows,
 //!   masks and ALiBi, prefetch hints.
 //! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
 //!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
@@ -170,16 +170,42 @@ pub fn amx_items_run() -> u64 {
 /// cache with an f32 or f16 query stays on the AVX-512 loops: cut into two or three parts, its
 /// products cost more tile work than the FMA loops take (measured, README "Performance").
 fn amx_for<Q: 'static, C: 'static>(opts: FastOptions) -> Option<Amx> {
-    let bf16 = TypeId::of::<half::bf16>();
-    if opts.simd.effective() < SimdLevel::Amx
-        || (TypeId::of::<Q>() != bf16 && TypeId::of::<C>() != bf16)
-    {
+    if opts.simd.effective() < SimdLevel::Amx || !(is_bf16::<Q>() || is_bf16::<C>()) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     return Amx::detect();
     #[cfg(not(target_arch = "x86_64"))]
     None
+}
+
+fn is_bf16<T: 'static>() -> bool {
+    TypeId::of::<T>() == TypeId::of::<half::bf16>()
+}
+
+/// Whether every cached key and value the prefill items of this call read is finite. The tiles'
+/// f32 math cuts an f32/f16 query and the softmax weights into bf16 parts: a non-finite key or
+/// value would meet parts of mixed sign or zero parts (inf - inf, 0 * inf = NaN) where the
+/// contract's rule gives +-inf or 0, so such a call stays on the FMA loops. One read of those
+/// rows, next to a prefill that reads them many times.
+fn prefill_rows_finite<Q: Float, C: Float>(
+    plan: &Plan,
+    part: &partition::Partition,
+    b: &Bound<'_, Q, C>,
+) -> bool {
+    let d = plan.d;
+    plan.seqs.iter().enumerate().all(|(s, sp)| {
+        !part.seqs[s].prefill
+            || (0..plan.hkv).all(|kvh| {
+                crate::kernel::layout::tiles(0, sp.ctx(), plan.bs).all(|(j0, j1)| {
+                    let off = crate::kernel::layout::seq_row(plan, b.block_indices, sp, kvh, j0);
+                    let rows = off..off + (j1 - j0) * d;
+                    // A fold without early exit per block, so it vectorizes.
+                    let finite = |r: &[C]| r.iter().fold(true, |a, x| a & x.to_f32().is_finite());
+                    finite(&b.key_cache[rows.clone()]) && finite(&b.value_cache[rows])
+                })
+            })
+    })
 }
 
 /// How step 4 gets the logits of the score rows.
@@ -294,7 +320,8 @@ impl<M: TileMicro> TypedOp for Fast<M> {
             vc: b.value_cache,
             block_indices: b.block_indices,
             runner: opts.runner,
-            amx: amx_for::<Q, C>(opts),
+            amx: amx_for::<Q, C>(opts)
+                .filter(|_| is_bf16::<Q>() || prefill_rows_finite(plan, &part, &b)),
         };
         let (stats, stash) = attention::attention(m, &ctx, b.output);
         match stash {
@@ -302,7 +329,7 @@ impl<M: TileMicro> TypedOp for Fast<M> {
                 scores::from_stash(m, &ctx, &stats, &stash, b.scores);
                 pool::give(stash);
             }
-            None => scores::recompute(m, &ctx, &stats, b.scores),
+            None => scores::recompute(m, &ctx, b.scores),
         }
         Ok(())
     }

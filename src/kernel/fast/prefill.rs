@@ -11,9 +11,9 @@
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::shared::SharedMut;
-use super::tile::{mask_tile_strided, prefetch_part, Ctx};
+use super::tile::{finite_outside, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles, window_start};
+use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
 use crate::op::SeqPlan;
 use std::any::TypeId;
 use std::cell::RefCell;
@@ -353,13 +353,12 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let acc = aligned(acc, rows * d);
     let st = aligned(st, bs * rows8);
     let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
-    // Query panel [D][rows8], scaled; padding rows are 0: loaded row-major, then transposed.
+    // Query panel [D][rows8] (not scaled: the logits are); padding rows are 0: loaded
+    // row-major, then transposed.
     let qr = aligned(qr, rows8 * d);
     for ti in 0..nt {
         let src = &ctx.query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
-        let dst = &mut qr[ti * g * d..(ti + 1) * g * d];
-        m.widen(src, dst);
-        m.scale(dst, plan.scale);
+        m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
     }
     qr[rows * d..].fill(0.0);
     m.transpose(qr, rows, d, qt, rows8);
@@ -405,6 +404,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
             prefetch_part(vp, i, parts);
         }
+        m.scale_logits(&mut st[..n * rows8], plan.scale);
         mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
@@ -419,11 +419,24 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 vf
             }
         };
-        let parts = rows.div_ceil(PV_ROWS);
-        for (i, r) in (0..rows).step_by(PV_ROWS).enumerate() {
-            let rr = PV_ROWS.min(rows - r);
-            m.pv_t(&st[r..], rows8, rr, vx, n, d, &cb[r..], &mut acc[r * d..]);
-            prefetch_part(kn, i, parts);
+        let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
+        if finite_outside(vx, n, d, (a - j0, b - j0)) {
+            let parts = rows.div_ceil(PV_ROWS);
+            for (i, r) in (0..rows).step_by(PV_ROWS).enumerate() {
+                let rr = PV_ROWS.min(rows - r);
+                m.pv_t(&st[r..], rows8, rr, vx, n, d, &cb[r..], &mut acc[r * d..]);
+                prefetch_part(kn, i, parts);
+            }
+        } else {
+            // A non-finite value some row is masked for: each row over its own keys.
+            for r in 0..rows {
+                let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
+                let (a, b) = (a - j0, b - j0);
+                if a < b {
+                    let (p, v) = (&st[a * rows8 + r..], &vx[a * d..b * d]);
+                    m.pv_t(p, rows8, 1, v, b - a, d, &cb[r..], &mut acc[r * d..]);
+                }
+            }
         }
     }
     write_rows(ctx, &ir, kvh, acc, d, mb, lb, pw, out);

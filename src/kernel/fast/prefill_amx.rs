@@ -38,7 +38,7 @@ use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRo
 use super::shared::SharedMut;
 use super::tile::{mask_tile_strided, Ctx};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles};
+use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,6 +56,9 @@ pub(crate) struct Packed {
     k: Vec<u16>,
     v: Vec<u16>,
     base: Vec<Option<(usize, usize)>>,
+    /// Per (sequence, KV head): every packed value is finite (so no span needs the check of
+    /// the values its masked keys hold).
+    finite: Vec<bool>,
 }
 
 /// Padded head size (a whole QK k-step).
@@ -183,7 +186,17 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
             })
         },
     )?;
-    Some(Packed { k, v, base })
+    let hkv = plan.hkv;
+    let finite = (0..plan.seqs.len() * hkv)
+        .map(|i| {
+            base[i / hkv].is_none_or(|(_, bv)| {
+                let len = (plan.seqs[i / hkv].ctx() + 32) * dp * parts.v;
+                let o = bv + (i % hkv) * len;
+                all_bf16_finite(&v[o..o + len])
+            })
+        })
+        .collect();
+    Some(Packed { k, v, base, finite })
 }
 
 /// f32 staging buffers of the packers.
@@ -293,6 +306,61 @@ fn as_u16_mut(v: &mut [u32]) -> &mut [u16] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u16, v.len() * 2) }
 }
 
+/// Whether a bf16 (bits) is finite.
+fn bf16_finite(b: u16) -> bool {
+    b & 0x7F80 != 0x7F80
+}
+
+/// Whether every bf16 (bits) of `s` is finite (a fold without early exit, so it vectorizes).
+fn all_bf16_finite(s: &[u16]) -> bool {
+    s.iter().fold(true, |a, &b| a & bf16_finite(b))
+}
+
+/// Takes the non-finite values of edge keys (outside `lo..hi`, the keys some row is masked
+/// for) out of the span's tile product: each such key's value column in `vs` (`[d][ldv]`,
+/// key `j0 + jj` in column `jj`, this item's own packing) becomes 0 and its weight in `st` 0
+/// for every row, and its weighted value is added to `acc_t` (`[d][r32]`) here, for the rows
+/// that see it (f32 products, in place of the bf16 tile's).
+#[allow(clippy::too_many_arguments)]
+fn masked_non_finite<Q, C>(
+    ctx: &Ctx<'_, Q, C>,
+    ir: &ItemRows,
+    j0: usize,
+    (lo, hi): (usize, usize),
+    j1: usize,
+    st: &mut [f32],
+    r32: usize,
+    vs: &mut [u16],
+    ldv: usize,
+    (nparts, dp): (usize, usize),
+    acc_t: &mut [f32],
+) {
+    let plan = ctx.plan;
+    let (d, g) = (plan.d, plan.g);
+    let bf = |b: u16| f32::from_bits((b as u32) << 16);
+    for j in (j0..lo).chain(hi..j1) {
+        let jj = j - j0;
+        if (0..d).all(|x| bf16_finite(vs[x * ldv + jj])) {
+            continue;
+        }
+        for r in 0..ir.rows {
+            let w = std::mem::take(&mut st[jj * r32 + r]);
+            if visible(plan, ir.pos0 + r / g, j) {
+                for x in 0..d {
+                    // The value is the sum of its parts (value part `a` in rows a*dp..).
+                    let v: f32 = (0..nparts).map(|a| bf(vs[(a * dp + x) * ldv + jj])).sum();
+                    acc_t[x * r32 + r] += w * v;
+                }
+            }
+        }
+        for a in 0..nparts {
+            for x in 0..d {
+                vs[(a * dp + x) * ldv + jj] = 0;
+            }
+        }
+    }
+}
+
 /// [`prefill::run_item`](super::prefill::run_item) on tiles.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
@@ -391,27 +459,48 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         .map(|(p, (bk, bv))| {
             let vlen = (ctx_len + 32) * dp * parts.v;
             let (ok, ov) = (bk + kvh * (ctx_len + 32) * kw, bv + kvh * vlen);
-            (&p.k[ok..ok + (ctx_len + 32) * kw], &p.v[ov..ov + vlen])
+            (
+                &p.k[ok..ok + (ctx_len + 32) * kw],
+                &p.v[ov..ov + vlen],
+                p.finite[ir.si * plan.hkv + kvh],
+            )
         });
 
+    let ldp = ctx_len + 32;
     let mut j0 = ir.lo;
     while j0 < ir.hi {
         let j1 = (j0 + SPAN).min(ir.hi);
         let (n, n32) = (j1 - j0, (j1 - j0).div_ceil(32) * 32);
-        let (ks, vs, ldv): (&[u16], &[u16], usize) = match heads {
-            Some((k, v)) => (&k[j0 * kw..], &v[j0..], ctx_len + 32),
-            None => {
-                let kp = aligned(kp, SPAN * kw);
-                let vt = aligned(vt, parts.v * dp * SPAN);
-                // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
-                kp.fill(0);
-                vt.fill(0);
-                pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
-                (kp, vt, SPAN)
-            }
+        // The tile product multiplies every value of keys j0..j0+n32 by a weight, zero where
+        // a row is masked (edge keys) and for keys past j1; a non-finite value there would
+        // make it NaN (contract: masked keys never contribute). Prepacked values are used
+        // only when all of those are finite, else the span is packed here and cleaned. A
+        // value is finite when its first part is (later parts of a finite value are finite).
+        let (lo, hi) = seen_by_all(plan, ir.pos0, ir.pos0 + ir.nt - 1, j0, j1);
+        let pre = heads
+            .filter(|&(_, v, finite)| {
+                // Keys j0..lo and hi..j0+n32, row by row (contiguous in the transposed layout).
+                finite
+                    || (0..d).all(|x| {
+                        let row = &v[x * ldp..];
+                        all_bf16_finite(&row[j0..lo]) && all_bf16_finite(&row[hi..j0 + n32])
+                    })
+            })
+            .map(|(k, v, _)| (k, v));
+        if pre.is_none() {
+            let kp = aligned(kp, SPAN * kw);
+            let vt = aligned(vt, parts.v * dp * SPAN);
+            // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
+            kp.fill(0);
+            vt.fill(0);
+            pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
+        }
+        let ks: &[u16] = match pre {
+            Some((k, _)) => &k[j0 * kw..],
+            None => aligned(kp, SPAN * kw),
         };
         tl.qk_t(ks, kw, n32, qt, r32, st);
-        m.scale(&mut st[..n * r32], plan.scale);
+        m.scale_logits(&mut st[..n * r32], plan.scale);
         // A block's worth of keys at a time, so only the pieces the causal edge or the window
         // cuts take the per-element path (one span may cover the whole diagonal).
         for off in (0..n).step_by(32) {
@@ -430,12 +519,21 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 }
             }
         }
+        if pre.is_none() {
+            let vt = aligned(vt, parts.v * dp * SPAN);
+            let vparts = (parts.v, dp);
+            masked_non_finite(ctx, &ir, j0, (lo, hi), j1, st, r32, vt, SPAN, vparts, acc_t);
+        }
         for b in 0..parts.p {
             if b > 0 {
                 amx.residual(&mut st[..n * r32]);
             }
             amx.pair_rows(st, r32, n, n32, &mut pt[b * plane..]);
         }
+        let (vs, ldv): (&[u16], usize) = match pre {
+            Some((_, v)) => (&v[j0..], ldp),
+            None => (aligned(vt, parts.v * dp * SPAN), SPAN),
+        };
         let terms: Vec<(&[u16], &[u32])> = pv
             .iter()
             .map(|&(a, b)| (&vs[a * dp * ldv..], &pt[b * plane..]))

@@ -1,7 +1,9 @@
 //! Step 4: per sequence, each key's softmax weight summed over heads and over the last
 //! `score_tokens` new tokens. The weight of key `j` for (token, head) is
 //! `exp(logit - max) / sum` with that row's final statistics, so the logits are either read
-//! from the stash the attention items filled, or recomputed tile by tile.
+//! from the stash the attention items filled (with the attention's statistics), or recomputed
+//! tile by tile (with statistics of the recomputed logits, see [`recompute`]). A row adds to
+//! the keys it sees only.
 //!
 //! Work is cut into fixed spans of keys per sequence; each span sums its terms in a fixed order
 //! (token, then head), independent of the thread count.
@@ -10,7 +12,7 @@ use super::micro::Micro;
 use super::shared::SharedMut;
 use super::tile::{load_q, mask_tile, Ctx, Scratch, SCRATCH};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles, window_start};
+use crate::kernel::layout::{seq_row, tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// Keys per scores task.
@@ -68,9 +70,7 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
         let (sp, lay) = (&plan.seqs[s], &ctx.part.seqs[s]);
         let first = sp.n - sp.score_tokens;
         for i in first..sp.n {
-            let pos = sp.past + i;
-            let lo = window_start(plan, pos).max(j0);
-            let hi = (pos + 1).min(j0 + acc.len());
+            let (lo, hi) = visible_span(plan, sp.past + i, j0, j0 + acc.len());
             if lo >= hi {
                 continue;
             }
@@ -89,52 +89,119 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
 }
 
 /// Scores by recomputing the logits of the score rows (used when the stash is over budget).
-pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(
-    m: M,
-    ctx: &Ctx<'_, Q, C>,
-    stats: &[OnlineSoftmax],
-    scores: &mut [Q],
-) {
+///
+/// The weights are normalized by statistics of the recomputed logits themselves (a first pass
+/// over the same tiles), not by the attention's: the recomputation runs another kernel, whose
+/// logits may differ from the attention's in the last bit, and `exp(s - max)` turns a last-bit
+/// difference of a huge logit (say 3e38, whose spacing is 2e31) into 0 or infinity.
+pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(m: M, ctx: &Ctx<'_, Q, C>, scores: &mut [Q]) {
     let plan = ctx.plan;
-    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let (h, g) = (plan.h, plan.g);
+    // Pass 1: per score row, the online softmax of its recomputed logits, span by span in key
+    // order. One task per (sequence, KV head, query tile of score tokens).
+    let mut tasks = Vec::new();
+    for (s, sp) in plan.seqs.iter().enumerate() {
+        let qtok = ctx.part.seqs[s].qtok;
+        for kvh in 0..plan.hkv {
+            for t0 in (sp.n - sp.score_tokens..sp.n).step_by(qtok) {
+                tasks.push((s, kvh, t0, qtok.min(sp.n - t0)));
+            }
+        }
+    }
+    let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * h];
+    {
+        let sw = SharedMut::new(&mut stats);
+        ctx.runner.for_each(tasks.len(), &|i| {
+            let (s, kvh, t0, nt) = tasks[i];
+            let sp = &plan.seqs[s];
+            let mut st = vec![OnlineSoftmax::EMPTY; nt * g];
+            SCRATCH.with(|sc| {
+                let sc = &mut *sc.borrow_mut();
+                for j0 in (0..sp.ctx()).step_by(SPAN) {
+                    let len = (sp.ctx() - j0).min(SPAN);
+                    score_logits(m, ctx, sc, s, kvh, t0, nt, j0, len, |r, _, l| {
+                        let row = &mut st[r];
+                        let step = row.update(l.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+                        row.add(l.iter().map(|&x| (x - step.sub).exp()).sum());
+                    });
+                }
+            });
+            for ti in 0..nt {
+                // SAFETY: the statistics of (token, heads of kvh) belong to this task only.
+                let dst = unsafe { sw.part((sp.begin + t0 + ti) * h + kvh * g, g) };
+                dst.copy_from_slice(&st[ti * g..(ti + 1) * g]);
+            }
+        });
+    }
+    // Pass 2: the weights, on the same tiles.
     for_spans(ctx, scores, |s, j0, acc| {
         let (sp, lay) = (&plan.seqs[s], &ctx.part.seqs[s]);
-        let first = sp.n - sp.score_tokens;
         SCRATCH.with(|sc| {
-            let mut sc = sc.borrow_mut();
-            let qtok = lay.qtok;
-            sc.ensure(qtok * g, d, bs);
-            let Scratch { q, s: st, .. } = &mut *sc;
+            let sc = &mut *sc.borrow_mut();
             for kvh in 0..plan.hkv {
-                for t0 in (first..sp.n).step_by(qtok) {
-                    let nt = qtok.min(sp.n - t0);
-                    let rows = nt * g;
-                    let pos0 = sp.past + t0;
-                    let lo = window_start(plan, pos0).max(j0);
-                    let hi = (pos0 + nt).min(j0 + acc.len());
-                    if lo >= hi {
-                        continue;
-                    }
-                    load_q(plan, ctx.query, sp, kvh, t0, nt, q);
-                    for (a0, a1) in tiles(lo, hi, bs) {
-                        let n = a1 - a0;
-                        let off = seq_row(plan, ctx.block_indices, sp, kvh, a0);
-                        let t = &mut st[..rows * n];
-                        m.qk(&q[..rows * d], rows, &ctx.kc[off..off + n * d], n, d, t, n);
-                        mask_tile(plan, t, rows, n, kvh, pos0, a0);
-                        for r in 0..rows {
-                            let token = sp.begin + t0 + r / g;
-                            let stt = stats[token * h + kvh * g + r % g];
-                            m.add_exp_scaled(
-                                &mut acc[a0 - j0..a1 - j0],
-                                &t[r * n..(r + 1) * n],
-                                stt.max,
-                                stt.norm(),
-                            );
-                        }
-                    }
+                for t0 in (sp.n - sp.score_tokens..sp.n).step_by(lay.qtok) {
+                    let nt = lay.qtok.min(sp.n - t0);
+                    score_logits(m, ctx, sc, s, kvh, t0, nt, j0, acc.len(), |r, b0, l| {
+                        let st = stats[(sp.begin + t0 + r / g) * h + kvh * g + r % g];
+                        let dst = &mut acc[b0 - j0..b0 - j0 + l.len()];
+                        m.add_exp_scaled(dst, l, st.max, st.norm());
+                    });
                 }
             }
         });
     });
+}
+
+/// Recomputes the logits of rows (query tokens `t0..t0+nt` of sequence `s`) x (query heads of
+/// KV head `kvh`) against the keys of `j0..j0+len`, tile by tile, and calls `f(r, b0, l)` with
+/// row `r`'s logits `l` of its visible keys `b0..b0 + l.len()` of each tile (never a masked
+/// key: a NaN row, or one without a distribution, must not reach the keys it is masked for).
+#[allow(clippy::too_many_arguments)]
+fn score_logits<M: Micro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    sc: &mut Scratch,
+    s: usize,
+    kvh: usize,
+    t0: usize,
+    nt: usize,
+    j0: usize,
+    len: usize,
+    mut f: impl FnMut(usize, usize, &[f32]),
+) {
+    let plan = ctx.plan;
+    let (d, g, bs) = (plan.d, plan.g, plan.bs);
+    let sp = &plan.seqs[s];
+    let rows = nt * g;
+    let pos0 = sp.past + t0;
+    let lo = window_start(plan, pos0).max(j0);
+    let hi = (pos0 + nt).min(j0 + len);
+    if lo >= hi {
+        return;
+    }
+    sc.ensure(rows, d, bs);
+    let Scratch { q, s: st, .. } = sc;
+    load_q(plan, ctx.query, sp, kvh, t0, nt, q);
+    for (a0, a1) in tiles(lo, hi, bs) {
+        let n = a1 - a0;
+        let off = seq_row(plan, ctx.block_indices, sp, kvh, a0);
+        let t = &mut st[..rows * n];
+        m.qk(
+            &q[..rows * d],
+            rows,
+            &ctx.kc[off..off + n * d],
+            n,
+            d,
+            t,
+            n,
+            plan.scale,
+        );
+        mask_tile(plan, t, rows, n, kvh, pos0, a0);
+        for r in 0..rows {
+            let (b0, b1) = visible_span(plan, pos0 + r / g, a0, a1);
+            if b0 < b1 {
+                f(r, b0, &t[r * n + b0 - a0..r * n + b1 - a0]);
+            }
+        }
+    }
 }

@@ -1,12 +1,12 @@
 //! What the work items of one call share: the call's context ([`Ctx`]), per-thread scratch
-//! buffers, and the steps every tile takes before its softmax (scaled query rows, ALiBi and
-//! masks, prefetch hints).
+//! buffers, and the steps every tile takes around its softmax (query rows, ALiBi and masks, the
+//! check that keeps masked non-finite values out of the value product, prefetch hints).
 
 use super::micro::Amx;
 use super::partition::Partition;
 use crate::dtype::Float;
-use crate::kernel::layout::window_start;
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::layout::{seen_by_all, window_start};
+use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 use crate::op::{Plan, SeqPlan};
 use std::cell::RefCell;
 
@@ -51,8 +51,8 @@ thread_local! {
     pub(crate) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Fills `q[..nt*G*D]` with the scaled f32 query rows of tokens `t0..t0+nt` of `sp`, heads of
-/// KV head `kvh` (row `ti*G + g`).
+/// Fills `q[..nt*G*D]` with the f32 query rows of tokens `t0..t0+nt` of `sp`, heads of KV head
+/// `kvh` (row `ti*G + g`). Not scaled: the scale multiplies the logits (`Micro::scale_logits`).
 pub(crate) fn load_q<Q: Float>(
     plan: &Plan,
     query: &[Q],
@@ -67,7 +67,7 @@ pub(crate) fn load_q<Q: Float>(
         let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
         let dst = &mut q[ti * g * d..(ti + 1) * g * d];
         for (o, v) in dst.iter_mut().zip(src) {
-            *o = v.to_f32() * plan.scale;
+            *o = v.to_f32();
         }
     }
 }
@@ -101,7 +101,7 @@ pub(crate) fn mask_tile_strided(
 ) {
     let g = plan.g;
     let pos_max = pos0 + (rows - 1) / g;
-    let full = j0 + n - 1 <= pos0 && j0 >= window_start(plan, pos_max);
+    let full = seen_by_all(plan, pos0, pos_max, j0, j0 + n) == (j0, j0 + n);
     if full && plan.alibi.is_none() {
         return;
     }
@@ -115,10 +115,25 @@ pub(crate) fn mask_tile_strided(
             if j > pos || j < wlo {
                 *v = f32::NEG_INFINITY;
             } else if let Some(sl) = slope {
-                *v += sl * (j as f32 - pos as f32);
+                *v = (*v + sl * (j as f32 - pos as f32)).cap();
             }
         }
     }
+}
+
+/// Whether the value rows `v` (`[n][d]`) of the tile's keys outside `lo..hi` (tile offsets of
+/// [`seen_by_all`]: the keys some row is masked for) are all finite. Then the value product
+/// may run over every row at once: a masked (row, key) pair has weight 0, and 0 times a
+/// finite value adds nothing; `0 * inf` would be NaN (contract: masked keys never contribute),
+/// so otherwise each row takes only its own keys. Only edge tiles have such keys.
+pub(crate) fn finite_outside<C: Float>(
+    v: &[C],
+    n: usize,
+    d: usize,
+    (lo, hi): (usize, usize),
+) -> bool {
+    let finite = |x: &C| x.to_f32().is_finite();
+    v[..lo * d].iter().all(finite) && v[hi * d..n * d].iter().all(finite)
 }
 
 /// Asks the CPU to start loading the cache lines of part `i` of `parts` equal parts of `x`

@@ -41,7 +41,9 @@ pub(crate) enum Amx {}
 /// The inner loops of a tile. Implementors are zero-sized tokens; holding one proves the CPU
 /// supports the instructions it uses.
 pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
-    /// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
+    /// `s[r*lds + j] = cap(scale * <q[r*d..][..d], k[j*d..][..d]>)` for `r < rows`, `j < n`
+    /// (logits as the softmax takes them, see `scale_logits`; the scale and cap ride on the
+    /// store, no extra pass).
     #[allow(clippy::too_many_arguments)]
     fn qk<C: Float>(
         self,
@@ -52,11 +54,16 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     );
     /// `dst[j] += exp(s[j] - m) * c`.
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32);
     /// `x[j] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
+    /// `s[j] = cap(s[j] * c)` ([`Lanes::cap`](crate::kernel::softmax::Lanes::cap)): logits as
+    /// the softmax takes them (the scale multiplies the dot products, never the query, so an
+    /// overflow is the logit's own).
+    fn scale_logits(self, s: &mut [f32], c: f32);
     /// `dst[j] = src[j]` widened to f32.
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]);
 }
@@ -67,7 +74,8 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
 /// bursts of requests that would fill the miss queues and stall the loads being computed on.
 /// `pf` is only a hint: it never changes a result.
 pub(crate) trait DecodeMicro: Copy {
-    /// `s[r*n + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`.
+    /// `s[r*n + j] = cap(scale * <q[r*d..][..d], k[j*d..][..d]>)` for `r < rows`, `j < n` (as
+    /// [`Micro::qk`]).
     #[allow(clippy::too_many_arguments)]
     fn dec_qk<C: Float>(
         self,
@@ -78,6 +86,7 @@ pub(crate) trait DecodeMicro: Copy {
         d: usize,
         s: &mut [f32],
         pf: &[C],
+        scale: f32,
     );
     /// One online-softmax step over a tile of `n` keys for rows `r < rows` (logits `s[r*n..][..n]`,
     /// `-inf` = masked; softmax state `st[r]`, accumulator `acc[r*d..][..d]`):

@@ -2,6 +2,7 @@
 
 use super::Micro;
 use crate::dtype::Float;
+use crate::kernel::softmax::Lanes;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Scalar;
@@ -16,6 +17,7 @@ impl Micro for Scalar {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     ) {
         for r in 0..rows {
             let qr = &q[r * d..(r + 1) * d];
@@ -25,7 +27,7 @@ impl Micro for Scalar {
                 for x in 0..d {
                     dot += qr[x] * kj[x].to_f32();
                 }
-                s[r * lds + j] = dot;
+                s[r * lds + j] = (scale * dot).cap();
             }
         }
     }
@@ -38,6 +40,10 @@ impl Micro for Scalar {
 
     fn scale(self, x: &mut [f32], c: f32) {
         x.iter_mut().for_each(|v| *v *= c);
+    }
+
+    fn scale_logits(self, s: &mut [f32], c: f32) {
+        s.iter_mut().for_each(|v| *v = (*v * c).cap());
     }
 
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {

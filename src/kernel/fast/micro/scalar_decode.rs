@@ -15,8 +15,9 @@ impl DecodeMicro for Scalar {
         d: usize,
         s: &mut [f32],
         _pf: &[C],
+        scale: f32,
     ) {
-        self.qk(q, rows, k, n, d, s, n);
+        self.qk(q, rows, k, n, d, s, n, scale);
     }
 
     fn dec_softmax_pv<C: Float>(

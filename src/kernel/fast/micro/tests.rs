@@ -59,9 +59,9 @@ fn qk<M: Micro, C: Float>(m: M, tier: &str) {
                 let kf: Vec<f64> = k.iter().map(|x| x.to_f32() as f64).collect();
                 let lds = n + 3;
                 let mut s = vec![f32::NAN; rows * lds];
-                m.qk(&q, rows, &k, n, d, &mut s, lds);
+                m.qk(&q, rows, &k, n, d, &mut s, lds, 1.0);
                 let mut sd = vec![f32::NAN; rows * n];
-                m.dec_qk(&q, rows, &k, n, d, &mut sd, &k);
+                m.dec_qk(&q, rows, &k, n, d, &mut sd, &k, 1.0);
                 for r in 0..rows {
                     for j in 0..n {
                         let t = (0..d).map(|x| q[r * d + x] as f64 * kf[j * d + x]);
@@ -181,6 +181,36 @@ fn elementwise<M: Micro>(m: M, tier: &str) {
         for i in 0..n {
             let want = x[i] as f64 * 0.3f32 as f64;
             close(&format!("{what} scale"), sc[i], want, EPS * want.abs());
+        }
+
+        // Logits with non-finite and overflowing values in every lane position: capped at
+        // f32::MAX (+inf and overflow), NaN and -inf kept; exp keeps NaN.
+        let special = [f32::INFINITY, f32::NAN, f32::NEG_INFINITY, 3e38, -3e38, 2.0];
+        let x: Vec<f32> = (0..n).map(|i| special[i % special.len()]).collect();
+        let mut sc = x.clone();
+        sc.extend([f32::NAN; 16]);
+        m.scale_logits(&mut sc[..n], 2.0);
+        untouched(&format!("{what} scale_logits"), &sc[n..]);
+        for i in 0..n {
+            let p = x[i] * 2.0;
+            let want = if p > f32::MAX { f32::MAX } else { p };
+            assert!(
+                sc[i].to_bits() == want.to_bits() || (sc[i].is_nan() && want.is_nan()),
+                "{what} scale_logits({}) = {}, want {want}",
+                x[i],
+                sc[i]
+            );
+        }
+        let mut dst = vec![0f32; n];
+        m.add_exp_scaled(&mut dst, &sc[..n], f32::MAX, 0.5);
+        for i in 0..n {
+            let want = ((sc[i] - f32::MAX) as f64).exp() * 0.5;
+            assert!(
+                (dst[i].is_nan() && want.is_nan()) || (dst[i] as f64 - want).abs() <= 4.0 * EPS,
+                "{what} add_exp_scaled({}) = {}, want {want}",
+                sc[i],
+                dst[i]
+            );
         }
 
         let h: Vec<f16> = rng.typed(n);

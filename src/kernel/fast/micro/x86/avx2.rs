@@ -41,10 +41,22 @@ impl Micro for Avx2 {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), lds);
         // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
-        unsafe { qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), lds) }
+        unsafe {
+            qk::<C>(
+                q.as_ptr(),
+                rows,
+                k.as_ptr(),
+                n,
+                d,
+                s.as_mut_ptr(),
+                lds,
+                scale,
+            )
+        }
     }
 
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32) {
@@ -55,7 +67,12 @@ impl Micro for Avx2 {
 
     fn scale(self, x: &mut [f32], c: f32) {
         // SAFETY: `self` proves the features; the function stays inside `x`.
-        unsafe { scale(x, c) }
+        unsafe { scale::<false>(x, c) }
+    }
+
+    fn scale_logits(self, s: &mut [f32], c: f32) {
+        // SAFETY: `self` proves the features; the function stays inside `s`.
+        unsafe { scale::<true>(s, c) }
     }
 
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {
@@ -97,6 +114,7 @@ pub(super) unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn qk<C: Float>(
     q: *const f32,
     rows: usize,
@@ -105,6 +123,7 @@ unsafe fn qk<C: Float>(
     d: usize,
     s: *mut f32,
     lds: usize,
+    scale: f32,
 ) {
     let mut r = 0;
     while r < rows {
@@ -117,18 +136,18 @@ unsafe fn qk<C: Float>(
             unsafe {
                 let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * lds + j));
                 match (rr, kk) {
-                    (4, 3) => qk_block::<C, 4, 3>(qp, kp, d, sp, lds),
-                    (4, 2) => qk_block::<C, 4, 2>(qp, kp, d, sp, lds),
-                    (4, _) => qk_block::<C, 4, 1>(qp, kp, d, sp, lds),
-                    (3, 3) => qk_block::<C, 3, 3>(qp, kp, d, sp, lds),
-                    (3, 2) => qk_block::<C, 3, 2>(qp, kp, d, sp, lds),
-                    (3, _) => qk_block::<C, 3, 1>(qp, kp, d, sp, lds),
-                    (2, 3) => qk_block::<C, 2, 3>(qp, kp, d, sp, lds),
-                    (2, 2) => qk_block::<C, 2, 2>(qp, kp, d, sp, lds),
-                    (2, _) => qk_block::<C, 2, 1>(qp, kp, d, sp, lds),
-                    (_, 3) => qk_block::<C, 1, 3>(qp, kp, d, sp, lds),
-                    (_, 2) => qk_block::<C, 1, 2>(qp, kp, d, sp, lds),
-                    (_, _) => qk_block::<C, 1, 1>(qp, kp, d, sp, lds),
+                    (4, 3) => qk_block::<C, 4, 3>(qp, kp, d, sp, lds, scale),
+                    (4, 2) => qk_block::<C, 4, 2>(qp, kp, d, sp, lds, scale),
+                    (4, _) => qk_block::<C, 4, 1>(qp, kp, d, sp, lds, scale),
+                    (3, 3) => qk_block::<C, 3, 3>(qp, kp, d, sp, lds, scale),
+                    (3, 2) => qk_block::<C, 3, 2>(qp, kp, d, sp, lds, scale),
+                    (3, _) => qk_block::<C, 3, 1>(qp, kp, d, sp, lds, scale),
+                    (2, 3) => qk_block::<C, 2, 3>(qp, kp, d, sp, lds, scale),
+                    (2, 2) => qk_block::<C, 2, 2>(qp, kp, d, sp, lds, scale),
+                    (2, _) => qk_block::<C, 2, 1>(qp, kp, d, sp, lds, scale),
+                    (_, 3) => qk_block::<C, 1, 3>(qp, kp, d, sp, lds, scale),
+                    (_, 2) => qk_block::<C, 1, 2>(qp, kp, d, sp, lds, scale),
+                    (_, _) => qk_block::<C, 1, 1>(qp, kp, d, sp, lds, scale),
                 }
             }
             j += kk;
@@ -137,7 +156,8 @@ unsafe fn qk<C: Float>(
     }
 }
 
-/// Dot products of `R` query rows with `K` key rows (both of length `d`, row stride `d`).
+/// Dot products of `R` query rows with `K` key rows (both of length `d`, row stride `d`), stored
+/// as `cap(scale * dot)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
@@ -146,6 +166,7 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     d: usize,
     s: *mut f32,
     lds: usize,
+    scale: f32,
 ) {
     let z = _mm256_setzero_ps();
     let mut acc = [[z; K]; R];
@@ -179,30 +200,33 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
                 t += unsafe { *q.add(r * d + xx) * (*k.add(kk * d + xx)).to_f32() };
             }
             // SAFETY: entry (r, kk) of the caller's s tile.
-            unsafe { *s.add(r * lds + kk) = t };
+            unsafe { *s.add(r * lds + kk) = (scale * t).cap() };
         }
     }
 }
 
-/// `exp(x)` for 8 lanes (Cephes polynomial, about 1 ulp); exactly 0 below -87.3 (and for -inf).
+/// `exp(x)` for 8 lanes (Cephes polynomial, about 1 ulp); exactly 0 below -87.3 (and for -inf),
+/// NaN for NaN.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(cephes::X_MIN));
-    let x = _mm256_min_ps(x, _mm256_set1_ps(cephes::X_MAX));
-    let x = _mm256_max_ps(x, _mm256_set1_ps(cephes::X_MIN));
+    // min/max return their second operand when either is NaN: `x` second keeps NaN.
+    let x = _mm256_min_ps(_mm256_set1_ps(cephes::X_MAX), x);
+    let x = _mm256_max_ps(_mm256_set1_ps(cephes::X_MIN), x);
     // SAFETY: same features as this function.
     let r = unsafe { exp8_clamped(x) };
     _mm256_andnot_ps(under, r)
 }
 
 /// `exp(x)` for `x <= 0` or `-inf` (a softmax subtracting its running max): clamped at -88,
-/// where the result is exactly 0, so no overflow clamp or underflow mask is needed.
+/// where the result is exactly 0, so no overflow clamp or underflow mask is needed. NaN stays
+/// NaN (the clamp's `max` returns its second operand, `x`, for NaN).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp8_nonpos(x: __m256) -> __m256 {
     // SAFETY: same features as this function.
-    unsafe { exp8_clamped(_mm256_max_ps(x, _mm256_set1_ps(-88.0))) }
+    unsafe { exp8_clamped(_mm256_max_ps(_mm256_set1_ps(-88.0), x)) }
 }
 
 /// `exp(x)` for `x` in `[-88, 88.37]` (Cephes polynomial, about 1 ulp); `x` below about
@@ -316,19 +340,26 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
     }
 }
 
+/// `x[j] *= c`, then [`Lanes::cap`] when `CAP` (logits).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale(x: &mut [f32], c: f32) {
+unsafe fn scale<const CAP: bool>(x: &mut [f32], c: f32) {
     let cv = _mm256_set1_ps(c);
     let n = x.len();
     let p = x.as_mut_ptr();
     let mut j = 0;
     while j + 8 <= n {
         // SAFETY: j + 8 <= n.
-        unsafe { _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), cv)) };
+        unsafe {
+            let v = F32x8(_mm256_mul_ps(_mm256_loadu_ps(p.add(j)), cv));
+            _mm256_storeu_ps(p.add(j), if CAP { v.cap().0 } else { v.0 });
+        }
         j += 8;
     }
     for v in &mut x[j..] {
         *v *= c;
+        if CAP {
+            *v = v.cap();
+        }
     }
 }
 
@@ -388,5 +419,11 @@ impl Lanes for F32x8 {
     fn exp_nonpos(self) -> Self {
         // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type).
         F32x8(unsafe { exp8_nonpos(self.0) })
+    }
+    #[inline(always)]
+    fn cap(self) -> Self {
+        // SAFETY: an F32x8 exists only inside the AVX2 functions (see the type). `min`
+        // returns its second operand, `self`, for NaN.
+        F32x8(unsafe { _mm256_min_ps(_mm256_set1_ps(f32::MAX), self.0) })
     }
 }

@@ -14,7 +14,7 @@ use super::avx2::{exp_sub_sum, load8, load_partial, Avx2};
 use super::prefetch::Pf;
 use super::{bounds, DecodeMicro};
 use crate::dtype::Float;
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 
 impl DecodeMicro for Avx2 {
     fn dec_qk<C: Float>(
@@ -26,11 +26,13 @@ impl DecodeMicro for Avx2 {
         d: usize,
         s: &mut [f32],
         pf: &[C],
+        scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), n);
         let mut pf = Pf::new(pf, rows.div_ceil(4) * n.div_ceil(3) * (d / 8));
+        let (qp, kp, sp) = (q.as_ptr(), k.as_ptr(), s.as_mut_ptr());
         // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
-        unsafe { dec_qk::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), &mut pf) }
+        unsafe { dec_qk::<C>(qp, rows, kp, n, d, sp, &mut pf, scale) }
     }
 
     fn dec_softmax_pv<C: Float>(
@@ -63,6 +65,7 @@ impl DecodeMicro for Avx2 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn dec_qk<C: Float>(
     q: *const f32,
     rows: usize,
@@ -71,6 +74,7 @@ unsafe fn dec_qk<C: Float>(
     d: usize,
     s: *mut f32,
     pf: &mut Pf,
+    scale: f32,
 ) {
     let mut r = 0;
     while r < rows {
@@ -83,18 +87,18 @@ unsafe fn dec_qk<C: Float>(
             unsafe {
                 let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * n + j));
                 match (rr, kk) {
-                    (4, 3) => *pf = qk_blk::<C, 4, 3>(qp, kp, d, sp, n, *pf),
-                    (4, 2) => *pf = qk_blk::<C, 4, 2>(qp, kp, d, sp, n, *pf),
-                    (4, _) => *pf = qk_blk::<C, 4, 1>(qp, kp, d, sp, n, *pf),
-                    (3, 3) => *pf = qk_blk::<C, 3, 3>(qp, kp, d, sp, n, *pf),
-                    (3, 2) => *pf = qk_blk::<C, 3, 2>(qp, kp, d, sp, n, *pf),
-                    (3, _) => *pf = qk_blk::<C, 3, 1>(qp, kp, d, sp, n, *pf),
-                    (2, 3) => *pf = qk_blk::<C, 2, 3>(qp, kp, d, sp, n, *pf),
-                    (2, 2) => *pf = qk_blk::<C, 2, 2>(qp, kp, d, sp, n, *pf),
-                    (2, _) => *pf = qk_blk::<C, 2, 1>(qp, kp, d, sp, n, *pf),
-                    (_, 3) => *pf = qk_blk::<C, 1, 3>(qp, kp, d, sp, n, *pf),
-                    (_, 2) => *pf = qk_blk::<C, 1, 2>(qp, kp, d, sp, n, *pf),
-                    (_, _) => *pf = qk_blk::<C, 1, 1>(qp, kp, d, sp, n, *pf),
+                    (4, 3) => *pf = qk_blk::<C, 4, 3>(qp, kp, d, sp, n, *pf, scale),
+                    (4, 2) => *pf = qk_blk::<C, 4, 2>(qp, kp, d, sp, n, *pf, scale),
+                    (4, _) => *pf = qk_blk::<C, 4, 1>(qp, kp, d, sp, n, *pf, scale),
+                    (3, 3) => *pf = qk_blk::<C, 3, 3>(qp, kp, d, sp, n, *pf, scale),
+                    (3, 2) => *pf = qk_blk::<C, 3, 2>(qp, kp, d, sp, n, *pf, scale),
+                    (3, _) => *pf = qk_blk::<C, 3, 1>(qp, kp, d, sp, n, *pf, scale),
+                    (2, 3) => *pf = qk_blk::<C, 2, 3>(qp, kp, d, sp, n, *pf, scale),
+                    (2, 2) => *pf = qk_blk::<C, 2, 2>(qp, kp, d, sp, n, *pf, scale),
+                    (2, _) => *pf = qk_blk::<C, 2, 1>(qp, kp, d, sp, n, *pf, scale),
+                    (_, 3) => *pf = qk_blk::<C, 1, 3>(qp, kp, d, sp, n, *pf, scale),
+                    (_, 2) => *pf = qk_blk::<C, 1, 2>(qp, kp, d, sp, n, *pf, scale),
+                    (_, _) => *pf = qk_blk::<C, 1, 1>(qp, kp, d, sp, n, *pf, scale),
                 }
             }
             j += kk;
@@ -103,8 +107,8 @@ unsafe fn dec_qk<C: Float>(
     }
 }
 
-/// Dot products of `R` query rows with `K` key rows (length `d`, row stride `d`), one prefetch
-/// tick per 8 columns.
+/// Dot products of `R` query rows with `K` key rows (length `d`, row stride `d`), stored as
+/// `cap(scale * dot)`, one prefetch tick per 8 columns.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
@@ -114,6 +118,7 @@ unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
     s: *mut f32,
     lds: usize,
     mut pf: Pf,
+    scale: f32,
 ) -> Pf {
     let z = _mm256_setzero_ps();
     let mut acc = [[z; K]; R];
@@ -152,7 +157,7 @@ unsafe fn qk_blk<C: Float, const R: usize, const K: usize>(
                 t += unsafe { *q.add(r * d + xx) * (*k.add(kk * d + xx)).to_f32() };
             }
             // SAFETY: entry (r, kk) of the caller's s tile.
-            unsafe { *s.add(r * lds + kk) = t };
+            unsafe { *s.add(r * lds + kk) = (scale * t).cap() };
         }
     }
     pf

@@ -65,6 +65,7 @@ impl Micro for Avx512 {
         d: usize,
         s: &mut [f32],
         lds: usize,
+        scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), lds);
         // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
@@ -78,6 +79,7 @@ impl Micro for Avx512 {
                 s.as_mut_ptr(),
                 lds,
                 &mut Pf::none(),
+                scale,
             )
         }
     }
@@ -90,7 +92,12 @@ impl Micro for Avx512 {
 
     fn scale(self, x: &mut [f32], c: f32) {
         // SAFETY: `self` proves the features; the function stays inside `x`.
-        unsafe { scale(x, c) }
+        unsafe { scale::<false>(x, c) }
+    }
+
+    fn scale_logits(self, s: &mut [f32], c: f32) {
+        // SAFETY: `self` proves the features; the function stays inside `s`.
+        unsafe { scale::<true>(s, c) }
     }
 
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]) {
@@ -119,22 +126,24 @@ pub(super) unsafe fn load16<C: Float>(p: *const C, k: __mmask16) -> __m512 {
     }
 }
 
-/// `exp(x)` for 16 lanes; exactly 0 below [`cephes::X_MIN`] (and for -inf).
+/// `exp(x)` for 16 lanes; exactly 0 below [`cephes::X_MIN`] (and for -inf), NaN for NaN.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub(super) fn exp16(x: __m512) -> __m512 {
     let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(cephes::X_MIN));
-    let x = _mm512_min_ps(x, _mm512_set1_ps(cephes::X_MAX));
-    let x = _mm512_max_ps(x, _mm512_set1_ps(cephes::X_MIN));
+    // min/max return their second operand when either is NaN: `x` second keeps NaN.
+    let x = _mm512_min_ps(_mm512_set1_ps(cephes::X_MAX), x);
+    let x = _mm512_max_ps(_mm512_set1_ps(cephes::X_MIN), x);
     _mm512_maskz_mov_ps(!under, exp16_clamped(x))
 }
 
 /// `exp(x)` for `x <= 0` or `-inf` (a softmax subtracting its running max): clamped at -88,
-/// where the result is exactly 0, so no overflow clamp or underflow mask is needed.
+/// where the result is exactly 0, so no overflow clamp or underflow mask is needed. NaN stays
+/// NaN (the clamp's `max` returns its second operand, `x`, for NaN).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub(super) fn exp16_nonpos(x: __m512) -> __m512 {
-    exp16_clamped(_mm512_max_ps(x, _mm512_set1_ps(-88.0)))
+    exp16_clamped(_mm512_max_ps(_mm512_set1_ps(-88.0), x))
 }
 
 /// `exp(x)` for `x` in `[-88, X_MAX]`; `x` below about -87.68 rounds to the exponent -127,
@@ -215,8 +224,8 @@ pub(super) fn qk_ticks(rows: usize, n: usize, d: usize) -> usize {
     blocks * d.div_ceil(16)
 }
 
-/// `s[r*lds + j] = <q[r*d..][..d], k[j*d..][..d]>` for `r < rows`, `j < n`, one `pf` tick per
-/// 16 columns of a block. The caller guarantees those ranges.
+/// `s[r*lds + j] = cap(scale * <q[r*d..][..d], k[j*d..][..d]>)` for `r < rows`, `j < n`, one
+/// `pf` tick per 16 columns of a block. The caller guarantees those ranges.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn qk<C: Float>(
@@ -228,6 +237,7 @@ pub(super) unsafe fn qk<C: Float>(
     s: *mut f32,
     lds: usize,
     pf: &mut Pf,
+    scale: f32,
 ) {
     let mut r = 0;
     while r < rows {
@@ -241,9 +251,9 @@ pub(super) unsafe fn qk<C: Float>(
             unsafe {
                 let (qp, kp, sp) = (q.add(r * d), k.add(j * d), s.add(r * lds + j));
                 match rb {
-                    1 => qk_block::<C, 1, 8>(qp, rn, kp, kn, d, sp, lds, pf),
-                    2 => qk_block::<C, 2, 8>(qp, rn, kp, kn, d, sp, lds, pf),
-                    _ => qk_block::<C, 4, 4>(qp, rn, kp, kn, d, sp, lds, pf),
+                    1 => qk_block::<C, 1, 8>(qp, rn, kp, kn, d, sp, lds, pf, scale),
+                    2 => qk_block::<C, 2, 8>(qp, rn, kp, kn, d, sp, lds, pf, scale),
+                    _ => qk_block::<C, 4, 4>(qp, rn, kp, kn, d, sp, lds, pf, scale),
                 }
             }
             j += kn;
@@ -266,6 +276,7 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     s: *mut f32,
     lds: usize,
     pf: &mut Pf,
+    scale: f32,
 ) {
     let z = _mm512_setzero_ps();
     let qp: [*const f32; R] = std::array::from_fn(|i| q.wrapping_add(i.min(rn - 1) * d));
@@ -293,7 +304,9 @@ unsafe fn qk_block<C: Float, const R: usize, const K: usize>(
     for r in 0..R {
         v[r * K..(r + 1) * K].copy_from_slice(&acc[r]);
     }
-    let sums = reduce16(&v);
+    let sums = F32x16(_mm512_mul_ps(reduce16(&v), _mm512_set1_ps(scale)))
+        .cap()
+        .0;
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for r in 0..rn {
         // Row r's sums are lanes r*K..r*K+K: move them to the bottom and store the first kn.
@@ -467,7 +480,7 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scale(x: &mut [f32], c: f32) {
+unsafe fn scale<const CAP: bool>(x: &mut [f32], c: f32) {
     let cv = _mm512_set1_ps(c);
     let (n, p) = (x.len(), x.as_mut_ptr());
     let mut j = 0;
@@ -475,8 +488,9 @@ unsafe fn scale(x: &mut [f32], c: f32) {
         let k = tail((n - j).min(16));
         // SAFETY: the lanes of `k` are elements j.. < n of `x`.
         unsafe {
-            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.add(j)), cv);
-            _mm512_mask_storeu_ps(p.add(j), k, v);
+            let v = F32x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.add(j)), cv));
+            let v = if CAP { v.cap() } else { v };
+            _mm512_mask_storeu_ps(p.add(j), k, v.0);
         }
         j += 16;
     }
@@ -532,5 +546,11 @@ impl Lanes for F32x16 {
     fn exp_nonpos(self) -> Self {
         // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type).
         F32x16(unsafe { exp16_nonpos(self.0) })
+    }
+    #[inline(always)]
+    fn cap(self) -> Self {
+        // SAFETY: an F32x16 exists only inside the AVX-512 functions (see the type). `min`
+        // returns its second operand, `self`, for NaN.
+        F32x16(unsafe { _mm512_min_ps(_mm512_set1_ps(f32::MAX), self.0) })
     }
 }

@@ -25,6 +25,7 @@ impl DecodeMicro for Avx512 {
         d: usize,
         s: &mut [f32],
         pf: &[C],
+        scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), n);
         let mut pf = Pf::new(pf, qk_ticks(rows, n, d));
@@ -39,6 +40,7 @@ impl DecodeMicro for Avx512 {
                 s.as_mut_ptr(),
                 n,
                 &mut pf,
+                scale,
             )
         }
     }
