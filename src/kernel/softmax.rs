@@ -26,7 +26,7 @@
 //!   the output and the row's scores; whether a max ignores it does not matter.
 //!
 //! Masked keys are `-inf` logits too, but their values must not be read: `0 * inf` would be
-//! NaN. The tile drivers keep them out of the value products (see `fast::tile::masked_keys`).
+//! NaN. The tile drivers keep them out of the value products (see `fast::tile::finite_outside`).
 
 /// The arithmetic the step needs, on one row (`f32`) or lane-wise on a vector of rows.
 pub(crate) trait Lanes: Copy {
