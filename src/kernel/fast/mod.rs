@@ -65,6 +65,7 @@ mod tile;
 use super::bind::{dispatch, Bound, TypedOp};
 use crate::dtype::Float;
 use crate::error::Result;
+use crate::op::u8_layout::U8Layout;
 use crate::op::{PaInputs, PaOutputs, Plan};
 use crate::threads::Runner;
 use micro::scalar::Scalar;
@@ -296,5 +297,9 @@ impl<M: TileMicro> TypedOp for Fast<M> {
             None => scores::recompute(m, &ctx, &stats, b.scores),
         }
         Ok(())
+    }
+
+    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
+        super::reference::Reference.run_u8(plan, layout, b)
     }
 }
