@@ -226,3 +226,78 @@ fn shape_inference_reads_u8_layouts() {
     let err = infer_shapes(&inputs(&[DYN, 2, 40, 64], &[DYN, 2, 32, 70])).unwrap_err();
     assert!(err.to_string().contains("70 bytes per token"), "{err}");
 }
+
+/// Every SIMD level's u8 loops (`fast::u8attn` on that level's `U8Micro`) against float64 attention
+/// over the dequantized caches and against the scalar level, on edge geometries: head sizes that
+/// leave 16-lane tails (24, 40), more query heads per KV head than a tile has rows (10), block
+/// size 16, long contexts spanning many blocks.
+#[test]
+fn every_simd_level_matches_float64_and_the_scalar_twin() {
+    use paged_attention::kernel::fast::{execute_with, FastOptions, SimdLevel};
+    let run = |call: &mut common::call::Call, simd: SimdLevel| {
+        call.with_api(|inputs, mut outputs| {
+            let opts = FastOptions {
+                simd,
+                ..FastOptions::default()
+            };
+            execute_with(opts, &mut inputs.unwrap(), &mut outputs).expect("u8 call runs")
+        })
+    };
+    let mut checked = 0;
+    for (qt, tol) in [(ElemType::F32, 2e-5), (ElemType::BF16, 1e-2)] {
+        for (hkv, g, d, bs) in [
+            (2, 4, 64, 32),
+            (1, 10, 24, 16),
+            (2, 3, 40, 32),
+            (1, 1, 128, 32),
+        ] {
+            let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, bs);
+            geo.max_past = 150;
+            geo.max_new = 40;
+            for (key, value_group) in LAYOUTS {
+                if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                    continue;
+                }
+                if let KeyQuant::ByToken { group } = key {
+                    if group > d || !d.is_multiple_of(group.max(1)) {
+                        continue;
+                    }
+                }
+                let c = gen_case(checked as u64 + 500, &geo, &features());
+                let l = layout_for(&c, key, value_group);
+                let mut scalar = u8_call(&c, &l);
+                run(&mut scalar, SimdLevel::Scalar);
+                let want = reference(&dequantized_case(
+                    &c,
+                    &l,
+                    scalar.inputs[idx::KEY_CACHE].data.u8s(),
+                    scalar.inputs[idx::VALUE_CACHE].data.u8s(),
+                ));
+                for level in SimdLevel::ALL {
+                    let mut call = u8_call(&c, &l);
+                    run(&mut call, level);
+                    let (o, s) = (call.outputs[0].data.to_f64(), call.outputs[1].data.to_f64());
+                    let (eo, es) = (rel_err(&o, &want.output), rel_err(&s, &want.scores));
+                    assert!(
+                        eo <= tol && es <= tol,
+                        "{level:?} {l:?}: vs float64 output {eo:e} scores {es:e}\n{}",
+                        c.describe()
+                    );
+                    let twin_o = rel_err(&o, &scalar.outputs[0].data.to_f64());
+                    let twin_s = rel_err(&s, &scalar.outputs[1].data.to_f64());
+                    assert!(
+                        twin_o <= tol && twin_s <= tol,
+                        "{level:?} {l:?}: vs scalar twin output {twin_o:e} scores {twin_s:e}"
+                    );
+                    assert_eq!(
+                        call.inputs[idx::KEY_CACHE],
+                        scalar.inputs[idx::KEY_CACHE],
+                        "{level:?}: key cache bytes"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 40, "{checked} runs");
+}

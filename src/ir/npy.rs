@@ -187,10 +187,12 @@ impl NpyArray {
             NpyDtype::U16 => ElemType::BF16,
             NpyDtype::I32 => ElemType::I32,
             NpyDtype::U8 => ElemType::U8,
-            d => return Err(format!(
+            d => {
+                return Err(format!(
                 "element type '{}' cannot be a model input (<f4, <f2, <u2 for bf16, <i4, |u1 can)",
                 d.descr()
-            )),
+            ))
+            }
         };
         OwnedTensor::from_le_bytes(elem, self.shape, &self.bytes).map_err(|e| e.to_string())
     }

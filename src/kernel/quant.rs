@@ -19,7 +19,7 @@ use crate::op::Plan;
 /// What OpenVINO substitutes for a zero scale (all values of a group or channel equal).
 const ZERO_RANGE_SCALE: f32 = 0.0001;
 
-fn read_f32(bytes: &[u8], i: usize) -> f32 {
+pub(crate) fn read_f32(bytes: &[u8], i: usize) -> f32 {
     f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 

@@ -9,6 +9,8 @@
 //! - `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per KV head); the SIMD
 //!   twins also keep the next tile's cache lines coming while they compute.
 //! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
+//! - `scalar_u8`: the [`U8Micro`] loops over u8 cache bytes (OpenVINO's layout; the driver
+//!   `fast::u8attn` folds scales and zero points around them); `x86/avx512_u8` is the AVX-512 tier.
 //! - `x86/amx`: AMX-BF16 tile products (QK and PV) for prefill items of a bf16
 //!   query; `scalar_amx` is its twin (test oracle).
 //!
@@ -22,6 +24,7 @@ pub(crate) mod scalar;
 mod scalar_amx;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
+mod scalar_u8;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 
@@ -59,6 +62,33 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     fn scale(self, x: &mut [f32], c: f32);
     /// `dst[j] = src[j]` widened to f32.
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]);
+}
+
+/// The loops over u8 cache rows. Bytes are widened to f32 as they are loaded (never a whole
+/// row or cache ahead of use); the zero point here is one per call (a by-token group's), the
+/// driver folds per-channel parameters into the query rows.
+pub(crate) trait U8Micro: Copy + Send + Sync {
+    /// `out[r] = sum_c q[r*ldq + c] * (k[c] - zp)` for `r < rows`, `c < k.len()`.
+    fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]);
+    /// `acc[r*lda + c] += w[r] * (v[c] - zp)` for `r < rows`, `c < v.len()`.
+    #[allow(clippy::too_many_arguments)]
+    fn axpys(self, acc: &mut [f32], lda: usize, rows: usize, w: &[f32], v: &[u8], zp: f32);
+    /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
+    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
+}
+
+/// Panics unless `dots`/`axpys` with these arguments stay inside their slices.
+#[inline(always)]
+pub(crate) fn u8_bounds(a_len: usize, lda: usize, rows: usize, n: usize, out_len: usize) {
+    assert!(
+        rows == 0
+            || (rows - 1)
+                .checked_mul(lda)
+                .and_then(|o| o.checked_add(n))
+                .is_some_and(|e| e <= a_len),
+        "u8 micro-kernel rows out of range"
+    );
+    assert!(out_len >= rows, "u8 micro-kernel row buffer too short");
 }
 
 /// The loops of a decode tile: the few rows of one KV head (tokens x G query heads) against the

@@ -1,0 +1,118 @@
+//! The AVX-512 [`U8Micro`]: 16 bytes at a time zero-extended to i32 and converted to f32
+//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 16 bytes for all rows, masked
+//! tails. Reached only through [`Avx512`], which only `Avx512::detect` builds.
+
+use std::arch::x86_64::*;
+
+use super::super::{u8_bounds, U8Micro};
+use super::avx512::{exp16, tail, Avx512};
+
+impl U8Micro for Avx512 {
+    fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]) {
+        u8_bounds(q.len(), ldq, rows, k.len(), out.len());
+        let mut r = 0;
+        while r < rows {
+            let take = (rows - r).min(4);
+            // SAFETY: `self` proves the features; `u8_bounds` checked that rows `r..r + take`
+            // of `q` (stride `ldq`) hold `k.len()` elements and `out` has `rows` entries.
+            unsafe {
+                let (qp, op) = (q.as_ptr().add(r * ldq), out.as_mut_ptr().add(r));
+                match take {
+                    4 => dots_r::<4>(qp, ldq, k, zp, op),
+                    3 => dots_r::<3>(qp, ldq, k, zp, op),
+                    2 => dots_r::<2>(qp, ldq, k, zp, op),
+                    _ => dots_r::<1>(qp, ldq, k, zp, op),
+                }
+            }
+            r += take;
+        }
+    }
+
+    fn axpys(self, acc: &mut [f32], lda: usize, rows: usize, w: &[f32], v: &[u8], zp: f32) {
+        u8_bounds(acc.len(), lda, rows, v.len(), w.len());
+        // SAFETY: `self` proves the features; `u8_bounds` checked rows `< rows` of `acc`
+        // (stride `lda`) hold `v.len()` elements and `w` has `rows` entries.
+        unsafe { axpys(acc.as_mut_ptr(), lda, rows, w.as_ptr(), v, zp) }
+    }
+
+    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
+        // SAFETY: `self` proves the features; the loop reads and writes only lanes of `s`.
+        unsafe { exp_sum(s, sub) }
+    }
+}
+
+/// 16 bytes at `p` (the lanes of `m`) as f32 minus `zp`; other lanes 0.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn load_u8(p: *const u8, m: __mmask16, zp: __m512) -> __m512 {
+    // SAFETY: the caller guarantees the bytes of the lanes of `m` at `p` are readable; masked
+    // lanes are not accessed.
+    let b = unsafe { _mm_maskz_loadu_epi8(m, p as *const i8) };
+    _mm512_maskz_sub_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), zp)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dots_r<const R: usize>(q: *const f32, ldq: usize, k: &[u8], zp: f32, out: *mut f32) {
+    let zpv = _mm512_set1_ps(zp);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut c = 0;
+    while c < k.len() {
+        let m = tail((k.len() - c).min(16));
+        // SAFETY: lanes of `m` are `c..c + 16` clipped to `k.len()`: inside `k`, and inside
+        // each of the R query rows (the caller's bounds).
+        unsafe {
+            let kv = load_u8(k.as_ptr().add(c), m, zpv);
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = _mm512_maskz_loadu_ps(m, q.add(r * ldq + c));
+                *a = _mm512_fmadd_ps(qv, kv, *a);
+            }
+        }
+        c += 16;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: the caller gives R writable entries at `out`.
+        unsafe { *out.add(r) = _mm512_reduce_add_ps(*a) };
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn axpys(acc: *mut f32, lda: usize, rows: usize, w: *const f32, v: &[u8], zp: f32) {
+    let zpv = _mm512_set1_ps(zp);
+    let mut c = 0;
+    while c < v.len() {
+        let m = tail((v.len() - c).min(16));
+        // SAFETY: lanes of `m` are inside `v` and inside each accumulator row (the caller's
+        // bounds); `w` has `rows` entries.
+        unsafe {
+            let vv = load_u8(v.as_ptr().add(c), m, zpv);
+            for r in 0..rows {
+                let p = acc.add(r * lda + c);
+                let a = _mm512_maskz_loadu_ps(m, p);
+                _mm512_mask_storeu_ps(p, m, _mm512_fmadd_ps(_mm512_set1_ps(*w.add(r)), vv, a));
+            }
+        }
+        c += 16;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn exp_sum(s: &mut [f32], sub: f32) -> f32 {
+    let subv = _mm512_set1_ps(sub);
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < s.len() {
+        let m = tail((s.len() - i).min(16));
+        // SAFETY: lanes of `m` are `i..i + 16` clipped to `s.len()`.
+        unsafe {
+            let p = s.as_mut_ptr().add(i);
+            let e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), subv)));
+            _mm512_mask_storeu_ps(p, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
+}

@@ -1,0 +1,329 @@
+//! Steps 2-4 over u8 caches in OpenVINO's layout: insertion quantizes with `kernel::quant` (the
+//! byte-checked code), then attention and scores read the cache bytes directly through the
+//! [`U8Micro`] loops, dequantizing on the fly, never widening a cache.
+//!
+//! Work items are (sequence, KV head); an item walks the sequence's visible key blocks once per
+//! tile of up to [`ROWS`] query rows (tokens x the G query heads of the KV head), so a decode
+//! item reads each key and value byte once for all G heads. Per block:
+//! - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
+//!   scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
+//!   scales once and the second sum is one constant per row and block;
+//! - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
+//! - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group.
+//!
+//! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
+//! reference's (`kernel::layout`). Scores recompute the logits of their rows (one item per
+//! sequence, summing heads and tokens in a fixed order, so results do not depend on threads).
+
+use super::micro::{Micro, U8Micro};
+use super::shared::SharedMut;
+use crate::dtype::Float;
+use crate::kernel::bind::Bound;
+use crate::kernel::layout::{block_of, tiles, visible, window_start};
+use crate::kernel::quant::{self, read_f32, KeyQuant, U8Layout, PARAM_BYTES};
+use crate::kernel::softmax::OnlineSoftmax;
+use crate::op::{Plan, SeqPlan};
+use crate::threads::Runner;
+
+/// Query rows per tile.
+const ROWS: usize = 8;
+
+/// One query row of a tile: a token of the sequence and one query head of the KV head's group.
+#[derive(Clone, Copy)]
+struct RowRef {
+    token: usize,
+    pos: usize,
+    head: usize,
+}
+
+/// Per-item scratch.
+struct Scratch {
+    q: Vec<f32>,
+    qs: Vec<f32>,
+    cst: Vec<f32>,
+    s: Vec<f32>,
+    acc: Vec<f32>,
+    w: Vec<f32>,
+    tmp: Vec<f32>,
+    sc: Vec<f32>,
+    zp: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(plan: &Plan) -> Scratch {
+        let d = plan.d;
+        Scratch {
+            q: vec![0.0; ROWS * d],
+            qs: vec![0.0; ROWS * d],
+            cst: vec![0.0; ROWS],
+            s: vec![0.0; ROWS * plan.bs],
+            acc: vec![0.0; ROWS * d],
+            w: vec![0.0; ROWS],
+            tmp: vec![0.0; ROWS],
+            sc: vec![0.0; d],
+            zp: vec![0.0; d],
+        }
+    }
+}
+
+/// The rows of sequence `sp`, KV head `kvh`, for tokens `i0..i1` (in token, then head order).
+fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<RowRef> {
+    (i0..i1)
+        .flat_map(|i| {
+            (0..plan.g).map(move |g| RowRef {
+                token: sp.begin + i,
+                pos: sp.past + i,
+                head: kvh * plan.g + g,
+            })
+        })
+        .collect()
+}
+
+/// Loads the tile's query rows, scaled by the softmax scale, into `sc.q`.
+fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], sc: &mut Scratch) {
+    let (d, h) = (plan.d, plan.h);
+    for (r, row) in rows.iter().enumerate() {
+        let src = &query[(row.token * h + row.head) * d..][..d];
+        for (o, x) in sc.q[r * d..][..d].iter_mut().zip(src) {
+            *o = x.to_f32() * plan.scale;
+        }
+    }
+}
+
+/// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block): masked keys
+/// `-inf`, ALiBi added.
+#[allow(clippy::too_many_arguments)]
+fn block_logits<M: U8Micro>(
+    m: M,
+    plan: &Plan,
+    l: &U8Layout,
+    kc: &[u8],
+    block: usize,
+    kvh: usize,
+    (j0, j1): (usize, usize),
+    rows: &[RowRef],
+    sc: &mut Scratch,
+) {
+    let (d, bs, nr) = (plan.d, plan.bs, rows.len());
+    let slab_len = l.key_slab();
+    let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
+    let slot0 = j0 % bs;
+    let n = j1 - j0;
+    match l.key {
+        KeyQuant::ByChannel => {
+            for c in 0..d {
+                sc.sc[c] = read_f32(slab, c);
+                sc.zp[c] = read_f32(slab, d + c);
+            }
+            for r in 0..nr {
+                let (q, qs) = (&sc.q[r * d..][..d], &mut sc.qs[r * d..][..d]);
+                let mut cst = 0.0;
+                for c in 0..d {
+                    qs[c] = q[c] * sc.sc[c];
+                    cst += qs[c] * sc.zp[c];
+                }
+                sc.cst[r] = cst;
+            }
+            let data = &slab[PARAM_BYTES * d..];
+            for t in 0..n {
+                m.dots(
+                    &sc.qs,
+                    d,
+                    nr,
+                    &data[(slot0 + t) * d..][..d],
+                    0.0,
+                    &mut sc.tmp,
+                );
+                for r in 0..nr {
+                    sc.s[r * bs + t] = sc.tmp[r] - sc.cst[r];
+                }
+            }
+        }
+        KeyQuant::ByToken { group } => {
+            let g = if group == 0 { d } else { group };
+            let kr = slab_len / bs;
+            for t in 0..n {
+                let row = &slab[(slot0 + t) * kr..][..kr];
+                for r in 0..nr {
+                    sc.s[r * bs + t] = 0.0;
+                }
+                for (gi, grp) in row.chunks(g + PARAM_BYTES).enumerate() {
+                    let (scale, zp) = (read_f32(grp, 0), read_f32(grp, 1));
+                    m.dots(&sc.q[gi * g..], d, nr, &grp[PARAM_BYTES..], zp, &mut sc.tmp);
+                    for r in 0..nr {
+                        sc.s[r * bs + t] += scale * sc.tmp[r];
+                    }
+                }
+            }
+        }
+    }
+    for (r, row) in rows.iter().enumerate() {
+        let s = &mut sc.s[r * bs..][..n];
+        for (t, x) in s.iter_mut().enumerate() {
+            let j = j0 + t;
+            if !visible(plan, row.pos, j) {
+                *x = f32::NEG_INFINITY;
+            } else if let Some(al) = &plan.alibi {
+                *x += al[row.head] * (j as f32 - row.pos as f32);
+            }
+        }
+    }
+}
+
+/// Key positions `[lo, hi)` some row of the tile sees.
+fn key_range(plan: &Plan, rows: &[RowRef]) -> (usize, usize) {
+    let lo = rows
+        .iter()
+        .map(|r| window_start(plan, r.pos))
+        .min()
+        .unwrap_or(0);
+    let hi = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
+    (lo, hi)
+}
+
+/// Attention of one tile of rows (all of one sequence and KV head): writes their outputs and
+/// softmax states.
+#[allow(clippy::too_many_arguments)]
+fn attend_tile<M: U8Micro + Micro, Q: Float>(
+    m: M,
+    plan: &Plan,
+    l: &U8Layout,
+    b: &Inputs<'_, Q>,
+    sp: &SeqPlan,
+    kvh: usize,
+    rows: &[RowRef],
+    sc: &mut Scratch,
+    out: &SharedMut<'_, Q>,
+    stats: &SharedMut<'_, OnlineSoftmax>,
+) {
+    let (d, bs, nr) = (plan.d, plan.bs, rows.len());
+    load_queries(plan, b.query, rows, sc);
+    sc.acc[..nr * d].fill(0.0);
+    let mut st = [OnlineSoftmax::EMPTY; ROWS];
+    let vrow = l.value_row();
+    let vg = if l.value_group == 0 { d } else { l.value_group };
+    let (lo, hi) = key_range(plan, rows);
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let block = block_of(b.block_indices, sp.block_begin, bs, j0);
+        block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), rows, sc);
+        let n = j1 - j0;
+        for (r, st) in st.iter_mut().enumerate().take(nr) {
+            let s = &mut sc.s[r * bs..][..n];
+            let step = st.update(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            if step.rescale != 1.0 {
+                m.scale(&mut sc.acc[r * d..][..d], step.rescale);
+            }
+            st.add(m.exp_sum(s, step.sub));
+        }
+        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
+        for t in 0..n {
+            let row = &b.vc[vbase + t * vrow..][..vrow];
+            for (gi, grp) in row.chunks(vg + PARAM_BYTES).enumerate() {
+                let (scale, zp) = (read_f32(grp, 0), read_f32(grp, 1));
+                for r in 0..nr {
+                    sc.w[r] = sc.s[r * bs + t] * scale;
+                }
+                m.axpys(
+                    &mut sc.acc[gi * vg..],
+                    d,
+                    nr,
+                    &sc.w,
+                    &grp[PARAM_BYTES..],
+                    zp,
+                );
+            }
+        }
+    }
+    for (r, row) in rows.iter().enumerate() {
+        let at = row.token * plan.h + row.head;
+        // SAFETY: (token, head) pairs are distinct across rows of all items (an item owns its
+        // sequence's tokens and its KV head's query heads), so these parts never overlap.
+        let (o, s) = unsafe { (out.part(at * d, d), stats.part(at, 1)) };
+        let norm = st[r].norm();
+        for (o, &a) in o.iter_mut().zip(&sc.acc[r * d..][..d]) {
+            *o = Q::from_f32(a * norm);
+        }
+        s[0] = st[r];
+    }
+}
+
+/// The read-only side of the bound call.
+struct Inputs<'a, Q> {
+    query: &'a [Q],
+    kc: &'a [u8],
+    vc: &'a [u8],
+    block_indices: &'a [i32],
+}
+
+/// Runs insertion, attention and scores of a validated call on u8 caches of layout `l`.
+pub(crate) fn run<M: U8Micro + Micro, Q: Float>(
+    m: M,
+    runner: Runner,
+    plan: &Plan,
+    l: &U8Layout,
+    b: Bound<'_, Q, u8>,
+) {
+    quant::insert_u8(
+        l,
+        &plan.seqs,
+        b.block_indices,
+        b.key,
+        b.value,
+        b.key_cache,
+        b.value_cache,
+    );
+    let inputs = Inputs {
+        query: b.query,
+        kc: b.key_cache,
+        vc: b.value_cache,
+        block_indices: b.block_indices,
+    };
+    let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * plan.h];
+    {
+        let out = SharedMut::new(b.output);
+        let st = SharedMut::new(&mut stats);
+        let hkv = plan.hkv;
+        runner.for_each(plan.seqs.len() * hkv, &|item| {
+            let (sp, kvh) = (&plan.seqs[item / hkv], item % hkv);
+            let mut sc = Scratch::new(plan);
+            let tokens_per_tile = (ROWS / plan.g).max(1);
+            for i0 in (0..sp.n).step_by(tokens_per_tile) {
+                let rows = rows_of(plan, sp, kvh, i0, (i0 + tokens_per_tile).min(sp.n));
+                for tile in rows.chunks(ROWS) {
+                    attend_tile(m, plan, l, &inputs, sp, kvh, tile, &mut sc, &out, &st);
+                }
+            }
+        });
+    }
+    let scores = SharedMut::new(b.scores);
+    runner.for_each(plan.seqs.len(), &|s| {
+        let sp = &plan.seqs[s];
+        // SAFETY: each sequence owns its `ctx()` scores from `score_offset`, disjoint by
+        // construction of the plan.
+        let dst = unsafe { scores.part(sp.score_offset, sp.ctx()) };
+        let mut total = vec![0f32; sp.ctx()];
+        let mut sc = Scratch::new(plan);
+        for kvh in 0..plan.hkv {
+            let rows = rows_of(plan, sp, kvh, sp.n - sp.score_tokens, sp.n);
+            for tile in rows.chunks(ROWS) {
+                load_queries(plan, inputs.query, tile, &mut sc);
+                let (lo, hi) = key_range(plan, tile);
+                for (j0, j1) in tiles(lo, hi, plan.bs) {
+                    let block = block_of(inputs.block_indices, sp.block_begin, plan.bs, j0);
+                    block_logits(m, plan, l, inputs.kc, block, kvh, (j0, j1), tile, &mut sc);
+                    for (r, row) in tile.iter().enumerate() {
+                        let st = stats[row.token * plan.h + row.head];
+                        for (t, &x) in sc.s[r * plan.bs..][..j1 - j0].iter().enumerate() {
+                            if x != f32::NEG_INFINITY {
+                                total[j0 + t] += st.weight(x);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (o, &x) in dst.iter_mut().zip(&total) {
+            *o = Q::from_f32(x);
+        }
+    });
+}
