@@ -303,7 +303,6 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
     }
 
     fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
-        u8attn::run(self.m, self.opts.runner, plan, layout, b);
-        Ok(())
+        u8attn::run(self.m, self.opts.runner, plan, layout, b)
     }
 }

@@ -12,12 +12,16 @@
 //! - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group.
 //!
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
-//! reference's (`kernel::layout`). Scores recompute the logits of their rows (one item per
-//! sequence, summing heads and tokens in a fixed order, so results do not depend on threads).
+//! reference's (`kernel::layout`). Scores: a tile keeps the logits of its score rows (the last
+//! `score_tokens` tokens) and, once its softmax states are final, adds their weights into its
+//! item's partial scores; the partials of a sequence's KV heads are summed in head order, so
+//! results do not depend on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, U8Micro};
 use super::shared::SharedMut;
+use crate::alloc::try_vec;
 use crate::dtype::Float;
+use crate::error::{PaError, Result};
 use crate::kernel::bind::Bound;
 use crate::kernel::layout::{block_of, tiles, visible, window_start};
 use crate::kernel::quant::{self, read_f32, KeyQuant, U8Layout, PARAM_BYTES};
@@ -34,6 +38,8 @@ struct RowRef {
     token: usize,
     pos: usize,
     head: usize,
+    /// Whether the row contributes to the scores.
+    scored: bool,
 }
 
 /// Per-item scratch.
@@ -45,6 +51,8 @@ struct Scratch {
     acc: Vec<f32>,
     w: Vec<f32>,
     tmp: Vec<f32>,
+    /// Logits of the tile's score rows over its key range.
+    kept: Vec<f32>,
     sc: Vec<f32>,
     zp: Vec<f32>,
 }
@@ -60,6 +68,7 @@ impl Scratch {
             acc: vec![0.0; ROWS * d],
             w: vec![0.0; ROWS],
             tmp: vec![0.0; ROWS],
+            kept: Vec::new(),
             sc: vec![0.0; d],
             zp: vec![0.0; d],
         }
@@ -74,6 +83,7 @@ fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<R
                 token: sp.begin + i,
                 pos: sp.past + i,
                 head: kvh * plan.g + g,
+                scored: i >= sp.n - sp.score_tokens,
             })
         })
         .collect()
@@ -158,6 +168,9 @@ fn block_logits<M: U8Micro>(
         }
     }
     for (r, row) in rows.iter().enumerate() {
+        if plan.alibi.is_none() && visible(plan, row.pos, j0) && visible(plan, row.pos, j1 - 1) {
+            continue; // the visible keys of a row are one range
+        }
         let s = &mut sc.s[r * bs..][..n];
         for (t, x) in s.iter_mut().enumerate() {
             let j = j0 + t;
@@ -194,7 +207,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     rows: &[RowRef],
     sc: &mut Scratch,
     out: &SharedMut<'_, Q>,
-    stats: &SharedMut<'_, OnlineSoftmax>,
+    part: &mut [f32],
 ) {
     let (d, bs, nr) = (plan.d, plan.bs, rows.len());
     load_queries(plan, b.query, rows, sc);
@@ -203,12 +216,20 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let vrow = l.value_row();
     let vg = if l.value_group == 0 { d } else { l.value_group };
     let (lo, hi) = key_range(plan, rows);
+    let keep = rows.iter().any(|r| r.scored);
+    if keep {
+        sc.kept.clear();
+        sc.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
+    }
     for (j0, j1) in tiles(lo, hi, bs) {
         let block = block_of(b.block_indices, sp.block_begin, bs, j0);
         block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), rows, sc);
         let n = j1 - j0;
         for (r, st) in st.iter_mut().enumerate().take(nr) {
             let s = &mut sc.s[r * bs..][..n];
+            if rows[r].scored {
+                sc.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(s);
+            }
             let step = st.update(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
             if step.rescale != 1.0 {
                 m.scale(&mut sc.acc[r * d..][..d], step.rescale);
@@ -238,12 +259,19 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         let at = row.token * plan.h + row.head;
         // SAFETY: (token, head) pairs are distinct across rows of all items (an item owns its
         // sequence's tokens and its KV head's query heads), so these parts never overlap.
-        let (o, s) = unsafe { (out.part(at * d, d), stats.part(at, 1)) };
+        let o = unsafe { out.part(at * d, d) };
         let norm = st[r].norm();
         for (o, &a) in o.iter_mut().zip(&sc.acc[r * d..][..d]) {
             *o = Q::from_f32(a * norm);
         }
-        s[0] = st[r];
+        if row.scored {
+            let kept = &sc.kept[r * (hi - lo)..][..hi - lo];
+            for (p, &x) in part[lo..hi].iter_mut().zip(kept) {
+                if x != f32::NEG_INFINITY {
+                    *p += st[r].weight(x);
+                }
+            }
+        }
     }
 }
 
@@ -262,7 +290,17 @@ pub(crate) fn run<M: U8Micro + Micro, Q: Float>(
     plan: &Plan,
     l: &U8Layout,
     b: Bound<'_, Q, u8>,
-) {
+) -> Result<()> {
+    let hkv = plan.hkv;
+    // One partial score vector per (sequence, KV head), laid out like the scores times Hkv.
+    let parts_len = plan
+        .scores_len
+        .checked_mul(hkv)
+        .ok_or_else(|| PaError::OutOfMemory {
+            what: "u8 partial scores".into(),
+            bytes: usize::MAX,
+        })?;
+    let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
     quant::insert_u8(
         l,
         &plan.seqs,
@@ -278,52 +316,31 @@ pub(crate) fn run<M: U8Micro + Micro, Q: Float>(
         vc: b.value_cache,
         block_indices: b.block_indices,
     };
-    let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * plan.h];
     {
         let out = SharedMut::new(b.output);
-        let st = SharedMut::new(&mut stats);
-        let hkv = plan.hkv;
+        let parts = SharedMut::new(&mut parts);
         runner.for_each(plan.seqs.len() * hkv, &|item| {
             let (sp, kvh) = (&plan.seqs[item / hkv], item % hkv);
+            // SAFETY: item (s, kvh) owns `ctx` partials at `score_offset * hkv + kvh * ctx`;
+            // sequences' score ranges are disjoint, so these parts are too.
+            let part = unsafe { parts.part(sp.score_offset * hkv + kvh * sp.ctx(), sp.ctx()) };
             let mut sc = Scratch::new(plan);
             let tokens_per_tile = (ROWS / plan.g).max(1);
             for i0 in (0..sp.n).step_by(tokens_per_tile) {
                 let rows = rows_of(plan, sp, kvh, i0, (i0 + tokens_per_tile).min(sp.n));
                 for tile in rows.chunks(ROWS) {
-                    attend_tile(m, plan, l, &inputs, sp, kvh, tile, &mut sc, &out, &st);
+                    attend_tile(m, plan, l, &inputs, sp, kvh, tile, &mut sc, &out, part);
                 }
             }
         });
     }
-    let scores = SharedMut::new(b.scores);
-    runner.for_each(plan.seqs.len(), &|s| {
-        let sp = &plan.seqs[s];
-        // SAFETY: each sequence owns its `ctx()` scores from `score_offset`, disjoint by
-        // construction of the plan.
-        let dst = unsafe { scores.part(sp.score_offset, sp.ctx()) };
-        let mut total = vec![0f32; sp.ctx()];
-        let mut sc = Scratch::new(plan);
-        for kvh in 0..plan.hkv {
-            let rows = rows_of(plan, sp, kvh, sp.n - sp.score_tokens, sp.n);
-            for tile in rows.chunks(ROWS) {
-                load_queries(plan, inputs.query, tile, &mut sc);
-                let (lo, hi) = key_range(plan, tile);
-                for (j0, j1) in tiles(lo, hi, plan.bs) {
-                    let block = block_of(inputs.block_indices, sp.block_begin, plan.bs, j0);
-                    block_logits(m, plan, l, inputs.kc, block, kvh, (j0, j1), tile, &mut sc);
-                    for (r, row) in tile.iter().enumerate() {
-                        let st = stats[row.token * plan.h + row.head];
-                        for (t, &x) in sc.s[r * plan.bs..][..j1 - j0].iter().enumerate() {
-                            if x != f32::NEG_INFINITY {
-                                total[j0 + t] += st.weight(x);
-                            }
-                        }
-                    }
-                }
-            }
+    for sp in &plan.seqs {
+        let (ctx, at) = (sp.ctx(), sp.score_offset);
+        let dst = &mut b.scores[at..at + ctx];
+        let mine = &parts[at * hkv..(at + ctx) * hkv];
+        for (j, o) in dst.iter_mut().enumerate() {
+            *o = Q::from_f32((0..hkv).map(|h| mine[h * ctx + j]).sum());
         }
-        for (o, &x) in dst.iter_mut().zip(&total) {
-            *o = Q::from_f32(x);
-        }
-    });
+    }
+    Ok(())
 }
