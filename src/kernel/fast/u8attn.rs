@@ -9,7 +9,8 @@
 //!   scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
 //!   scales once and the second sum is one constant per row and block;
 //! - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
-//! - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group.
+//! - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group, the accumulators held in
+//!   registers across a block's keys.
 //!
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
 //! reference's (`kernel::layout`). Scores: a tile keeps the logits of its score rows (the last
@@ -49,7 +50,10 @@ struct Scratch {
     cst: Vec<f32>,
     s: Vec<f32>,
     acc: Vec<f32>,
+    /// Value weights `[rows, keys]` of a block, times the group's scale.
     w: Vec<f32>,
+    /// Value zero points of a block's keys.
+    vzp: Vec<f32>,
     tmp: Vec<f32>,
     /// Logits of the tile's score rows over its key range.
     kept: Vec<f32>,
@@ -66,7 +70,8 @@ impl Scratch {
             cst: vec![0.0; ROWS],
             s: vec![0.0; ROWS * plan.bs],
             acc: vec![0.0; ROWS * d],
-            w: vec![0.0; ROWS],
+            w: vec![0.0; ROWS * plan.bs],
+            vzp: vec![0.0; plan.bs],
             tmp: vec![0.0; ROWS],
             kept: Vec::new(),
             sc: vec![0.0; d],
@@ -237,22 +242,20 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             st.add(m.exp_sum(s, step.sub));
         }
         let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
-        for t in 0..n {
-            let row = &b.vc[vbase + t * vrow..][..vrow];
-            for (gi, grp) in row.chunks(vg + PARAM_BYTES).enumerate() {
-                let (scale, zp) = (read_f32(grp, 0), read_f32(grp, 1));
+        let vrows = &b.vc[vbase..vbase + n * vrow];
+        for gi in 0..d / vg {
+            let g0 = gi * (vg + PARAM_BYTES);
+            for t in 0..n {
+                let params = &vrows[t * vrow + g0..];
+                let scale = read_f32(params, 0);
+                sc.vzp[t] = read_f32(params, 1);
                 for r in 0..nr {
-                    sc.w[r] = sc.s[r * bs + t] * scale;
+                    sc.w[r * n + t] = sc.s[r * bs + t] * scale;
                 }
-                m.axpys(
-                    &mut sc.acc[gi * vg..],
-                    d,
-                    nr,
-                    &sc.w,
-                    &grp[PARAM_BYTES..],
-                    zp,
-                );
             }
+            let v = &vrows[g0 + PARAM_BYTES..];
+            let acc = &mut sc.acc[gi * vg..];
+            m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.vzp[..n], vg);
         }
     }
     for (r, row) in rows.iter().enumerate() {

@@ -70,14 +70,26 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
 pub(crate) trait U8Micro: Copy + Send + Sync {
     /// `out[r] = sum_c q[r*ldq + c] * (k[c] - zp)` for `r < rows`, `c < k.len()`.
     fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]);
-    /// `acc[r*lda + c] += w[r] * (v[c] - zp)` for `r < rows`, `c < v.len()`.
+    /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t*ldv + c] - zp[t])` for `r < rows`, `c < len`,
+    /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each) weighted
+    /// into the rows' accumulators, which stay in registers across the keys.
     #[allow(clippy::too_many_arguments)]
-    fn axpys(self, acc: &mut [f32], lda: usize, rows: usize, w: &[f32], v: &[u8], zp: f32);
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    );
     /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
 }
 
-/// Panics unless `dots`/`axpys` with these arguments stay inside their slices.
+/// Panics unless `dots` with these arguments stays inside its slices.
 #[inline(always)]
 pub(crate) fn u8_bounds(a_len: usize, lda: usize, rows: usize, n: usize, out_len: usize) {
     assert!(
@@ -89,6 +101,34 @@ pub(crate) fn u8_bounds(a_len: usize, lda: usize, rows: usize, n: usize, out_len
         "u8 micro-kernel rows out of range"
     );
     assert!(out_len >= rows, "u8 micro-kernel row buffer too short");
+}
+
+/// Panics unless `pv` with these arguments stays inside its slices.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn pv_bounds(
+    acc_len: usize,
+    lda: usize,
+    rows: usize,
+    w_len: usize,
+    v_len: usize,
+    ldv: usize,
+    n: usize,
+    len: usize,
+) {
+    u8_bounds(acc_len, lda, rows, len, rows);
+    assert!(
+        rows.checked_mul(n).is_some_and(|x| x <= w_len),
+        "u8 pv weights too short"
+    );
+    assert!(
+        n == 0
+            || (n - 1)
+                .checked_mul(ldv)
+                .and_then(|o| o.checked_add(len))
+                .is_some_and(|e| e <= v_len),
+        "u8 pv value rows out of range"
+    );
 }
 
 /// The loops of a decode tile: the few rows of one KV head (tokens x G query heads) against the

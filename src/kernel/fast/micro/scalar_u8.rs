@@ -2,7 +2,7 @@
 //! against; the AVX2 tier runs these loops too (not vectorised yet).
 
 use super::scalar::Scalar;
-use super::{u8_bounds, U8Micro};
+use super::{pv_bounds, u8_bounds, U8Micro};
 
 impl U8Micro for Scalar {
     fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]) {
@@ -16,11 +16,25 @@ impl U8Micro for Scalar {
         }
     }
 
-    fn axpys(self, acc: &mut [f32], lda: usize, rows: usize, w: &[f32], v: &[u8], zp: f32) {
-        u8_bounds(acc.len(), lda, rows, v.len(), w.len());
-        for (r, &wr) in w.iter().enumerate().take(rows) {
-            for (a, &b) in acc[r * lda..][..v.len()].iter_mut().zip(v) {
-                *a += wr * (b as f32 - zp);
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    ) {
+        let n = zp.len();
+        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        for r in 0..rows {
+            for (t, &z) in zp.iter().enumerate() {
+                let wr = w[r * n + t];
+                for (a, &b) in acc[r * lda..][..len].iter_mut().zip(&v[t * ldv..][..len]) {
+                    *a += wr * (b as f32 - z);
+                }
             }
         }
     }
@@ -40,8 +54,18 @@ impl U8Micro for super::x86::avx2::Avx2 {
     fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]) {
         Scalar.dots(q, ldq, rows, k, zp, out)
     }
-    fn axpys(self, acc: &mut [f32], lda: usize, rows: usize, w: &[f32], v: &[u8], zp: f32) {
-        Scalar.axpys(acc, lda, rows, w, v, zp)
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    ) {
+        Scalar.pv(acc, lda, rows, w, v, ldv, zp, len)
     }
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
         Scalar.exp_sum(s, sub)

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{u8_bounds, U8Micro};
+use super::super::{pv_bounds, u8_bounds, U8Micro};
 use super::avx512::{exp16, tail, Avx512};
 
 impl U8Micro for Avx512 {
@@ -28,11 +28,36 @@ impl U8Micro for Avx512 {
         }
     }
 
-    fn axpys(self, acc: &mut [f32], lda: usize, rows: usize, w: &[f32], v: &[u8], zp: f32) {
-        u8_bounds(acc.len(), lda, rows, v.len(), w.len());
-        // SAFETY: `self` proves the features; `u8_bounds` checked rows `< rows` of `acc`
-        // (stride `lda`) hold `v.len()` elements and `w` has `rows` entries.
-        unsafe { axpys(acc.as_mut_ptr(), lda, rows, w.as_ptr(), v, zp) }
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    ) {
+        let n = zp.len();
+        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        let mut r = 0;
+        while r < rows {
+            let take = (rows - r).min(4);
+            // SAFETY: `self` proves the features; `pv_bounds` checked that rows `r..r + take` of
+            // `acc` (stride `lda`) hold `len` elements, `w` holds `rows * n` weights and the `n`
+            // value rows (stride `ldv`) hold `len` bytes each.
+            unsafe {
+                let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
+                match take {
+                    4 => pv_r::<4>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                    3 => pv_r::<3>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                    2 => pv_r::<2>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                    _ => pv_r::<1>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                }
+            }
+            r += take;
+        }
     }
 
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
@@ -76,21 +101,39 @@ unsafe fn dots_r<const R: usize>(q: *const f32, ldq: usize, k: &[u8], zp: f32, o
     }
 }
 
+/// R accumulator rows x 16 columns held in registers over all `n` keys, column chunk by chunk.
+#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn axpys(acc: *mut f32, lda: usize, rows: usize, w: *const f32, v: &[u8], zp: f32) {
-    let zpv = _mm512_set1_ps(zp);
+unsafe fn pv_r<const R: usize>(
+    acc: *mut f32,
+    lda: usize,
+    w: *const f32,
+    n: usize,
+    v: *const u8,
+    ldv: usize,
+    zp: &[f32],
+    len: usize,
+) {
     let mut c = 0;
-    while c < v.len() {
-        let m = tail((v.len() - c).min(16));
-        // SAFETY: lanes of `m` are inside `v` and inside each accumulator row (the caller's
-        // bounds); `w` has `rows` entries.
+    while c < len {
+        let m = tail((len - c).min(16));
+        // SAFETY: lanes of `m` are columns `c..c + 16` clipped to `len`: inside every
+        // accumulator row and every value row; `w` holds R rows of `n` weights (the caller's
+        // bounds). Loads and stores of the accumulators are one per chunk, not per key.
         unsafe {
-            let vv = load_u8(v.as_ptr().add(c), m, zpv);
-            for r in 0..rows {
-                let p = acc.add(r * lda + c);
-                let a = _mm512_maskz_loadu_ps(m, p);
-                _mm512_mask_storeu_ps(p, m, _mm512_fmadd_ps(_mm512_set1_ps(*w.add(r)), vv, a));
+            let mut a = [_mm512_setzero_ps(); R];
+            for (r, a) in a.iter_mut().enumerate() {
+                *a = _mm512_maskz_loadu_ps(m, acc.add(r * lda + c));
+            }
+            for (t, &z) in zp.iter().enumerate() {
+                let vv = load_u8(v.add(t * ldv + c), m, _mm512_set1_ps(z));
+                for (r, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*w.add(r * n + t)), vv, *a);
+                }
+            }
+            for (r, a) in a.iter().enumerate() {
+                _mm512_mask_storeu_ps(acc.add(r * lda + c), m, *a);
             }
         }
         c += 16;
