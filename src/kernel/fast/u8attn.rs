@@ -54,7 +54,11 @@ struct Scratch {
     w: Vec<f32>,
     /// Value zero points of a block's keys.
     vzp: Vec<f32>,
-    tmp: Vec<f32>,
+    /// Per-group logits `[rows, keys]` of by-token keys.
+    t2: Vec<f32>,
+    /// Zero points and scales of a block's keys (by token; zero points 0 by channel).
+    kzp: Vec<f32>,
+    kscale: Vec<f32>,
     /// Logits of the tile's score rows over its key range.
     kept: Vec<f32>,
     sc: Vec<f32>,
@@ -72,7 +76,9 @@ impl Scratch {
             acc: vec![0.0; ROWS * d],
             w: vec![0.0; ROWS * plan.bs],
             vzp: vec![0.0; plan.bs],
-            tmp: vec![0.0; ROWS],
+            t2: vec![0.0; ROWS * plan.bs],
+            kzp: vec![0.0; plan.bs],
+            kscale: vec![0.0; plan.bs],
             kept: Vec::new(),
             sc: vec![0.0; d],
             zp: vec![0.0; d],
@@ -139,34 +145,43 @@ fn block_logits<M: U8Micro>(
                 }
                 sc.cst[r] = cst;
             }
-            let data = &slab[PARAM_BYTES * d..];
-            for t in 0..n {
-                m.dots(
-                    &sc.qs,
-                    d,
-                    nr,
-                    &data[(slot0 + t) * d..][..d],
-                    0.0,
-                    &mut sc.tmp,
-                );
-                for r in 0..nr {
-                    sc.s[r * bs + t] = sc.tmp[r] - sc.cst[r];
+            let data = &slab[PARAM_BYTES * d + slot0 * d..];
+            sc.kzp[..n].fill(0.0);
+            m.qk(&sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
+            for r in 0..nr {
+                for x in &mut sc.s[r * bs..][..n] {
+                    *x -= sc.cst[r];
                 }
             }
         }
         KeyQuant::ByToken { group } => {
             let g = if group == 0 { d } else { group };
             let kr = slab_len / bs;
-            for t in 0..n {
-                let row = &slab[(slot0 + t) * kr..][..kr];
-                for r in 0..nr {
-                    sc.s[r * bs + t] = 0.0;
+            let rows_bytes = &slab[slot0 * kr..];
+            for r in 0..nr {
+                sc.s[r * bs..][..n].fill(0.0);
+            }
+            for gi in 0..d / g {
+                let g0 = gi * (g + PARAM_BYTES);
+                for t in 0..n {
+                    sc.kscale[t] = read_f32(&rows_bytes[t * kr + g0..], 0);
+                    sc.kzp[t] = read_f32(&rows_bytes[t * kr + g0..], 1);
                 }
-                for (gi, grp) in row.chunks(g + PARAM_BYTES).enumerate() {
-                    let (scale, zp) = (read_f32(grp, 0), read_f32(grp, 1));
-                    m.dots(&sc.q[gi * g..], d, nr, &grp[PARAM_BYTES..], zp, &mut sc.tmp);
-                    for r in 0..nr {
-                        sc.s[r * bs + t] += scale * sc.tmp[r];
+                let k = &rows_bytes[g0 + PARAM_BYTES..];
+                m.qk(
+                    &sc.q[gi * g..],
+                    d,
+                    nr,
+                    k,
+                    kr,
+                    &sc.kzp[..n],
+                    g,
+                    &mut sc.t2,
+                    bs,
+                );
+                for r in 0..nr {
+                    for t in 0..n {
+                        sc.s[r * bs + t] += sc.kscale[t] * sc.t2[r * bs + t];
                     }
                 }
             }

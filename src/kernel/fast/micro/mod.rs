@@ -68,8 +68,21 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
 /// row or cache ahead of use); the zero point here is one per call (a by-token group's), the
 /// driver folds per-channel parameters into the query rows.
 pub(crate) trait U8Micro: Copy + Send + Sync {
-    /// `out[r] = sum_c q[r*ldq + c] * (k[c] - zp)` for `r < rows`, `c < k.len()`.
-    fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]);
+    /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t*ldk + c] - zp[t])` for `r < rows`,
+    /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each).
+    #[allow(clippy::too_many_arguments)]
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    );
     /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t*ldv + c] - zp[t])` for `r < rows`, `c < len`,
     /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each) weighted
     /// into the rows' accumulators, which stay in registers across the keys.
@@ -89,9 +102,9 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
 }
 
-/// Panics unless `dots` with these arguments stays inside its slices.
+/// Panics unless `rows` rows of `n` elements at stride `lda` fit in `a_len` elements.
 #[inline(always)]
-pub(crate) fn u8_bounds(a_len: usize, lda: usize, rows: usize, n: usize, out_len: usize) {
+pub(crate) fn rows_fit(a_len: usize, lda: usize, rows: usize, n: usize) {
     assert!(
         rows == 0
             || (rows - 1)
@@ -100,7 +113,25 @@ pub(crate) fn u8_bounds(a_len: usize, lda: usize, rows: usize, n: usize, out_len
                 .is_some_and(|e| e <= a_len),
         "u8 micro-kernel rows out of range"
     );
-    assert!(out_len >= rows, "u8 micro-kernel row buffer too short");
+}
+
+/// Panics unless `qk` with these arguments stays inside its slices.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn qk_bounds(
+    q_len: usize,
+    ldq: usize,
+    rows: usize,
+    k_len: usize,
+    ldk: usize,
+    n: usize,
+    len: usize,
+    s_len: usize,
+    lds: usize,
+) {
+    rows_fit(q_len, ldq, rows, len);
+    rows_fit(k_len, ldk, n, len);
+    rows_fit(s_len, lds, rows, n);
 }
 
 /// Panics unless `pv` with these arguments stays inside its slices.
@@ -116,19 +147,12 @@ pub(crate) fn pv_bounds(
     n: usize,
     len: usize,
 ) {
-    u8_bounds(acc_len, lda, rows, len, rows);
+    rows_fit(acc_len, lda, rows, len);
     assert!(
         rows.checked_mul(n).is_some_and(|x| x <= w_len),
         "u8 pv weights too short"
     );
-    assert!(
-        n == 0
-            || (n - 1)
-                .checked_mul(ldv)
-                .and_then(|o| o.checked_add(len))
-                .is_some_and(|e| e <= v_len),
-        "u8 pv value rows out of range"
-    );
+    rows_fit(v_len, ldv, n, len);
 }
 
 /// The loops of a decode tile: the few rows of one KV head (tokens x G query heads) against the

@@ -2,17 +2,40 @@
 //! against; the AVX2 tier runs these loops too (not vectorised yet).
 
 use super::scalar::Scalar;
-use super::{pv_bounds, u8_bounds, U8Micro};
+use super::{pv_bounds, qk_bounds, U8Micro};
 
 impl U8Micro for Scalar {
-    fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]) {
-        u8_bounds(q.len(), ldq, rows, k.len(), out.len());
-        for (r, o) in out.iter_mut().enumerate().take(rows) {
-            *o = q[r * ldq..][..k.len()]
-                .iter()
-                .zip(k)
-                .map(|(&x, &b)| x * (b as f32 - zp))
-                .sum();
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        qk_bounds(
+            q.len(),
+            ldq,
+            rows,
+            k.len(),
+            ldk,
+            zp.len(),
+            len,
+            s.len(),
+            lds,
+        );
+        for r in 0..rows {
+            for (t, &z) in zp.iter().enumerate() {
+                s[r * lds + t] = q[r * ldq..][..len]
+                    .iter()
+                    .zip(&k[t * ldk..][..len])
+                    .map(|(&x, &b)| x * (b as f32 - z))
+                    .sum();
+            }
         }
     }
 
@@ -51,8 +74,19 @@ impl U8Micro for Scalar {
 
 #[cfg(target_arch = "x86_64")]
 impl U8Micro for super::x86::avx2::Avx2 {
-    fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]) {
-        Scalar.dots(q, ldq, rows, k, zp, out)
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        Scalar.qk(q, ldq, rows, k, ldk, zp, len, s, lds)
     }
     fn pv(
         self,

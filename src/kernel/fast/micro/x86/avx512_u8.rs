@@ -4,27 +4,49 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{pv_bounds, u8_bounds, U8Micro};
+use super::super::{pv_bounds, qk_bounds, U8Micro};
 use super::avx512::{exp16, tail, Avx512};
 
 impl U8Micro for Avx512 {
-    fn dots(self, q: &[f32], ldq: usize, rows: usize, k: &[u8], zp: f32, out: &mut [f32]) {
-        u8_bounds(q.len(), ldq, rows, k.len(), out.len());
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        let n = zp.len();
+        qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
         let mut r = 0;
         while r < rows {
-            let take = (rows - r).min(4);
-            // SAFETY: `self` proves the features; `u8_bounds` checked that rows `r..r + take`
-            // of `q` (stride `ldq`) hold `k.len()` elements and `out` has `rows` entries.
-            unsafe {
-                let (qp, op) = (q.as_ptr().add(r * ldq), out.as_mut_ptr().add(r));
-                match take {
-                    4 => dots_r::<4>(qp, ldq, k, zp, op),
-                    3 => dots_r::<3>(qp, ldq, k, zp, op),
-                    2 => dots_r::<2>(qp, ldq, k, zp, op),
-                    _ => dots_r::<1>(qp, ldq, k, zp, op),
+            let tr = (rows - r).min(4);
+            let mut t = 0;
+            while t < n {
+                let tk = if n - t >= 4 { 4 } else { 1 };
+                // SAFETY: `self` proves the features; `qk_bounds` checked rows `r..r + tr` of
+                // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
+                unsafe {
+                    let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
+                    let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
+                    match (tr, tk) {
+                        (4, 4) => qk_rk::<4, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (3, 4) => qk_rk::<3, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (2, 4) => qk_rk::<2, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (1, 4) => qk_rk::<1, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (4, _) => qk_rk::<4, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (3, _) => qk_rk::<3, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (2, _) => qk_rk::<2, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        _ => qk_rk::<1, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    }
                 }
+                t += tk;
             }
-            r += take;
+            r += tr;
         }
     }
 
@@ -76,28 +98,46 @@ unsafe fn load_u8(p: *const u8, m: __mmask16, zp: __m512) -> __m512 {
     _mm512_maskz_sub_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), zp)
 }
 
+/// R query rows x K keys in R*K accumulators: each query chunk loaded once for K keys, each key
+/// chunk converted once for R rows.
+#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn dots_r<const R: usize>(q: *const f32, ldq: usize, k: &[u8], zp: f32, out: *mut f32) {
-    let zpv = _mm512_set1_ps(zp);
-    let mut acc = [_mm512_setzero_ps(); R];
+unsafe fn qk_rk<const R: usize, const K: usize>(
+    q: *const f32,
+    ldq: usize,
+    k: *const u8,
+    ldk: usize,
+    zp: *const f32,
+    len: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); K]; R];
     let mut c = 0;
-    while c < k.len() {
-        let m = tail((k.len() - c).min(16));
-        // SAFETY: lanes of `m` are `c..c + 16` clipped to `k.len()`: inside `k`, and inside
-        // each of the R query rows (the caller's bounds).
+    while c < len {
+        let m = tail((len - c).min(16));
+        // SAFETY: lanes of `m` are columns `c..c + 16` clipped to `len`, inside the R query rows
+        // and the K key rows; `zp` holds K entries (the caller's bounds).
         unsafe {
-            let kv = load_u8(k.as_ptr().add(c), m, zpv);
-            for (r, a) in acc.iter_mut().enumerate() {
+            let mut kv = [_mm512_setzero_ps(); K];
+            for (j, kv) in kv.iter_mut().enumerate() {
+                *kv = load_u8(k.add(j * ldk + c), m, _mm512_set1_ps(*zp.add(j)));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
                 let qv = _mm512_maskz_loadu_ps(m, q.add(r * ldq + c));
-                *a = _mm512_fmadd_ps(qv, kv, *a);
+                for (a, &kv) in acc.iter_mut().zip(&kv) {
+                    *a = _mm512_fmadd_ps(qv, kv, *a);
+                }
             }
         }
         c += 16;
     }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: the caller gives R writable entries at `out`.
-        unsafe { *out.add(r) = _mm512_reduce_add_ps(*a) };
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, a) in acc.iter().enumerate() {
+            // SAFETY: the caller gives R rows of K writable logits at stride `lds`.
+            unsafe { *s.add(r * lds + j) = _mm512_reduce_add_ps(*a) };
+        }
     }
 }
 
