@@ -32,6 +32,8 @@ int32_t elem_code(const ov::element::Type& t) {
         return PA_ELEM_BF16;
     case ov::element::i32:
         return PA_ELEM_I32;
+    case ov::element::u8:
+        return PA_ELEM_U8;
     default:
         return kUnsupportedElem;
     }
@@ -47,6 +49,8 @@ ov::element::Type elem_type(int32_t code) {
         return ov::element::bf16;
     case PA_ELEM_I32:
         return ov::element::i32;
+    case PA_ELEM_U8:
+        return ov::element::u8;
     default:
         return ov::element::dynamic;
     }

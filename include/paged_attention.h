@@ -71,12 +71,22 @@ typedef int32_t pa_status;
 #define PA_ELEM_F16 1  /* IEEE 754 binary16 */
 #define PA_ELEM_BF16 2 /* bfloat16 (upper half of an f32) */
 #define PA_ELEM_I32 3
+/* Quantized cache bytes: key_cache / value_cache only (both u8), in OpenVINO's CPU-plugin layout
+ * (docs/contract.md, "u8 caches"). value_cache is [NB, Hkv, BS, D + 8*D/G] (per token and group
+ * of G channels: f32 scale, f32 zero point, G bytes); key_cache is [NB, Hkv, BS + 8, D] (keys by
+ * channel: per block and head, D f32 scales, D f32 zero points, then BS rows of D bytes) or, with
+ * BS rows, [NB, Hkv, BS, D + 8*D/Gk] (keys by token, like values). D is key.dims[1] / Hkv; the
+ * key cache's row count says the key mode; each cache's last dim says its group size. New tokens
+ * are quantized on insertion (a by-channel block that grows is re-quantized as a whole, as
+ * OpenVINO does); attention reads the caches dequantized ((q - zp) * scale). Rotation of a u8
+ * key cache is refused (PA_STATUS_VALUE). */
+#define PA_ELEM_U8 4
 
 /* A concrete tensor: dense, row-major, `dims[0..rank]` in memory order.
- * `data` must be aligned to the element size. It may be NULL only when the tensor has no
+ * `data` must be aligned to the element size (u8 caches: any address). It may be NULL only when the tensor has no
  * elements. An optional input given with zero elements means "not provided". */
 typedef struct pa_tensor {
-    int32_t elem_type;          /* PA_ELEM_F32, PA_ELEM_F16, PA_ELEM_BF16 or PA_ELEM_I32 */
+    int32_t elem_type;          /* PA_ELEM_F32, PA_ELEM_F16, PA_ELEM_BF16, PA_ELEM_I32 or PA_ELEM_U8 */
     int32_t rank;               /* 0 (scalar) .. PA_MAX_RANK */
     int64_t dims[PA_MAX_RANK];  /* dims[0..rank], each >= 0; the rest is ignored */
     void *data;                 /* read for inputs; written for caches (inputs 3, 4) and outputs */

@@ -149,6 +149,14 @@ pa_status pa_cache_rotation_lut(size_t rows, size_t head_size, double base, int3
 pa_status pa_cache_copy_blocks(void *key_cache, void *value_cache, size_t num_blocks,
                                size_t block_bytes, const pa_block_copy *copies, size_t n);
 
+/* As pa_cache_copy_blocks, for caches whose blocks differ in size: u8 caches (PA_ELEM_U8, see
+ * paged_attention.h), e.g. key blocks of num_kv_heads * (block_size + 8) * head_size bytes (by
+ * channel) and value blocks of num_kv_heads * block_size * (head_size + 8 * head_size / G) bytes.
+ * A block's quantization parameters are inside it and are copied along. */
+pa_status pa_cache_copy_blocks_kv(void *key_cache, void *value_cache, size_t num_blocks,
+                                  size_t key_block_bytes, size_t value_block_bytes,
+                                  const pa_block_copy *copies, size_t n);
+
 /* ---------------------------------------------------------------- scheduler */
 
 /* Opaque continuous-batching scheduler owning its own block manager. */

@@ -16,6 +16,8 @@ pub enum ElemType {
     F16 = 1,
     BF16 = 2,
     I32 = 3,
+    /// Quantized cache bytes (u8 caches in OpenVINO's layout, see `op::quant`).
+    U8 = 4,
 }
 
 impl ElemType {
@@ -26,6 +28,7 @@ impl ElemType {
             1 => ElemType::F16,
             2 => ElemType::BF16,
             3 => ElemType::I32,
+            4 => ElemType::U8,
             _ => return None,
         })
     }
@@ -34,11 +37,12 @@ impl ElemType {
         match self {
             ElemType::F32 | ElemType::I32 => 4,
             ElemType::F16 | ElemType::BF16 => 2,
+            ElemType::U8 => 1,
         }
     }
 
     pub fn is_float(self) -> bool {
-        !matches!(self, ElemType::I32)
+        !matches!(self, ElemType::I32 | ElemType::U8)
     }
 
     /// The lower-case name used in messages and in OpenVINO's element types (`f32`, `bf16`...).
@@ -48,6 +52,7 @@ impl ElemType {
             ElemType::F16 => "f16",
             ElemType::BF16 => "bf16",
             ElemType::I32 => "i32",
+            ElemType::U8 => "u8",
         }
     }
 }

@@ -13,6 +13,7 @@ pub enum Elems<'a> {
     F16(&'a [f16]),
     BF16(&'a [bf16]),
     I32(&'a [i32]),
+    U8(&'a [u8]),
 }
 
 /// Writable typed elements.
@@ -22,6 +23,7 @@ pub enum ElemsMut<'a> {
     F16(&'a mut [f16]),
     BF16(&'a mut [bf16]),
     I32(&'a mut [i32]),
+    U8(&'a mut [u8]),
 }
 
 macro_rules! elems_common {
@@ -33,6 +35,7 @@ macro_rules! elems_common {
                     $t::F16(_) => ElemType::F16,
                     $t::BF16(_) => ElemType::BF16,
                     $t::I32(_) => ElemType::I32,
+                    $t::U8(_) => ElemType::U8,
                 }
             }
             pub fn len(&self) -> usize {
@@ -41,6 +44,7 @@ macro_rules! elems_common {
                     $t::F16(s) => s.len(),
                     $t::BF16(s) => s.len(),
                     $t::I32(s) => s.len(),
+                    $t::U8(s) => s.len(),
                 }
             }
             pub fn is_empty(&self) -> bool {
@@ -53,6 +57,7 @@ macro_rules! elems_common {
                     $t::F16(s) => s.get(i)?.to_f64(),
                     $t::BF16(s) => s.get(i)?.to_f64(),
                     $t::I32(s) => *s.get(i)? as f64,
+                    $t::U8(s) => *s.get(i)? as f64,
                 })
             }
         }
@@ -110,6 +115,12 @@ impl<'a> Tensor<'a> {
             _ => None,
         }
     }
+    pub fn as_u8(&self) -> Option<&'a [u8]> {
+        match self.data {
+            Elems::U8(s) => Some(s),
+            _ => None,
+        }
+    }
     /// The elements as `F` if that is their type.
     pub fn as_float<F: Float>(&self) -> Option<&'a [F]> {
         typed_ref::<F>(self.data)
@@ -139,6 +150,7 @@ impl<'a> TensorMut<'a> {
             ElemsMut::F16(s) => Elems::F16(s),
             ElemsMut::BF16(s) => Elems::BF16(s),
             ElemsMut::I32(s) => Elems::I32(s),
+            ElemsMut::U8(s) => Elems::U8(s),
         };
         Tensor {
             shape: self.shape.clone(),
@@ -187,3 +199,4 @@ from_slices!(f32, F32);
 from_slices!(f16, F16);
 from_slices!(bf16, BF16);
 from_slices!(i32, I32);
+from_slices!(u8, U8);

@@ -372,8 +372,8 @@ fn null_pointers_are_reported() {
 fn bad_enums_and_ranks_are_reported() {
     for (f, needle) in [
         (
-            (|t: &mut CTensor| t.elem_type = 4) as fn(&mut CTensor),
-            "elem_type 4",
+            (|t: &mut CTensor| t.elem_type = 5) as fn(&mut CTensor),
+            "elem_type 5",
         ),
         (|t| t.elem_type = -1, "elem_type -1"),
         (|t| t.rank = 9, "rank 9"),
@@ -384,6 +384,48 @@ fn bad_enums_and_ranks_are_reported() {
         f(&mut ins[5]);
         assert_c_rejects(&mut call, &ins, &outs, INVALID_ARGUMENT, needle);
     }
+}
+
+/// u8 caches (PA_ELEM_U8) through pa_execute: the same bytes and outputs as the Rust API, outputs
+/// within 2e-5 of float64 attention over the dequantized caches, and a key cache with a wrong
+/// extra-row count refused with PA_STATUS_SHAPE.
+#[test]
+fn u8_caches_run_through_the_c_abi() {
+    use common::u8::{dequantized_case, layout_for, u8_call, LAYOUTS};
+    let geo = Geometry::new(F32, F32, 2, 2, 64, 32);
+    let f = Features {
+        rotation: Some(false),
+        ..Features::default()
+    };
+    for (seed, (key, value_group)) in LAYOUTS.into_iter().enumerate() {
+        let c = gen_case(seed as u64 + 30, &geo, &f);
+        let l = layout_for(&c, key, value_group);
+        let mut via_c = u8_call(&c, &l);
+        let mut via_rust = via_c.clone();
+        via_rust.run(Runner::Execute).expect("Rust API");
+        let (ins, outs) = describe(&mut via_c);
+        assert_eq!(ins[3].elem_type, 4, "PA_ELEM_U8");
+        assert_eq!(c_execute(&ins, &outs), OK, "{}", last_error());
+        assert_eq!(via_c.snapshot(), via_rust.snapshot(), "{l:?}");
+        let want = common::ref64::reference(&dequantized_case(
+            &c,
+            &l,
+            via_c.inputs[3].data.u8s(),
+            via_c.inputs[4].data.u8s(),
+        ));
+        for (got, want) in via_c.outputs.iter().zip([&want.output, &want.scores]) {
+            let got = got.data.to_f64();
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() <= 2e-5 * (1.0 + w.abs()), "{l:?}: {g} vs {w}");
+            }
+        }
+    }
+    let c = gen_case(3, &geo, &f);
+    let mut call = u8_call(&c, &layout_for(&c, common::u8::LAYOUTS[0].0, 0));
+    let (mut ins, outs) = describe(&mut call);
+    ins[3].dims[2] -= 1; // 39 rows of a bigger buffer: the shape, not the size, is wrong
+    assert_c_rejects(&mut call, &ins, &outs, SHAPE, "block_size + 8");
 }
 
 #[test]

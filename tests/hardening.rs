@@ -8,8 +8,9 @@
 
 use paged_attention::cache::{EvictionPolicy, Request, Scheduler, SchedulerConfig};
 use paged_attention::ffi::cache::{
-    pa_cache_copy_blocks, pa_cache_manager_create, pa_cache_manager_destroy, pa_cache_rotation_lut,
-    pa_scheduler_create, pa_scheduler_destroy, PaCacheManager, PaScheduler, PaSchedulerConfig,
+    pa_cache_copy_blocks, pa_cache_copy_blocks_kv, pa_cache_manager_create,
+    pa_cache_manager_destroy, pa_cache_rotation_lut, pa_scheduler_create, pa_scheduler_destroy,
+    PaCacheManager, PaScheduler, PaSchedulerConfig,
 };
 use paged_attention::ffi::op::{pa_execute, pa_infer_shapes, pa_last_error_message, pa_validate};
 use paged_attention::ffi::{PaPartialShape, PaTensor};
@@ -362,6 +363,41 @@ fn copy_blocks_with_null_caches_reports_null_pointers() {
     assert_eq!(st, NULL_POINTER, "{}", last_error());
     assert!(last_error().contains("key_cache"), "{}", last_error());
     assert!(!last_error().contains("same buffer"), "{}", last_error());
+}
+
+#[test]
+fn copy_blocks_kv_copies_u8_blocks_of_two_sizes_and_refuses_overlap() {
+    // u8 caches, Hkv 1, BS 4, D 8: by-channel key blocks (4 + 8) * 8 = 96 bytes, by-token value
+    // blocks 4 * (8 + 8) = 64 bytes
+    let (kb, vb) = (96usize, 64usize);
+    let mut kc: Vec<u8> = (0..3 * kb).map(|x| x as u8).collect();
+    let mut vc: Vec<u8> = (0..3 * vb).map(|x| (x * 3) as u8).collect();
+    let (k0, v0) = (kc.clone(), vc.clone());
+    let copies = [paged_attention::cache::BlockCopy { src: 1, dst: 2 }];
+    let kp = kc.as_mut_ptr().cast::<c_void>();
+    let vp = vc.as_mut_ptr().cast::<c_void>();
+    // SAFETY: both buffers hold 3 blocks of their size; one copy entry.
+    let st = unsafe { pa_cache_copy_blocks_kv(kp, vp, 3, kb, vb, copies.as_ptr(), 1) };
+    assert_eq!(st, OK, "{}", last_error());
+    assert_eq!(kc[2 * kb..], k0[kb..2 * kb]);
+    assert_eq!(vc[2 * vb..], v0[vb..2 * vb]);
+    assert_eq!(kc[..2 * kb], k0[..2 * kb]);
+    assert_eq!(vc[..2 * vb], v0[..2 * vb]);
+    // the value cache declared inside the key cache's bytes
+    // SAFETY: the declared ranges lie inside `kc`; the call must refuse them before writing.
+    let st = unsafe {
+        pa_cache_copy_blocks_kv(
+            kp,
+            kp.cast::<u8>().add(kb).cast(),
+            2,
+            kb,
+            vb,
+            copies.as_ptr(),
+            1,
+        )
+    };
+    assert_ne!(st, OK);
+    assert!(last_error().contains("overlap"), "{}", last_error());
 }
 
 // ------------------------------------------------------------------ aggregation window (item 11)

@@ -4,9 +4,10 @@ PagedAttentionExtension, and our bare C ABI (`pa_execute`, secondary), in one pr
 inputs (the same buffers), at each thread count asked for.
 
     .venv/bin/python tools/bench.py [--threads 2,all] [--hint f32] [--reps 15]
-                                    [--only decode16,prefill] [--types f32,f16,bf16] [--json out.json]
+                                    [--only decode16,prefill] [--types f32,f16,bf16,u8] [--json out.json]
 
-Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16. Both OpenVINO models are
+Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16/u8 (u8: OpenVINO's default layout,
+keys by channel, values by token, the same buffers for both ops; hint f32 unless --hint says). Both OpenVINO models are
 compiled with the same INFERENCE_PRECISION_HINT (--hint) and INFERENCE_NUM_THREADS = the thread
 count; every other property keeps OpenVINO's default (pinning included). The built-in op also gets
 KV_CACHE_PRECISION = cache type. The default hint is the cache's type: an f16 cache inside
@@ -46,7 +47,7 @@ WORKLOADS = {
     "prefill": ("prefill 1 x 1024", [(0, 1024)]),
     "mixed": ("mixed 256 on 768 + 15 x 1024 decode", [(768, 256)] + [(1024, 1)] * 15),
 }
-ELEM = {"f32": 0, "f16": 1, "bf16": 2, "i32": 3}
+ELEM = {"f32": 0, "f16": 1, "bf16": 2, "i32": 3, "u8": 4}
 
 
 class PaTensor(ct.Structure):
@@ -61,6 +62,21 @@ def pa_tensor(arr: np.ndarray, elem: str) -> PaTensor:
         t.dims[i] = d
     t.data = arr.ctypes.data
     return t
+
+
+def u8_caches(rng, NB):
+    """u8 caches in OpenVINO's default layout (docs/contract.md, "u8 caches"): keys by channel
+    [NB, Hkv, BS + 8, D] (per block and head D f32 scales, D f32 zero points, BS rows of bytes),
+    values by token [NB, Hkv, BS, D + 8] (f32 scale, f32 zero point, D bytes per row)."""
+    kc = rng.integers(0, 256, (NB, HKV, BS + 8, D), dtype=np.uint8)
+    params = np.concatenate([rng.uniform(0.004, 0.008, (NB, HKV, D)),
+                             rng.uniform(100, 150, (NB, HKV, D))], axis=-1).astype(np.float32)
+    kc[:, :, :8, :] = params.view(np.uint8).reshape(NB, HKV, 8, D)
+    vc = rng.integers(0, 256, (NB, HKV, BS, D + 8), dtype=np.uint8)
+    vparams = np.stack([rng.uniform(0.004, 0.008, (NB, HKV, BS)),
+                        rng.uniform(100, 150, (NB, HKV, BS))], axis=-1).astype(np.float32)
+    vc[..., :8] = vparams.view(np.uint8).reshape(NB, HKV, BS, 8)
+    return kc, vc
 
 
 def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -89,7 +105,9 @@ class Call:
             self.q, self.k, self.v = [(b.astype(np.uint32) << 16).view(np.float32) for b in self.qkv]
         kc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
         vc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
-        if cache == "f16":
+        if cache == "u8":
+            kc, vc = u8_caches(rng, NB)
+        elif cache == "f16":
             kc, vc = kc.astype(np.float16), vc.astype(np.float16)
         elif cache == "bf16":
             kc, vc = f32_to_bf16_bits(kc), f32_to_bf16_bits(vc)
@@ -103,6 +121,9 @@ class Call:
         self.scores = np.zeros(int(self.past.sum()) + self.T, odt)
         esize = 4 if cache == "f32" else 2
         self.kv_bytes = sum((p + k) for p, k in seqs) * HKV * D * 2 * esize
+        if cache == "u8":  # key and value bytes, 8 per value row, 8*D per key block
+            self.kv_bytes = (sum((p + k) for p, k in seqs) * HKV * (2 * D + 8)
+                             + sum(nblocks) * HKV * 8 * D)
         self.flops = sum(sum(p + i + 1 for i in range(k)) for p, k in seqs) * H * D * 4
 
     # --- ours, C ABI
@@ -128,13 +149,15 @@ class Call:
         import openvino as ov
         import openvino.opset13 as ops
         from openvino._pyopenvino.op import _PagedAttentionExtension
-        ctype = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}[self.cache]
+        ctype = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}[self.cache]
+        # u8: the plugin gives the cache ports its own layout (the one our buffers have)
+        cdims = [-1] * 4 if self.cache == "u8" else [-1, HKV, BS, D]
         f32, i32 = ov.Type.f32, ov.Type.i32
         max_ctx = np.array(max(p + k for p, k in self.seqs), np.int32)
         feeds = [
             ("query", f32, [-1, H * D], self.q), ("key", f32, [-1, HKV * D], self.k),
             ("value", f32, [-1, HKV * D], self.v),
-            ("key_cache", ctype, [-1, HKV, BS, D], self.kc), ("value_cache", ctype, [-1, HKV, BS, D], self.vc),
+            ("key_cache", ctype, cdims, self.kc), ("value_cache", ctype, cdims, self.vc),
             ("past_lens", i32, [-1], self.past), ("subsequence_begins", i32, [-1], self.sb),
             ("block_indices", i32, [-1], self.bi), ("block_indices_begins", i32, [-1], self.bib),
             ("scale", f32, [], np.array(0.0, np.float32)), ("sliding_window", i32, [], np.array(0, np.int32)),
@@ -174,8 +197,8 @@ class Call:
         qt = self.qtype
         ins = [("query", qt, [-1, H * D], self.qkv[0]), ("key", qt, [-1, HKV * D], self.qkv[1]),
                ("value", qt, [-1, HKV * D], self.qkv[2]),
-               ("key_cache", self.cache, [-1, HKV, BS, D], self.kc),
-               ("value_cache", self.cache, [-1, HKV, BS, D], self.vc),
+               ("key_cache", self.cache, [-1] + list(self.kc.shape[1:]), self.kc),
+               ("value_cache", self.cache, [-1] + list(self.vc.shape[1:]), self.vc),
                ("past_lens", "i32", [-1], self.past), ("subsequence_begins", "i32", [-1], self.sb),
                ("block_indices", "i32", [-1], self.bi), ("block_indices_begins", "i32", [-1], self.bib)]
         srcs = [b.parameter(nm, et, dims) for nm, et, dims, _ in ins]
@@ -266,7 +289,7 @@ def main():
                 cache, qtype = ("bf16", "bf16") if ctype == "bf16q" else (ctype, "f32")
                 call = Call(seqs, cache, rng, qtype)
                 call.bind_ours(lib)
-                hint = cache if args.hint == "cache" else args.hint
+                hint = (cache if cache != "u8" else "f32") if args.hint == "cache" else args.hint
                 try:
                     call.bind_ov(core, nthr, hint)
                     ov_err = None

@@ -475,8 +475,26 @@ pub fn copy_blocks<T: Copy>(
     block_elems: usize,
     copies: &[BlockCopy],
 ) -> Result<()> {
-    for cache in [&mut *key_cache, &mut *value_cache] {
-        let nb = cache.len().checked_div(block_elems).unwrap_or(0);
+    copy_blocks_kv(key_cache, value_cache, block_elems, block_elems, copies)
+}
+
+/// [`copy_blocks`] for caches whose blocks differ in size: u8 caches in OpenVINO's layout
+/// (`op::u8_layout`), whose key blocks hold `Hkv * (BS + 8) * D` bytes (by channel, scales
+/// included) and value blocks `Hkv * BS * (D + 8 * D / G)`. Block `b` is contiguous in both, so a
+/// copy takes its quantization parameters along.
+pub fn copy_blocks_kv<T: Copy>(
+    key_cache: &mut [T],
+    value_cache: &mut [T],
+    key_block_elems: usize,
+    value_block_elems: usize,
+    copies: &[BlockCopy],
+) -> Result<()> {
+    let caches = [
+        (key_cache, key_block_elems),
+        (value_cache, value_block_elems),
+    ];
+    for (cache, be) in &caches {
+        let nb = cache.len().checked_div(*be).unwrap_or(0);
         for c in copies {
             let (s, d) = (c.src as usize, c.dst as usize);
             if s >= nb || d >= nb {
@@ -486,10 +504,10 @@ pub fn copy_blocks<T: Copy>(
             }
         }
     }
-    for cache in [key_cache, value_cache] {
+    for (cache, be) in caches {
         for c in copies {
             let (s, d) = (c.src as usize, c.dst as usize);
-            cache.copy_within(s * block_elems..(s + 1) * block_elems, d * block_elems);
+            cache.copy_within(s * be..(s + 1) * be, d * be);
         }
     }
     Ok(())
@@ -618,6 +636,24 @@ mod tests {
         assert_eq!(v[2 * be..], v[..be].to_vec()[..]);
         assert_eq!(k[be], be as f32, "block 1 untouched");
         assert!(copy_blocks(&mut k, &mut v, be, &[BlockCopy { src: 0, dst: 3 }]).is_err());
+    }
+
+    #[test]
+    fn copy_blocks_kv_copies_blocks_of_different_sizes() {
+        // u8 by-channel keys [NB, 2, 4 + 8, 3] and by-token values [NB, 2, 4, 3 + 8]
+        let (kb, vb) = (2 * 12 * 3, 2 * 4 * 11);
+        let mut k: Vec<u8> = (0..3 * kb).map(|x| x as u8).collect();
+        let mut v: Vec<u8> = (0..3 * vb).map(|x| (x * 7) as u8).collect();
+        let (k0, v0) = (k.clone(), v.clone());
+        copy_blocks_kv(&mut k, &mut v, kb, vb, &[BlockCopy { src: 2, dst: 0 }]).unwrap();
+        assert_eq!(k[..kb], k0[2 * kb..]);
+        assert_eq!(v[..vb], v0[2 * vb..]);
+        assert_eq!(k[kb..], k0[kb..], "blocks 1, 2 untouched");
+        assert_eq!(v[vb..], v0[vb..]);
+        // block 3 exists in neither cache
+        let err = copy_blocks_kv(&mut k, &mut v, kb, vb, &[BlockCopy { src: 3, dst: 0 }]);
+        assert!(err.is_err());
+        assert_eq!(k[..kb], k0[2 * kb..], "a refused copy writes nothing");
     }
 
     #[test]

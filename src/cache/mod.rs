@@ -22,7 +22,9 @@ pub use eviction::{
     fill_rotation_lut, rotation_lut, rotation_lut_len, Eviction, EvictionPolicy, RotationDirection,
     RotationInputs,
 };
-pub use manager::{copy_blocks, Append, BlockCopy, BlockManager, CacheStats, ManagerConfig, SeqId};
+pub use manager::{
+    copy_blocks, copy_blocks_kv, Append, BlockCopy, BlockManager, CacheStats, ManagerConfig, SeqId,
+};
 pub use pool::{block_hash, BlockId, BlockPool};
 pub use rng::SplitMix64;
 pub use scheduler::{Request, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters, Step};

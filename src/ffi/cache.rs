@@ -5,7 +5,7 @@
 
 use super::boundary;
 use crate::cache::{
-    copy_blocks, fill_rotation_lut, rotation_lut_len, BlockCopy, BlockManager, CacheStats,
+    copy_blocks_kv, fill_rotation_lut, rotation_lut_len, BlockCopy, BlockManager, CacheStats,
     EvictionPolicy, ManagerConfig, Request, RotationDirection, Scheduler, SchedulerConfig,
     SchedulerCounters, Step,
 };
@@ -561,30 +561,62 @@ pub unsafe extern "C" fn pa_cache_copy_blocks(
     copies: *const BlockCopy,
     n: usize,
 ) -> i32 {
+    // SAFETY: the same contract with equal block sizes.
+    unsafe {
+        pa_cache_copy_blocks_kv(
+            key_cache,
+            value_cache,
+            num_blocks,
+            block_bytes,
+            block_bytes,
+            copies,
+            n,
+        )
+    }
+}
+
+/// # Safety
+/// `key_cache` holds `num_blocks * key_block_bytes` and `value_cache` `num_blocks *
+/// value_block_bytes` writable bytes, not overlapping; `copies` holds `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn pa_cache_copy_blocks_kv(
+    key_cache: *mut std::ffi::c_void,
+    value_cache: *mut std::ffi::c_void,
+    num_blocks: usize,
+    key_block_bytes: usize,
+    value_block_bytes: usize,
+    copies: *const BlockCopy,
+    n: usize,
+) -> i32 {
     boundary(|| {
-        let bytes =
+        let total = |bb: usize| {
             num_blocks
-                .checked_mul(block_bytes)
+                .checked_mul(bb)
                 .ok_or_else(|| PaError::InvalidArgument {
                     detail: "num_blocks * block_bytes overflows".into(),
-                })?;
-        if bytes > 0 {
+                })
+        };
+        let (kbytes, vbytes) = (total(key_block_bytes)?, total(value_block_bytes)?);
+        if kbytes > 0 || vbytes > 0 {
             // NULL first: two NULL caches are "missing", not "the same buffer".
-            for (p, what) in [(key_cache, "key_cache"), (value_cache, "value_cache")] {
-                if p.is_null() {
+            for (p, what, len) in [
+                (key_cache, "key_cache", kbytes),
+                (value_cache, "value_cache", vbytes),
+            ] {
+                if p.is_null() && len > 0 {
                     return Err(null(what));
                 }
             }
             let (k, v) = (key_cache as usize, value_cache as usize);
-            if k.checked_add(bytes).is_none() || v.checked_add(bytes).is_none() {
+            if k.checked_add(kbytes).is_none() || v.checked_add(vbytes).is_none() {
                 return Err(PaError::InvalidArgument {
                     detail: format!(
-                        "a cache of {bytes} bytes at {key_cache:p} / {value_cache:p} would run \
-                         past the end of the address space"
+                        "caches of {kbytes} / {vbytes} bytes at {key_cache:p} / {value_cache:p} \
+                         would run past the end of the address space"
                     ),
                 });
             }
-            if k < v + bytes && v < k + bytes {
+            if kbytes > 0 && vbytes > 0 && k < v + vbytes && v < k + kbytes {
                 return Err(PaError::InvalidArgument {
                     detail: if k == v {
                         "key_cache and value_cache are the same buffer".into()
@@ -594,15 +626,16 @@ pub unsafe extern "C" fn pa_cache_copy_blocks(
                 });
             }
         }
-        // SAFETY: header contract: two non-overlapping caches of `bytes` bytes, `n` copies.
+        // SAFETY: header contract: two non-overlapping caches of `kbytes` / `vbytes` bytes, `n`
+        // copies.
         let (k, v, c) = unsafe {
             (
-                output(key_cache as *mut u8, bytes, "key_cache")?,
-                output(value_cache as *mut u8, bytes, "value_cache")?,
+                output(key_cache as *mut u8, kbytes, "key_cache")?,
+                output(value_cache as *mut u8, vbytes, "value_cache")?,
                 input(copies, n, "copies")?,
             )
         };
-        copy_blocks(k, v, block_bytes, c)
+        copy_blocks_kv(k, v, key_block_bytes, value_block_bytes, c)
     })
 }
 

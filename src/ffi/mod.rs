@@ -211,6 +211,7 @@ impl Described {
                 ElemType::F16 => Elems::F16(raw_slice::<f16>(self.ptr, n)),
                 ElemType::BF16 => Elems::BF16(raw_slice::<bf16>(self.ptr, n)),
                 ElemType::I32 => Elems::I32(raw_slice::<i32>(self.ptr, n)),
+                ElemType::U8 => Elems::U8(raw_slice::<u8>(self.ptr, n)),
             }
         };
         Tensor {
@@ -233,6 +234,7 @@ impl Described {
                 ElemType::F16 => ElemsMut::F16(raw_slice_mut::<f16>(self.ptr, n)),
                 ElemType::BF16 => ElemsMut::BF16(raw_slice_mut::<bf16>(self.ptr, n)),
                 ElemType::I32 => ElemsMut::I32(raw_slice_mut::<i32>(self.ptr, n)),
+                ElemType::U8 => ElemsMut::U8(raw_slice_mut::<u8>(self.ptr, n)),
             }
         };
         TensorMut {

@@ -178,7 +178,7 @@ pub fn read_npy(path: &Path) -> Result<NpyArray, IrError> {
 }
 
 impl NpyArray {
-    /// As an executor tensor: `<f4` f32, `<f2` f16, `<u2` bf16, `<i4` i32.
+    /// As an executor tensor: `<f4` f32, `<f2` f16, `<u2` bf16, `<i4` i32, `|u1` u8 (cache bytes).
     pub fn into_tensor(self) -> Result<OwnedTensor, String> {
         use crate::dtype::ElemType;
         let elem = match self.dtype {
@@ -186,11 +186,12 @@ impl NpyArray {
             NpyDtype::F16 => ElemType::F16,
             NpyDtype::U16 => ElemType::BF16,
             NpyDtype::I32 => ElemType::I32,
+            NpyDtype::U8 => ElemType::U8,
             d => {
                 return Err(format!(
-                    "element type '{}' cannot be a model input (<f4, <f2, <u2 for bf16, <i4 can)",
-                    d.descr()
-                ))
+                "element type '{}' cannot be a model input (<f4, <f2, <u2 for bf16, <i4, |u1 can)",
+                d.descr()
+            ))
             }
         };
         OwnedTensor::from_le_bytes(elem, self.shape, &self.bytes).map_err(|e| e.to_string())
@@ -267,6 +268,7 @@ pub fn tensor_npy(t: &OwnedTensor) -> Vec<u8> {
         OwnedData::F16(_) => NpyDtype::F16,
         OwnedData::BF16(_) => NpyDtype::U16,
         OwnedData::I32(_) => NpyDtype::I32,
+        OwnedData::U8(_) => NpyDtype::U8,
     };
     encode_npy(dtype, t.shape(), &t.to_le_bytes())
 }

@@ -13,6 +13,7 @@ pub enum OwnedData {
     F16(Vec<f16>),
     BF16(Vec<bf16>),
     I32(Vec<i32>),
+    U8(Vec<u8>),
 }
 
 /// A row-major tensor that owns its elements. `data.len()` always equals the shape's product.
@@ -45,6 +46,7 @@ fn data_len(d: &OwnedData) -> usize {
         OwnedData::F16(v) => v.len(),
         OwnedData::BF16(v) => v.len(),
         OwnedData::I32(v) => v.len(),
+        OwnedData::U8(v) => v.len(),
     }
 }
 
@@ -87,6 +89,7 @@ impl OwnedTensor {
             ElemType::F16 => OwnedData::F16(try_zeroed(n, &shape)?),
             ElemType::BF16 => OwnedData::BF16(try_zeroed(n, &shape)?),
             ElemType::I32 => OwnedData::I32(try_zeroed(n, &shape)?),
+            ElemType::U8 => OwnedData::U8(try_zeroed(n, &shape)?),
         };
         Ok(OwnedTensor { shape, data })
     }
@@ -127,6 +130,7 @@ impl OwnedTensor {
                     .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
                     .collect(),
             ),
+            ElemType::U8 => OwnedData::U8(bytes.to_vec()),
         };
         Self::new(shape, data)
     }
@@ -138,6 +142,7 @@ impl OwnedTensor {
             Elems::F16(s) => OwnedData::F16(s.to_vec()),
             Elems::BF16(s) => OwnedData::BF16(s.to_vec()),
             Elems::I32(s) => OwnedData::I32(s.to_vec()),
+            Elems::U8(s) => OwnedData::U8(s.to_vec()),
         };
         Self::new(t.shape.clone(), data)
     }
@@ -149,6 +154,7 @@ impl OwnedTensor {
             OwnedData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             OwnedData::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
             OwnedData::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            OwnedData::U8(v) => v.clone(),
         }
     }
 
@@ -170,6 +176,7 @@ impl OwnedTensor {
             OwnedData::F16(_) => ElemType::F16,
             OwnedData::BF16(_) => ElemType::BF16,
             OwnedData::I32(_) => ElemType::I32,
+            OwnedData::U8(_) => ElemType::U8,
         }
     }
 
@@ -179,6 +186,7 @@ impl OwnedTensor {
             OwnedData::F16(v) => Elems::F16(v),
             OwnedData::BF16(v) => Elems::BF16(v),
             OwnedData::I32(v) => Elems::I32(v),
+            OwnedData::U8(v) => Elems::U8(v),
         };
         Tensor {
             shape: self.shape.clone(),
@@ -192,6 +200,7 @@ impl OwnedTensor {
             OwnedData::F16(v) => ElemsMut::F16(v),
             OwnedData::BF16(v) => ElemsMut::BF16(v),
             OwnedData::I32(v) => ElemsMut::I32(v),
+            OwnedData::U8(v) => ElemsMut::U8(v),
         };
         TensorMut {
             shape: self.shape.clone(),
@@ -211,6 +220,7 @@ impl OwnedTensor {
             OwnedData::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
             OwnedData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
             OwnedData::I32(v) => v.iter().map(|&x| x as f64).collect(),
+            OwnedData::U8(v) => v.iter().map(|&x| x as f64).collect(),
         }
     }
 
@@ -228,13 +238,13 @@ impl OwnedTensor {
             OwnedData::F32(v) => v.clone(),
             OwnedData::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
             OwnedData::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            OwnedData::I32(_) => return Err(TensorError::Convert(from, to)),
+            OwnedData::I32(_) | OwnedData::U8(_) => return Err(TensorError::Convert(from, to)),
         };
         let data = match to {
             ElemType::F32 => OwnedData::F32(wide),
             ElemType::F16 => OwnedData::F16(wide.iter().map(|&x| f16::from_f32(x)).collect()),
             ElemType::BF16 => OwnedData::BF16(wide.iter().map(|&x| bf16::from_f32(x)).collect()),
-            ElemType::I32 => return Err(TensorError::Convert(from, to)),
+            ElemType::I32 | ElemType::U8 => return Err(TensorError::Convert(from, to)),
         };
         Ok(OwnedTensor {
             shape: self.shape.clone(),

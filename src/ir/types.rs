@@ -72,6 +72,7 @@ impl IrType {
             IrType::F16 => ElemType::F16,
             IrType::BF16 => ElemType::BF16,
             IrType::I32 => ElemType::I32,
+            IrType::U8 => ElemType::U8,
             _ => return None,
         })
     }
@@ -91,6 +92,7 @@ impl From<ElemType> for IrType {
             ElemType::F16 => IrType::F16,
             ElemType::BF16 => IrType::BF16,
             ElemType::I32 => IrType::I32,
+            ElemType::U8 => IrType::U8,
         }
     }
 }

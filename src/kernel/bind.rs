@@ -1,11 +1,13 @@
 //! The validated call bound to typed slices ([`Bound`]), and the one place the plan's
 //! (query type, cache type) pair picks a monomorphised kernel ([`dispatch`]): a new cache type
-//! plugs in as one arm of [`with_cache`].
+//! plugs in as one arm of [`with_cache`] (u8 caches, in OpenVINO's layout, through
+//! [`TypedOp::run_u8`]).
 
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
+use crate::op::u8_layout::U8Layout;
 use crate::op::{PaInputs, PaOutputs, Plan};
-use crate::tensor::Tensor;
+use crate::tensor::{ElemsMut, Tensor};
 use std::borrow::Cow;
 
 /// The rotation inputs of a call that re-rotates cached keys.
@@ -18,6 +20,27 @@ pub(crate) struct BoundRotation<'a> {
     pub delta_cols: usize,
     /// `rotation_trig_lut` as f32 (borrowed when it is f32).
     pub lut: Cow<'a, [f32]>,
+}
+
+/// An element type a cache may have: a [`Float`], or u8 (quantized bytes).
+pub(crate) trait CacheElem: Copy + Send + Sync + 'static {
+    /// The elements if they are of this type.
+    fn cache_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]>;
+}
+
+impl<F: Float> CacheElem for F {
+    fn cache_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]> {
+        F::elems_mut(e)
+    }
+}
+
+impl CacheElem for u8 {
+    fn cache_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]> {
+        match e {
+            ElemsMut::U8(s) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 /// Every slice a kernel reads or writes, at the types validation established.
@@ -46,7 +69,7 @@ pub(crate) fn widen(t: &Tensor<'_>) -> Vec<f32> {
         .collect()
 }
 
-impl<'a, Q: Float, C: Float> Bound<'a, Q, C> {
+impl<'a, Q: Float, C: CacheElem> Bound<'a, Q, C> {
     /// Binds a call `plan` was validated from; an input that does not have the type the plan
     /// says is an error (never reached after validation).
     pub fn new(
@@ -81,13 +104,9 @@ impl<'a, Q: Float, C: Float> Bound<'a, Q, C> {
             query: inputs.query.as_float().ok_or_else(|| missing("query"))?,
             key: inputs.key.as_float().ok_or_else(|| missing("key"))?,
             value: inputs.value.as_float().ok_or_else(|| missing("value"))?,
-            key_cache: inputs
-                .key_cache
-                .as_float_mut()
+            key_cache: C::cache_mut(&mut inputs.key_cache.data)
                 .ok_or_else(|| missing("key_cache"))?,
-            value_cache: inputs
-                .value_cache
-                .as_float_mut()
+            value_cache: C::cache_mut(&mut inputs.value_cache.data)
                 .ok_or_else(|| missing("value_cache"))?,
             block_indices: inputs
                 .block_indices
@@ -109,6 +128,8 @@ impl<'a, Q: Float, C: Float> Bound<'a, Q, C> {
 /// A kernel family, run at the plan's types.
 pub(crate) trait TypedOp {
     fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()>;
+    /// The call on u8 caches of `layout` (the plan's).
+    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()>;
 }
 
 /// Binds the call at the plan's (query type, cache type) and runs `op` on it.
@@ -139,6 +160,10 @@ fn with_cache<O: TypedOp, Q: Float>(
         E::F32 => op.run(plan, Bound::<Q, f32>::new(plan, inputs, outputs)?),
         E::F16 => op.run(plan, Bound::<Q, half::f16>::new(plan, inputs, outputs)?),
         E::BF16 => op.run(plan, Bound::<Q, half::bf16>::new(plan, inputs, outputs)?),
+        E::U8 => match &plan.u8 {
+            Some(layout) => op.run_u8(plan, layout, Bound::<Q, u8>::new(plan, inputs, outputs)?),
+            None => Err(missing("the u8 cache layout")),
+        },
         _ => Err(no_kernel(plan.query_type, plan)),
     }
 }

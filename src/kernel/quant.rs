@@ -11,104 +11,15 @@
 
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
+use crate::op::u8_layout::effective_group;
+pub use crate::op::u8_layout::{token_row_bytes, KeyQuant, U8Layout, PARAM_BYTES};
 use crate::op::validate::SeqPlan;
 use crate::op::Plan;
-
-/// Bytes of quantization parameters per group: f32 scale, then f32 zero point.
-pub const PARAM_BYTES: usize = 8;
 
 /// What OpenVINO substitutes for a zero scale (all values of a group or channel equal).
 const ZERO_RANGE_SCALE: f32 = 0.0001;
 
-/// How keys are quantized.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KeyQuant {
-    /// Per channel over the tokens of a block (OpenVINO's default): key cache
-    /// `[NB, Hkv, BS + 8, D]`, scales and zero points of the block's D channels first.
-    ByChannel,
-    /// Per token like values (`KEY_CACHE_QUANT_MODE=BY_TOKEN`), in groups of `group` channels
-    /// (0 = one group of D): key cache `[NB, Hkv, BS, D + 8 * D / group]`.
-    ByToken { group: usize },
-}
-
-/// Layout of a pair of u8 caches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct U8Layout {
-    /// KV heads.
-    pub hkv: usize,
-    /// Head size.
-    pub d: usize,
-    /// Tokens per block.
-    pub bs: usize,
-    pub key: KeyQuant,
-    /// Channels per value group (0 = one group of D).
-    pub value_group: usize,
-}
-
-/// The group size a `*_CACHE_GROUP_SIZE` of `group` means for head size `d`.
-fn effective_group(group: usize, d: usize) -> usize {
-    if group == 0 {
-        d
-    } else {
-        group
-    }
-}
-
-/// Bytes of one token row quantized by token: per group, 8 parameter bytes then the group's bytes.
-/// `None` when `group` does not divide `d` (OpenVINO refuses to compile such a model).
-pub fn token_row_bytes(d: usize, group: usize) -> Option<usize> {
-    let g = effective_group(group, d);
-    if g == 0 || !d.is_multiple_of(g) {
-        return None;
-    }
-    (d / g).checked_mul(PARAM_BYTES)?.checked_add(d)
-}
-
-impl U8Layout {
-    /// Shape `[NB, Hkv, rows, cols]` of the key cache; `None` for a group that does not divide D.
-    pub fn key_cache_dims(&self, nb: usize) -> Option<[usize; 4]> {
-        let hkv = self.hkv;
-        match self.key {
-            KeyQuant::ByChannel => Some([nb, hkv, self.bs.checked_add(PARAM_BYTES)?, self.d]),
-            KeyQuant::ByToken { group } => {
-                Some([nb, hkv, self.bs, token_row_bytes(self.d, group)?])
-            }
-        }
-    }
-
-    /// Shape `[NB, Hkv, BS, D + 8 * D / group]` of the value cache.
-    pub fn value_cache_dims(&self, nb: usize) -> Option<[usize; 4]> {
-        Some([
-            nb,
-            self.hkv,
-            self.bs,
-            token_row_bytes(self.d, self.value_group)?,
-        ])
-    }
-
-    /// Bytes of one (block, head) slab of the key cache.
-    fn key_slab(&self) -> usize {
-        let [_, _, rows, cols] = self
-            .key_cache_dims(1)
-            .expect("layout checked by the caller");
-        rows * cols
-    }
-
-    fn value_row(&self) -> usize {
-        token_row_bytes(self.d, self.value_group).expect("layout checked by the caller")
-    }
-
-    /// Whether every group size divides D and D, BS are non-zero.
-    pub fn is_valid(&self) -> bool {
-        self.hkv > 0
-            && self.d > 0
-            && self.bs > 0
-            && self.key_cache_dims(1).is_some()
-            && self.value_cache_dims(1).is_some()
-    }
-}
-
-fn read_f32(bytes: &[u8], i: usize) -> f32 {
+pub(crate) fn read_f32(bytes: &[u8], i: usize) -> f32 {
     f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 

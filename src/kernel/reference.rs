@@ -7,6 +7,7 @@ use super::layout::{cache_row, seq_row, token_seqs, visible, window_start};
 use super::softmax::{Lanes, OnlineSoftmax};
 use crate::dtype::Float;
 use crate::error::Result;
+use crate::op::u8_layout::U8Layout;
 use crate::op::Plan;
 use rayon::prelude::*;
 
@@ -24,6 +25,21 @@ impl TypedOp for Reference {
         let stats = attention(plan, b.query, kc, vc, b.block_indices, b.output);
         scores_ref(plan, b.query, kc, b.block_indices, &stats, b.scores);
         Ok(())
+    }
+
+    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
+        super::quant::run_reference_u8(
+            plan,
+            layout,
+            b.query,
+            b.key,
+            b.value,
+            b.block_indices,
+            b.key_cache,
+            b.value_cache,
+            b.output,
+            b.scores,
+        )
     }
 }
 

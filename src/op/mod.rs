@@ -4,10 +4,12 @@
 //!
 //! - `contract`: the 16-input table every other part reads.
 //! - `shape`: shape inference on partial shapes (also the shape rules of validation).
+//! - `u8_layout`: the shapes of u8 caches in OpenVINO's layout, and how a call's shapes name one.
 //! - `validate`: concrete checks of values, producing a [`Plan`] the kernels run from.
 
 pub mod contract;
 pub mod shape;
+pub mod u8_layout;
 pub mod validate;
 
 pub use shape::{
@@ -84,6 +86,7 @@ impl<'a> InputArg<'a> {
                     crate::tensor::ElemsMut::F16(s) => crate::tensor::Elems::F16(s),
                     crate::tensor::ElemsMut::BF16(s) => crate::tensor::Elems::BF16(s),
                     crate::tensor::ElemsMut::I32(s) => crate::tensor::Elems::I32(s),
+                    crate::tensor::ElemsMut::U8(s) => crate::tensor::Elems::U8(s),
                 };
                 Tensor { shape, data }
             }

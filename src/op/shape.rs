@@ -6,6 +6,7 @@
 //! shapes (one contract, not two).
 
 use super::contract::*;
+use super::u8_layout::{group_of_row, KeyQuant, PARAM_BYTES};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Result};
 
@@ -103,6 +104,10 @@ pub struct Dims {
     pub m: Option<i64>,
     pub query_type: Option<ElemType>,
     pub cache_type: Option<ElemType>,
+    /// With u8 caches: how keys are quantized (from key_cache's row count).
+    pub key_quant: Option<KeyQuant>,
+    /// With u8 caches: channels per value group (from value_cache's last dimension).
+    pub value_group: Option<usize>,
     /// Which optional inputs are present (given and not statically empty).
     pub present: [bool; MAX_INPUTS],
 }
@@ -161,13 +166,14 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         if let Some(e) = inp.elem {
             let ok = match s.ty {
                 TypeRule::I32 => e == ElemType::I32,
+                TypeRule::Cache => e.is_float() || e == ElemType::U8,
                 _ => e.is_float(),
             };
             if !ok {
-                let expected = if s.ty == TypeRule::I32 {
-                    "i32"
-                } else {
-                    "f32, f16 or bf16"
+                let expected = match s.ty {
+                    TypeRule::I32 => "i32",
+                    TypeRule::Cache => "f32, f16, bf16 or u8",
+                    _ => "f32, f16 or bf16",
                 };
                 return Err(PaError::ElementType {
                     input: s.name,
@@ -223,38 +229,41 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         }
     }
 
-    // Cache geometry: [NB, Hkv, BS, D], identical for both caches.
     let kc = &inputs[KEY_CACHE].shape;
     let vc = &inputs[VALUE_CACHE].shape;
-    for (i, slot) in [&mut k.nb, &mut k.hkv, &mut k.bs, &mut k.d]
-        .into_iter()
-        .enumerate()
-    {
-        *slot = kc.dim(i);
-        unify(slot, vc.dim(i), "value_cache", |v, known| {
-            format!("value_cache shape {vc} differs from key_cache shape {kc} (dim {i}: {v} vs {known})")
-        })?;
-    }
-    for (name, v) in [
-        ("num_kv_heads (cache dim 1)", k.hkv),
-        ("block_size (cache dim 2)", k.bs),
-        ("head_size (cache dim 3)", k.d),
-    ] {
-        if v == Some(0) {
-            return Err(PaError::shape(
-                "key_cache",
-                format!("key_cache shape {kc} has {name} = 0"),
-            ));
+    if k.cache_type == Some(ElemType::U8) {
+        u8_geometry(inputs, &mut k)?;
+    } else {
+        // Cache geometry: [NB, Hkv, BS, D], identical for both caches.
+        for (i, slot) in [&mut k.nb, &mut k.hkv, &mut k.bs, &mut k.d]
+            .into_iter()
+            .enumerate()
+        {
+            *slot = kc.dim(i);
+            unify(slot, vc.dim(i), "value_cache", |v, known| {
+                format!("value_cache shape {vc} differs from key_cache shape {kc} (dim {i}: {v} vs {known})")
+            })?;
+        }
+        for (name, v) in [
+            ("num_kv_heads (cache dim 1)", k.hkv),
+            ("block_size (cache dim 2)", k.bs),
+            ("head_size (cache dim 3)", k.d),
+        ] {
+            if v == Some(0) {
+                return Err(PaError::shape(
+                    "key_cache",
+                    format!("key_cache shape {kc} has {name} = 0"),
+                ));
+            }
         }
     }
-
     // Query heads.
     let q = &inputs[QUERY].shape;
     if let (Some(w), Some(d)) = (q.dim(1), k.d) {
         if w % d != 0 {
             return Err(PaError::shape(
                 "query",
-                format!("query.dim1 = {w} is not a multiple of head_size = {d} (key_cache dim 3)"),
+                format!("query.dim1 = {w} is not a multiple of head_size = {d} (key_cache dim 3; key.dim1 / num_kv_heads with u8 caches)"),
             ));
         }
         k.h = Some(w / d);
@@ -289,16 +298,15 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
-    if let Some(cache) = kc.0.as_ref().filter(|_| kc.is_static()) {
-        cache
-            .iter()
-            .try_fold(1i64, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| {
-                PaError::shape(
-                    "key_cache",
-                    format!("key_cache shape {kc}: element count overflows"),
-                )
-            })?;
+    for (name, c) in [("key_cache", kc), ("value_cache", vc)] {
+        if let Some(cache) = c.0.as_ref().filter(|_| c.is_static()) {
+            cache
+                .iter()
+                .try_fold(1i64, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| {
+                    PaError::shape(name, format!("{name} shape {c}: element count overflows"))
+                })?;
+        }
     }
     // Tokens.
     for i in [QUERY, KEY, VALUE] {
@@ -398,6 +406,82 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         k.m = lut.dim(0);
     }
     Ok(k)
+}
+
+/// The geometry of u8 caches (docs/contract.md, "u8 caches"): `NB`, `Hkv` from dims 0 and 1 of
+/// both caches, `BS` from the value cache's rows, `D` from the key/value width over `Hkv` (and
+/// from a by-channel key cache's last dimension); the key mode from the key cache's rows (`BS + 8`
+/// by channel, `BS` by token) and each by-token group size from its cache's last dimension
+/// (`D + 8 * D / G`).
+fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
+    let kc = &inputs[KEY_CACHE].shape;
+    let vc = &inputs[VALUE_CACHE].shape;
+    for (i, slot) in [(0, &mut k.nb), (1, &mut k.hkv)] {
+        *slot = kc.dim(i);
+        unify(slot, vc.dim(i), "value_cache", |v, known| {
+            format!("value_cache shape {vc} differs from key_cache shape {kc} (dim {i}: {v} vs {known})")
+        })?;
+    }
+    k.bs = vc.dim(2);
+    for (name, v) in [
+        ("num_kv_heads (cache dim 1)", k.hkv),
+        ("block_size (value_cache dim 2)", k.bs),
+    ] {
+        if v == Some(0) {
+            return Err(PaError::shape(
+                "value_cache",
+                format!("value_cache shape {vc} has {name} = 0"),
+            ));
+        }
+    }
+    // A u8 cache's last dimension is bytes, not channels: the head size comes from key/value.
+    for i in [KEY, VALUE] {
+        let name = INPUTS[i].name;
+        if let (Some(w), Some(hkv)) = (inputs[i].shape.dim(1), k.hkv) {
+            if w % hkv != 0 || w == 0 {
+                return Err(PaError::shape(
+                    name,
+                    format!("{name}.dim1 = {w} is not a positive multiple of num_kv_heads = {hkv} (cache dim 1); with u8 caches it gives head_size"),
+                ));
+            }
+            unify(&mut k.d, Some(w / hkv), name, |v, known| {
+                format!("{name}.dim1 / num_kv_heads gives head_size {v}, but another input gives {known}")
+            })?;
+        }
+    }
+    if let (Some(rows), Some(bs)) = (kc.dim(2), k.bs) {
+        let params = PARAM_BYTES as i64;
+        if rows == bs + params {
+            k.key_quant = Some(KeyQuant::ByChannel);
+            unify(&mut k.d, kc.dim(3), "key_cache", |v, known| {
+                format!("key_cache (u8, by channel) has head_size {v} (dim 3), but key/value give {known}")
+            })?;
+        } else if rows == bs {
+            if let (Some(cols), Some(d)) = (kc.dim(3), k.d) {
+                let group = u8_group("key_cache", cols, d)?;
+                k.key_quant = Some(KeyQuant::ByToken { group });
+            }
+        } else {
+            return Err(PaError::shape(
+                "key_cache",
+                format!("u8 key_cache has {rows} rows per block (dim 2); it must be block_size + 8 = {} (keys by channel, 8 rows of f32 scales and zero points) or block_size = {bs} (keys by token), with block_size = {bs} from value_cache dim 2", bs + params),
+            ));
+        }
+    }
+    if let (Some(cols), Some(d)) = (vc.dim(3), k.d) {
+        k.value_group = Some(u8_group("value_cache", cols, d)?);
+    }
+    Ok(())
+}
+
+/// The group size of a by-token u8 cache whose rows are `cols` bytes, for head size `d`.
+fn u8_group(name: &'static str, cols: i64, d: i64) -> Result<usize> {
+    group_of_row(cols as usize, d as usize).ok_or_else(|| {
+        PaError::shape(
+            name,
+            format!("{name} (u8, by token) has {cols} bytes per token (dim 3), which matches no group size for head_size {d}: a row holds D + 8 * D / G bytes for a group size G dividing D ({} for one group of D)", d + PARAM_BYTES as i64),
+        )
+    })
 }
 
 /// Infers the two outputs from partial input shapes: `output` `[T, H*D]` and `scores`

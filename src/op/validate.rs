@@ -4,6 +4,7 @@
 
 use super::contract::*;
 use super::shape::{check, PartialInput, PartialShape};
+use super::u8_layout::U8Layout;
 use super::{PaInputs, PaOutputs};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Result};
@@ -58,6 +59,9 @@ pub struct Plan {
     pub g: usize,
     pub query_type: ElemType,
     pub cache_type: ElemType,
+    /// The layout of u8 caches (`cache_type` u8); `bs` and `d` are then the logical block size
+    /// and head size, not the caches' last two dimensions.
+    pub u8: Option<U8Layout>,
     /// Effective scale (the default `1/sqrt(D)` substituted for absent or 0).
     pub scale: f32,
     /// Sliding window; 0 means none.
@@ -314,6 +318,31 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         _ => None,
     };
 
+    let cache_type = k.cache_type.unwrap_or(ElemType::F32);
+    let u8 = match (cache_type, k.key_quant, k.value_group) {
+        (ElemType::U8, Some(key), Some(value_group)) => Some(U8Layout {
+            hkv,
+            d,
+            bs,
+            key,
+            value_group,
+        }),
+        (ElemType::U8, ..) => {
+            // Static shapes always resolve both (or `check` reported why not).
+            return Err(PaError::shape(
+                "key_cache",
+                "the u8 cache layout could not be resolved from the shapes".to_string(),
+            ));
+        }
+        _ => None,
+    };
+    if u8.is_some() && rotation.is_some_and(|r| r.r > 0) {
+        return Err(PaError::value(
+            "rotated_block_indices",
+            "rotation of a u8 key cache is not supported",
+        ));
+    }
+
     Ok(Plan {
         t,
         b,
@@ -324,7 +353,8 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         nb,
         g: h.checked_div(hkv).unwrap_or(0),
         query_type: k.query_type.unwrap_or(ElemType::F32),
-        cache_type: k.cache_type.unwrap_or(ElemType::F32),
+        cache_type,
+        u8,
         scale,
         sliding_window,
         alibi,

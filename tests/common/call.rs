@@ -11,6 +11,8 @@ pub enum Data {
     F16(Vec<f16>),
     BF16(Vec<bf16>),
     I32(Vec<i32>),
+    /// u8 cache bytes.
+    U8(Vec<u8>),
 }
 
 /// Rounds `x` to the nearest value of float type `ty` (f64 -> storage type).
@@ -36,7 +38,7 @@ pub fn round_to(ty: ElemType, x: f64) -> f64 {
         ElemType::F32 => x as f32 as f64,
         ElemType::F16 => f16::from_f64(x).to_f64(),
         ElemType::BF16 => bf16_of(x).to_f64(),
-        ElemType::I32 => panic!("round_to(i32)"),
+        ElemType::I32 | ElemType::U8 => panic!("round_to({ty})"),
     }
 }
 
@@ -47,6 +49,7 @@ impl Data {
             ElemType::F16 => Data::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
             ElemType::BF16 => Data::BF16(v.iter().map(|&x| bf16_of(x)).collect()),
             ElemType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
+            ElemType::U8 => Data::U8(v.iter().map(|&x| x as u8).collect()),
         }
     }
     pub fn zeros(ty: ElemType, n: usize) -> Data {
@@ -56,6 +59,7 @@ impl Data {
     pub fn poison(ty: ElemType, n: usize) -> Data {
         match ty {
             ElemType::I32 => Data::I32(vec![i32::MIN; n]),
+            ElemType::U8 => Data::U8(vec![0xA5; n]),
             _ => Data::from_f64(ty, &vec![f64::NAN; n]),
         }
     }
@@ -65,6 +69,7 @@ impl Data {
             Data::F16(_) => ElemType::F16,
             Data::BF16(_) => ElemType::BF16,
             Data::I32(_) => ElemType::I32,
+            Data::U8(_) => ElemType::U8,
         }
     }
     pub fn len(&self) -> usize {
@@ -73,6 +78,7 @@ impl Data {
             Data::F16(v) => v.len(),
             Data::BF16(v) => v.len(),
             Data::I32(v) => v.len(),
+            Data::U8(v) => v.len(),
         }
     }
     pub fn to_f64(&self) -> Vec<f64> {
@@ -81,6 +87,7 @@ impl Data {
             Data::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
             Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
             Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::U8(v) => v.iter().map(|&x| x as f64).collect(),
         }
     }
     /// The raw bits of every element, for bit-exact comparisons (NaN included).
@@ -90,6 +97,13 @@ impl Data {
             Data::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
             Data::BF16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
             Data::I32(v) => v.iter().map(|&x| x as u32).collect(),
+            Data::U8(v) => v.iter().map(|&x| x as u32).collect(),
+        }
+    }
+    pub fn u8s(&self) -> &[u8] {
+        match self {
+            Data::U8(v) => v,
+            _ => panic!("not u8"),
         }
     }
     pub fn i32s(&self) -> &[i32] {
@@ -111,6 +125,7 @@ impl Data {
             Data::F16(v) => v[i] = f16::from_f64(x),
             Data::BF16(v) => v[i] = bf16_of(x),
             Data::I32(v) => v[i] = x as i32,
+            Data::U8(v) => v[i] = x as u8,
         }
     }
     pub fn elems(&self) -> Elems<'_> {
@@ -119,6 +134,7 @@ impl Data {
             Data::F16(v) => Elems::F16(v),
             Data::BF16(v) => Elems::BF16(v),
             Data::I32(v) => Elems::I32(v),
+            Data::U8(v) => Elems::U8(v),
         }
     }
     pub fn elems_mut(&mut self) -> ElemsMut<'_> {
@@ -127,6 +143,7 @@ impl Data {
             Data::F16(v) => ElemsMut::F16(v),
             Data::BF16(v) => ElemsMut::BF16(v),
             Data::I32(v) => ElemsMut::I32(v),
+            Data::U8(v) => ElemsMut::U8(v),
         }
     }
     /// Address of the first element (for the C ABI).
@@ -136,6 +153,7 @@ impl Data {
             Data::F16(v) => v.as_mut_ptr().cast(),
             Data::BF16(v) => v.as_mut_ptr().cast(),
             Data::I32(v) => v.as_mut_ptr().cast(),
+            Data::U8(v) => v.as_mut_ptr().cast(),
         }
     }
 }

@@ -23,6 +23,8 @@
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
 //!   tiles (same masks, softmax step and output writing as `prefill`).
+//! - `u8attn`: insertion, attention and scores over u8 caches (OpenVINO's layout), reading the
+//!   bytes through the `U8Micro` loops (dequantized on the fly).
 //! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, built
 //!   on x86_64 only; scalar twins in `micro/`, the only tier elsewhere).
 //!
@@ -64,16 +66,18 @@ pub mod rotate;
 mod scores;
 mod shared;
 mod tile;
+mod u8attn;
 
 use super::bind::{dispatch, Bound, TypedOp};
 use crate::dtype::Float;
 use crate::error::Result;
+use crate::op::u8_layout::U8Layout;
 use crate::op::{PaInputs, PaOutputs, Plan};
 use crate::threads::Runner;
 use micro::scalar::Scalar;
 #[cfg(target_arch = "x86_64")]
 use micro::x86::{avx2::Avx2, avx512::Avx512};
-use micro::{Amx, TileMicro};
+use micro::{Amx, TileMicro, U8Micro};
 use std::any::TypeId;
 use std::sync::OnceLock;
 
@@ -291,7 +295,7 @@ struct Fast<M> {
     opts: FastOptions,
 }
 
-impl<M: TileMicro> TypedOp for Fast<M> {
+impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
     fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()> {
         let Fast { m, opts } = self;
         if let Some(rot) = &b.rotation {
@@ -332,5 +336,9 @@ impl<M: TileMicro> TypedOp for Fast<M> {
             None => scores::recompute(m, &ctx, b.scores),
         }
         Ok(())
+    }
+
+    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
+        u8attn::run(self.m, self.opts.runner, plan, layout, b)
     }
 }

@@ -9,6 +9,8 @@
 //! - `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per KV head); the SIMD
 //!   twins also keep the next tile's cache lines coming while they compute.
 //! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
+//! - `scalar_u8`: the [`U8Micro`] loops over u8 cache bytes (OpenVINO's layout; the driver
+//!   `fast::u8attn` folds scales and zero points around them); `x86/avx512_u8` is the AVX-512 tier.
 //! - `x86/amx`: AMX-BF16 tile products (QK and PV) for prefill items of a bf16
 //!   query; `scalar_amx` is its twin (test oracle).
 //!
@@ -22,6 +24,7 @@ pub(crate) mod scalar;
 mod scalar_amx;
 pub(crate) mod scalar_decode;
 mod scalar_tile;
+mod scalar_u8;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 
@@ -66,6 +69,97 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     fn scale_logits(self, s: &mut [f32], c: f32);
     /// `dst[j] = src[j]` widened to f32.
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]);
+}
+
+/// The loops over u8 cache rows. Bytes are widened to f32 as they are loaded (never a whole
+/// row or cache ahead of use); the zero point here is one per call (a by-token group's), the
+/// driver folds per-channel parameters into the query rows.
+pub(crate) trait U8Micro: Copy + Send + Sync {
+    /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t*ldk + c] - zp[t])` for `r < rows`,
+    /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each).
+    #[allow(clippy::too_many_arguments)]
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    );
+    /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t*ldv + c] - zp[t])` for `r < rows`, `c < len`,
+    /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each) weighted
+    /// into the rows' accumulators, which stay in registers across the keys.
+    #[allow(clippy::too_many_arguments)]
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    );
+    /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
+    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
+}
+
+/// Panics unless `rows` rows of `n` elements at stride `lda` fit in `a_len` elements.
+#[inline(always)]
+pub(crate) fn rows_fit(a_len: usize, lda: usize, rows: usize, n: usize) {
+    assert!(
+        rows == 0
+            || (rows - 1)
+                .checked_mul(lda)
+                .and_then(|o| o.checked_add(n))
+                .is_some_and(|e| e <= a_len),
+        "u8 micro-kernel rows out of range"
+    );
+}
+
+/// Panics unless `qk` with these arguments stays inside its slices.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn qk_bounds(
+    q_len: usize,
+    ldq: usize,
+    rows: usize,
+    k_len: usize,
+    ldk: usize,
+    n: usize,
+    len: usize,
+    s_len: usize,
+    lds: usize,
+) {
+    rows_fit(q_len, ldq, rows, len);
+    rows_fit(k_len, ldk, n, len);
+    rows_fit(s_len, lds, rows, n);
+}
+
+/// Panics unless `pv` with these arguments stays inside its slices.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn pv_bounds(
+    acc_len: usize,
+    lda: usize,
+    rows: usize,
+    w_len: usize,
+    v_len: usize,
+    ldv: usize,
+    n: usize,
+    len: usize,
+) {
+    rows_fit(acc_len, lda, rows, len);
+    assert!(
+        rows.checked_mul(n).is_some_and(|x| x <= w_len),
+        "u8 pv weights too short"
+    );
+    rows_fit(v_len, ldv, n, len);
 }
 
 /// The loops of a decode tile: the few rows of one KV head (tokens x G query heads) against the

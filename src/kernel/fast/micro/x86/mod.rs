@@ -6,7 +6,8 @@
 //! - `avx2_tile`: its [`TileMicro`] loops (prefill tiles on transposed logits).
 //! - `avx512`: AVX-512 F + BW + VL + DQ [`Micro`] (16-wide, masked tails) and the QK / PV
 //!   register blocks its decode and prefill loops share.
-//! - `avx512_decode`, `avx512_tile`: its [`DecodeMicro`] and [`TileMicro`] loops.
+//! - `avx512_decode`, `avx512_tile`, `avx512_u8`: its [`DecodeMicro`], [`TileMicro`] and
+//!   `U8Micro` (u8 cache bytes) loops.
 //! - `amx`: AMX-BF16 tile configuration and the QK / PV tile products of bf16-query prefill
 //!   items (its twin is `scalar_amx` in the parent module).
 //! - `prefetch`, `bounds`: the prefetch cursor and the slice checks every tier uses.
@@ -21,6 +22,7 @@ mod avx2_tile;
 pub(crate) mod avx512;
 mod avx512_decode;
 mod avx512_tile;
+mod avx512_u8;
 mod bounds;
 mod prefetch;
 

@@ -1,0 +1,98 @@
+//! Quick probe of decode over u8 caches (not the benchmark of record, which is tools/bench.py
+//! --types u8): `cargo run --release --example u8_probe [reps]` prints min ms of decode 16 x 1024
+//! and 4 x 4096 (H 32, Hkv 8, D 128, block 32) on u8 caches in OpenVINO's default layout.
+
+use paged_attention::{execute, PaInputs, PaOutputs, Tensor, TensorMut};
+use std::time::Instant;
+
+const H: usize = 32;
+const HKV: usize = 8;
+const D: usize = 128;
+const BS: usize = 32;
+
+fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let t: usize = seqs.iter().map(|s| s.1).sum();
+    let nblocks: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(BS)).collect();
+    let nb: usize = nblocks.iter().sum();
+    let mut kc: Vec<u8> = (0..nb * HKV * (BS + 8) * D).map(|_| next() as u8).collect();
+    let mut vc: Vec<u8> = (0..nb * HKV * BS * (D + 8)).map(|_| next() as u8).collect();
+    for slab in kc.chunks_mut((BS + 8) * D) {
+        for c in 0..D {
+            slab[4 * c..4 * c + 4].copy_from_slice(&0.006f32.to_le_bytes());
+            slab[4 * (D + c)..4 * (D + c) + 4].copy_from_slice(&120f32.to_le_bytes());
+        }
+    }
+    for row in vc.chunks_mut(D + 8) {
+        row[..4].copy_from_slice(&0.006f32.to_le_bytes());
+        row[4..8].copy_from_slice(&120f32.to_le_bytes());
+    }
+    let f = |n: usize, next: &mut dyn FnMut() -> u64| -> Vec<f32> {
+        (0..n)
+            .map(|_| (next() >> 40) as f32 / 8388608.0 - 1.0)
+            .collect()
+    };
+    let (q, k, v) = (
+        f(t * H * D, &mut next),
+        f(t * HKV * D, &mut next),
+        f(t * HKV * D, &mut next),
+    );
+    let past: Vec<i32> = seqs.iter().map(|s| s.0 as i32).collect();
+    let mut sb = vec![0i32];
+    let mut bib = vec![0i32];
+    for (s, &(_, n)) in seqs.iter().enumerate() {
+        sb.push(sb[s] + n as i32);
+        bib.push(bib[s] + nblocks[s] as i32);
+    }
+    let bi: Vec<i32> = (0..nb as i32).rev().collect();
+    let scores_len = seqs.iter().map(|s| s.0 + s.1).sum::<usize>();
+    let (mut out, mut scores) = (vec![0f32; t * H * D], vec![0f32; scores_len]);
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let mut inputs = PaInputs {
+            query: Tensor::new(&[t, H * D], &q),
+            key: Tensor::new(&[t, HKV * D], &k),
+            value: Tensor::new(&[t, HKV * D], &v),
+            key_cache: TensorMut::new(&[nb, HKV, BS + 8, D], &mut kc),
+            value_cache: TensorMut::new(&[nb, HKV, BS, D + 8], &mut vc),
+            past_lens: Tensor::new(&[seqs.len()], &past),
+            subsequence_begins: Tensor::new(&[sb.len()], &sb),
+            block_indices: Tensor::new(&[bi.len()], &bi),
+            block_indices_begins: Tensor::new(&[bib.len()], &bib),
+            scale: None,
+            sliding_window: None,
+            alibi_slopes: None,
+            rotated_block_indices: None,
+            rotation_deltas: None,
+            rotation_trig_lut: None,
+            score_aggregation_window: None,
+        };
+        let mut outputs = PaOutputs {
+            output: TensorMut::new(&[t, H * D], &mut out),
+            scores: TensorMut::new(&[scores_len], &mut scores),
+        };
+        let t0 = Instant::now();
+        execute(&mut inputs, &mut outputs).expect("u8 decode");
+        best = best.min(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    best
+}
+
+fn main() {
+    let reps = std::env::args()
+        .nth(1)
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(20);
+    for (label, seqs) in [
+        ("decode 16 x 1024", vec![(1024, 1); 16]),
+        ("decode 4 x 4096", vec![(4096, 1); 4]),
+    ] {
+        println!("{label}: u8 min {:.2} ms", bench(&seqs, reps));
+    }
+}

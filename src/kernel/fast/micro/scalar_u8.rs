@@ -1,0 +1,107 @@
+//! The scalar [`U8Micro`]: plain loops over u8 cache bytes, the twin the SIMD tiers are tested
+//! against; the AVX2 tier runs these loops too (not vectorised yet).
+
+use super::scalar::Scalar;
+use super::{pv_bounds, qk_bounds, U8Micro};
+
+impl U8Micro for Scalar {
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        qk_bounds(
+            q.len(),
+            ldq,
+            rows,
+            k.len(),
+            ldk,
+            zp.len(),
+            len,
+            s.len(),
+            lds,
+        );
+        for r in 0..rows {
+            for (t, &z) in zp.iter().enumerate() {
+                s[r * lds + t] = q[r * ldq..][..len]
+                    .iter()
+                    .zip(&k[t * ldk..][..len])
+                    .map(|(&x, &b)| x * (b as f32 - z))
+                    .sum();
+            }
+        }
+    }
+
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    ) {
+        let n = zp.len();
+        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        for r in 0..rows {
+            for (t, &z) in zp.iter().enumerate() {
+                let wr = w[r * n + t];
+                for (a, &b) in acc[r * lda..][..len].iter_mut().zip(&v[t * ldv..][..len]) {
+                    *a += wr * (b as f32 - z);
+                }
+            }
+        }
+    }
+
+    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
+        let mut sum = 0.0;
+        for x in s.iter_mut() {
+            *x = (*x - sub).exp();
+            sum += *x;
+        }
+        sum
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl U8Micro for super::x86::avx2::Avx2 {
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        Scalar.qk(q, ldq, rows, k, ldk, zp, len, s, lds)
+    }
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    ) {
+        Scalar.pv(acc, lda, rows, w, v, ldv, zp, len)
+    }
+    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
+        Scalar.exp_sum(s, sub)
+    }
+}

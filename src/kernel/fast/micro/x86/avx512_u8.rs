@@ -1,0 +1,201 @@
+//! The AVX-512 [`U8Micro`]: 16 bytes at a time zero-extended to i32 and converted to f32
+//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 16 bytes for all rows, masked
+//! tails. Reached only through [`Avx512`], which only `Avx512::detect` builds.
+
+use std::arch::x86_64::*;
+
+use super::super::{pv_bounds, qk_bounds, U8Micro};
+use super::avx512::{exp16, tail, Avx512};
+
+impl U8Micro for Avx512 {
+    fn qk(
+        self,
+        q: &[f32],
+        ldq: usize,
+        rows: usize,
+        k: &[u8],
+        ldk: usize,
+        zp: &[f32],
+        len: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        let n = zp.len();
+        qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        let mut r = 0;
+        while r < rows {
+            let tr = (rows - r).min(4);
+            let mut t = 0;
+            while t < n {
+                let tk = if n - t >= 4 { 4 } else { 1 };
+                // SAFETY: `self` proves the features; `qk_bounds` checked rows `r..r + tr` of
+                // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
+                unsafe {
+                    let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
+                    let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
+                    match (tr, tk) {
+                        (4, 4) => qk_rk::<4, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (3, 4) => qk_rk::<3, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (2, 4) => qk_rk::<2, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (1, 4) => qk_rk::<1, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (4, _) => qk_rk::<4, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (3, _) => qk_rk::<3, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        (2, _) => qk_rk::<2, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                        _ => qk_rk::<1, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    }
+                }
+                t += tk;
+            }
+            r += tr;
+        }
+    }
+
+    fn pv(
+        self,
+        acc: &mut [f32],
+        lda: usize,
+        rows: usize,
+        w: &[f32],
+        v: &[u8],
+        ldv: usize,
+        zp: &[f32],
+        len: usize,
+    ) {
+        let n = zp.len();
+        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        let mut r = 0;
+        while r < rows {
+            let take = (rows - r).min(4);
+            // SAFETY: `self` proves the features; `pv_bounds` checked that rows `r..r + take` of
+            // `acc` (stride `lda`) hold `len` elements, `w` holds `rows * n` weights and the `n`
+            // value rows (stride `ldv`) hold `len` bytes each.
+            unsafe {
+                let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
+                match take {
+                    4 => pv_r::<4>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                    3 => pv_r::<3>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                    2 => pv_r::<2>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                    _ => pv_r::<1>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                }
+            }
+            r += take;
+        }
+    }
+
+    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
+        // SAFETY: `self` proves the features; the loop reads and writes only lanes of `s`.
+        unsafe { exp_sum(s, sub) }
+    }
+}
+
+/// 16 bytes at `p` (the lanes of `m`) as f32 minus `zp`; other lanes 0.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn load_u8(p: *const u8, m: __mmask16, zp: __m512) -> __m512 {
+    // SAFETY: the caller guarantees the bytes of the lanes of `m` at `p` are readable; masked
+    // lanes are not accessed.
+    let b = unsafe { _mm_maskz_loadu_epi8(m, p as *const i8) };
+    _mm512_maskz_sub_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), zp)
+}
+
+/// R query rows x K keys in R*K accumulators: each query chunk loaded once for K keys, each key
+/// chunk converted once for R rows.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn qk_rk<const R: usize, const K: usize>(
+    q: *const f32,
+    ldq: usize,
+    k: *const u8,
+    ldk: usize,
+    zp: *const f32,
+    len: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); K]; R];
+    let mut c = 0;
+    while c < len {
+        let m = tail((len - c).min(16));
+        // SAFETY: lanes of `m` are columns `c..c + 16` clipped to `len`, inside the R query rows
+        // and the K key rows; `zp` holds K entries (the caller's bounds).
+        unsafe {
+            let mut kv = [_mm512_setzero_ps(); K];
+            for (j, kv) in kv.iter_mut().enumerate() {
+                *kv = load_u8(k.add(j * ldk + c), m, _mm512_set1_ps(*zp.add(j)));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let qv = _mm512_maskz_loadu_ps(m, q.add(r * ldq + c));
+                for (a, &kv) in acc.iter_mut().zip(&kv) {
+                    *a = _mm512_fmadd_ps(qv, kv, *a);
+                }
+            }
+        }
+        c += 16;
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, a) in acc.iter().enumerate() {
+            // SAFETY: the caller gives R rows of K writable logits at stride `lds`.
+            unsafe { *s.add(r * lds + j) = _mm512_reduce_add_ps(*a) };
+        }
+    }
+}
+
+/// R accumulator rows x 16 columns held in registers over all `n` keys, column chunk by chunk.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn pv_r<const R: usize>(
+    acc: *mut f32,
+    lda: usize,
+    w: *const f32,
+    n: usize,
+    v: *const u8,
+    ldv: usize,
+    zp: &[f32],
+    len: usize,
+) {
+    let mut c = 0;
+    while c < len {
+        let m = tail((len - c).min(16));
+        // SAFETY: lanes of `m` are columns `c..c + 16` clipped to `len`: inside every
+        // accumulator row and every value row; `w` holds R rows of `n` weights (the caller's
+        // bounds). Loads and stores of the accumulators are one per chunk, not per key.
+        unsafe {
+            let mut a = [_mm512_setzero_ps(); R];
+            for (r, a) in a.iter_mut().enumerate() {
+                *a = _mm512_maskz_loadu_ps(m, acc.add(r * lda + c));
+            }
+            for (t, &z) in zp.iter().enumerate() {
+                let vv = load_u8(v.add(t * ldv + c), m, _mm512_set1_ps(z));
+                for (r, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*w.add(r * n + t)), vv, *a);
+                }
+            }
+            for (r, a) in a.iter().enumerate() {
+                _mm512_mask_storeu_ps(acc.add(r * lda + c), m, *a);
+            }
+        }
+        c += 16;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn exp_sum(s: &mut [f32], sub: f32) -> f32 {
+    let subv = _mm512_set1_ps(sub);
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < s.len() {
+        let m = tail((s.len() - i).min(16));
+        // SAFETY: lanes of `m` are `i..i + 16` clipped to `s.len()`.
+        unsafe {
+            let p = s.as_mut_ptr().add(i);
+            let e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), subv)));
+            _mm512_mask_storeu_ps(p, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
+}

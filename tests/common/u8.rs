@@ -1,0 +1,124 @@
+//! u8 caches for tests: a case's past tokens quantized into OpenVINO-layout caches, the case seen
+//! through the dequantized caches (what the float64 reference compares with), and the case as an
+//! op call on u8 caches.
+
+use super::call::{idx, Call, Data, Owned};
+use super::ref64::Case;
+use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::op::validate::SeqPlan;
+
+/// (key mode, value group) variants: by-channel keys with one value group and with groups of 16,
+/// by-token keys with one group, by-token key groups of 8 with value groups of 32.
+pub const LAYOUTS: [(KeyQuant, usize); 4] = [
+    (KeyQuant::ByChannel, 0),
+    (KeyQuant::ByChannel, 16),
+    (KeyQuant::ByToken { group: 0 }, 0),
+    (KeyQuant::ByToken { group: 8 }, 32),
+];
+
+/// The layout of `(key, value_group)` for the case's geometry, a group of D written as 0 (one
+/// group), as the op reads it from the shapes.
+pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> U8Layout {
+    let one = |g: usize| if g == c.d { 0 } else { g };
+    U8Layout {
+        hkv: c.hkv,
+        d: c.d,
+        bs: c.bs,
+        key: match key {
+            KeyQuant::ByToken { group } => KeyQuant::ByToken { group: one(group) },
+            k => k,
+        },
+        value_group: one(value_group),
+    }
+}
+
+/// The case as an op call whose caches are u8 of layout `l`, holding the past tokens (quantized
+/// as a prefill of each sequence would).
+pub fn u8_call(c: &Case, l: &U8Layout) -> Call {
+    let (kc, vc) = u8_caches_with_past(c, l);
+    let mut call = c.to_call();
+    call.inputs[idx::KEY_CACHE] = Owned::new(&l.key_cache_dims(c.nb).unwrap(), Data::U8(kc));
+    call.inputs[idx::VALUE_CACHE] = Owned::new(&l.value_cache_dims(c.nb).unwrap(), Data::U8(vc));
+    call
+}
+
+/// Rows `[T, Hkv*D]` of the case's cache at each sequence's first `upto(s)` positions.
+pub fn cached_rows(c: &Case, cache: &[f64], upto: impl Fn(usize) -> usize) -> Vec<f32> {
+    let mut rows = Vec::new();
+    for s in 0..c.seqs.len() {
+        for pos in 0..upto(s) {
+            for h in 0..c.hkv {
+                let r = c.row(c.block_of(s, pos), h, pos % c.bs);
+                rows.extend(cache[r..r + c.d].iter().map(|&x| x as f32));
+            }
+        }
+    }
+    rows
+}
+
+/// The past tokens of `c` quantized into fresh u8 caches, as a prefill of each sequence would.
+pub fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
+    let mut kc = vec![0u8; l.key_cache_dims(c.nb).unwrap().iter().product()];
+    let mut vc = vec![0u8; l.value_cache_dims(c.nb).unwrap().iter().product()];
+    let mut begin = 0;
+    let seqs: Vec<SeqPlan> = c
+        .seqs
+        .iter()
+        .enumerate()
+        .map(|(s, sq)| {
+            let sp = SeqPlan {
+                past: 0,
+                begin,
+                n: sq.past,
+                block_begin: c.block_indices_begins[s] as usize,
+                score_tokens: 0,
+                score_offset: 0,
+            };
+            begin += sq.past;
+            sp
+        })
+        .collect();
+    let keys = cached_rows(c, &c.key_cache, |s| c.seqs[s].past);
+    let values = cached_rows(c, &c.value_cache, |s| c.seqs[s].past);
+    quant::insert_u8(l, &seqs, &c.block_indices, &keys, &values, &mut kc, &mut vc);
+    (kc, vc)
+}
+
+/// `c` with its caches replaced by the dequantized u8 caches (after the call) and its new keys and
+/// values by their dequantized rows, so the float64 reference inserts exactly what the u8 cache
+/// holds.
+pub fn dequantized_case(c: &Case, l: &U8Layout, kc: &[u8], vc: &[u8]) -> Case {
+    let mut out = c.clone();
+    let mut row = vec![0f32; c.d];
+    for block in 0..c.nb {
+        for h in 0..c.hkv {
+            for slot in 0..c.bs {
+                let r = c.row(block, h, slot);
+                quant::key_row(l, kc, block, h, slot, &mut row);
+                out.key_cache[r..r + c.d]
+                    .iter_mut()
+                    .zip(&row)
+                    .for_each(|(o, &x)| *o = x as f64);
+                quant::value_row(l, vc, block, h, slot, &mut row);
+                out.value_cache[r..r + c.d]
+                    .iter_mut()
+                    .zip(&row)
+                    .for_each(|(o, &x)| *o = x as f64);
+            }
+        }
+    }
+    let mut t = 0;
+    for (s, sq) in c.seqs.iter().enumerate() {
+        for i in 0..sq.n {
+            let pos = sq.past + i;
+            for h in 0..c.hkv {
+                let r = c.row(c.block_of(s, pos), h, pos % c.bs);
+                let dst = (t * c.hkv + h) * c.d;
+                out.key[dst..dst + c.d].copy_from_slice(&out.key_cache[r..r + c.d]);
+                out.value[dst..dst + c.d].copy_from_slice(&out.value_cache[r..r + c.d]);
+            }
+            t += 1;
+        }
+    }
+    out
+}

@@ -1,0 +1,303 @@
+//! u8 caches as a cache type of the op itself (`execute`, `execute_reference`, validation, shape
+//! inference): the layout is read from the shapes, insertion writes exactly the bytes of the
+//! byte-checked quantizer (`kernel::quant::insert_u8`, held to OpenVINO's bytes by
+//! tests/u8_cache.rs), outputs match the float64 reference over the dequantized caches, and wrong
+//! shapes are refused with messages that say what a u8 cache must look like.
+
+mod common;
+
+use common::call::{idx, Data, Owned, Runner, RUNNERS};
+use common::ref64::{gen_case, reference, Case, Features, Geometry, SeqKind};
+use common::u8::{dequantized_case, layout_for, u8_call, LAYOUTS};
+use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::op::{infer_shapes, PartialInput, PartialShape, DYN};
+use paged_attention::{ElemType, PaError};
+
+fn features() -> Features {
+    Features {
+        rotation: Some(false),
+        ..Features::default()
+    }
+}
+
+/// Worst `|got - want| / (1 + |want|)`.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+        .fold(0.0, f64::max)
+}
+
+/// Runs `c` on u8 caches of `l` with `runner`; checks the caches' bytes against `insert_u8` on
+/// the same caches and the outputs against float64 attention over the dequantized caches.
+/// Returns the worst output and score errors.
+fn run_and_check(c: &Case, l: &U8Layout, runner: Runner) -> (f64, f64) {
+    let mut call = u8_call(c, l);
+    let mut want_kc = call.inputs[idx::KEY_CACHE].data.u8s().to_vec();
+    let mut want_vc = call.inputs[idx::VALUE_CACHE].data.u8s().to_vec();
+    let plan = call.validate().expect("u8 call validates");
+    assert_eq!(plan.u8.as_ref(), Some(l), "layout read from the shapes");
+    let key = call.inputs[idx::KEY].data.to_f64();
+    let value = call.inputs[idx::VALUE].data.to_f64();
+    let widen = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    quant::insert_u8(
+        l,
+        &plan.seqs,
+        &c.block_indices,
+        &widen(&key),
+        &widen(&value),
+        &mut want_kc,
+        &mut want_vc,
+    );
+    call.run(runner).expect("u8 call runs");
+    let kc = call.inputs[idx::KEY_CACHE].data.u8s();
+    let vc = call.inputs[idx::VALUE_CACHE].data.u8s();
+    assert!(kc == want_kc.as_slice(), "{runner:?} key cache bytes");
+    assert!(vc == want_vc.as_slice(), "{runner:?} value cache bytes");
+    let want = reference(&dequantized_case(c, l, kc, vc));
+    (
+        rel_err(&call.outputs[0].data.to_f64(), &want.output),
+        rel_err(&call.outputs[1].data.to_f64(), &want.scores),
+    )
+}
+
+fn check(qt: ElemType, tol: f64, seeds: std::ops::Range<u64>, seqs: Option<Vec<SeqKind>>) {
+    for (key, value_group) in LAYOUTS {
+        for (hkv, g, d) in [(2, 2, 64), (1, 4, 32), (2, 1, 128), (1, 3, 40)] {
+            if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                continue;
+            }
+            let geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 32);
+            for seed in seeds.clone() {
+                let f = Features {
+                    seqs: seqs.clone(),
+                    ..features()
+                };
+                let c = gen_case(seed, &geo, &f);
+                let l = layout_for(&c, key, value_group);
+                for runner in RUNNERS {
+                    let (o, s) = run_and_check(&c, &l, runner);
+                    assert!(
+                        o <= tol && s <= tol,
+                        "{runner:?} {l:?} seed {seed}: output {o:e}, scores {s:e} > {tol:e}\n{}",
+                        c.describe()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn f32_query_on_u8_caches_end_to_end() {
+    check(ElemType::F32, 2e-5, 0..8, None);
+}
+
+#[test]
+fn f16_and_bf16_queries_on_u8_caches_end_to_end() {
+    check(ElemType::F16, 1e-2, 20..23, None);
+    check(ElemType::BF16, 1e-2, 40..43, None);
+}
+
+#[test]
+fn decode_batches_on_u8_caches() {
+    let decodes = Some(vec![SeqKind::Decode; 4]);
+    check(ElemType::F32, 2e-5, 60..64, decodes.clone());
+    check(ElemType::BF16, 1e-2, 70..72, decodes);
+}
+
+fn sample(key: KeyQuant, value_group: usize) -> common::call::Call {
+    let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
+    let c = gen_case(5, &geo, &features());
+    u8_call(&c, &layout_for(&c, key, value_group))
+}
+
+fn reshape(call: &mut common::call::Call, i: usize, dim: usize, to: usize) {
+    let t = &mut call.inputs[i];
+    t.shape[dim] = to;
+    let n = t.shape.iter().product();
+    t.data = Data::U8(vec![0; n]);
+}
+
+fn rejects(mut call: common::call::Call, needles: &[&str]) -> PaError {
+    let before = call.snapshot();
+    let err = call
+        .run(Runner::Execute)
+        .expect_err("a malformed u8 call must be refused");
+    let msg = err.to_string();
+    for n in needles {
+        assert!(msg.contains(n), "message lacks {n:?}: {msg}");
+    }
+    assert_eq!(call.snapshot(), before, "a refused call wrote something");
+    err
+}
+
+#[test]
+fn wrong_extra_row_count_is_refused() {
+    let mut call = sample(KeyQuant::ByChannel, 0);
+    reshape(&mut call, idx::KEY_CACHE, 2, 32 + 4);
+    let err = rejects(call, &["key_cache", "36 rows", "block_size + 8 = 40"]);
+    assert!(matches!(err, PaError::Shape { .. }), "{err:?}");
+}
+
+#[test]
+fn value_row_matching_no_group_size_is_refused() {
+    // 64 + 12: 12 parameter bytes are not whole groups; 64 + 24: 3 groups do not divide 64.
+    for cols in [64 + 12, 64 + 24, 64] {
+        let mut call = sample(KeyQuant::ByChannel, 0);
+        reshape(&mut call, idx::VALUE_CACHE, 3, cols);
+        rejects(
+            call,
+            &[
+                "value_cache",
+                &format!("{cols} bytes per token"),
+                "no group size",
+            ],
+        );
+    }
+    let mut call = sample(KeyQuant::ByToken { group: 0 }, 0);
+    reshape(&mut call, idx::KEY_CACHE, 3, 64 + 12);
+    rejects(call, &["key_cache", "76 bytes per token", "no group size"]);
+}
+
+#[test]
+fn key_width_must_give_the_head_size() {
+    // by-channel keys name D twice: the key width over Hkv and the key cache's last dimension
+    let mut call = sample(KeyQuant::ByChannel, 0);
+    reshape(&mut call, idx::KEY_CACHE, 3, 32);
+    rejects(call, &["key_cache", "head_size 32"]);
+}
+
+#[test]
+fn mixed_cache_types_and_u8_inputs_are_refused() {
+    let mut call = sample(KeyQuant::ByChannel, 0);
+    let n = call.inputs[idx::VALUE_CACHE].shape.iter().product();
+    call.inputs[idx::VALUE_CACHE].data = Data::F32(vec![0.0; n]);
+    rejects(call, &["value_cache", "u8"]);
+    let mut call = sample(KeyQuant::ByChannel, 0);
+    let q = &call.inputs[idx::QUERY];
+    call.inputs[idx::QUERY] = Owned::new(&q.shape.clone(), Data::U8(vec![0; q.data.len()]));
+    rejects(call, &["query", "f32, f16 or bf16"]);
+}
+
+#[test]
+fn rotation_of_a_u8_key_cache_is_refused() {
+    let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
+    let f = Features {
+        rotation: Some(true),
+        ..Features::default()
+    };
+    let c = gen_case(9, &geo, &f);
+    let call = u8_call(&c, &layout_for(&c, KeyQuant::ByChannel, 0));
+    rejects(call, &["rotation of a u8 key cache"]);
+}
+
+fn partial(elem: ElemType, dims: &[i64]) -> PartialInput {
+    PartialInput::new(Some(elem), PartialShape::from_dims(dims))
+}
+
+#[test]
+fn shape_inference_reads_u8_layouts() {
+    let i32s = |d: &[i64]| partial(ElemType::I32, d);
+    let inputs = |kc: &[i64], vc: &[i64]| {
+        vec![
+            partial(ElemType::F32, &[DYN, 8 * 64]),
+            partial(ElemType::F32, &[DYN, 2 * 64]),
+            partial(ElemType::F32, &[DYN, 2 * 64]),
+            partial(ElemType::U8, kc),
+            partial(ElemType::U8, vc),
+            i32s(&[DYN]),
+            i32s(&[DYN]),
+            i32s(&[DYN]),
+            i32s(&[DYN]),
+        ]
+    };
+    for (kc, vc) in [
+        ([DYN, 2, 40, 64], [DYN, 2, 32, 72]),
+        ([DYN, 2, 32, 96], [DYN, 2, 32, 80]),
+    ] {
+        let [o, _] = infer_shapes(&inputs(&kc, &vc)).expect("u8 layout infers");
+        assert_eq!(o.shape, PartialShape::from_dims(&[DYN, 8 * 64]));
+        assert_eq!(o.elem, Some(ElemType::F32));
+    }
+    let err = infer_shapes(&inputs(&[DYN, 2, 33, 64], &[DYN, 2, 32, 72])).unwrap_err();
+    assert!(err.to_string().contains("33 rows"), "{err}");
+    let err = infer_shapes(&inputs(&[DYN, 2, 40, 64], &[DYN, 2, 32, 70])).unwrap_err();
+    assert!(err.to_string().contains("70 bytes per token"), "{err}");
+}
+
+/// Every SIMD level's u8 loops (`fast::u8attn` on that level's `U8Micro`) against float64 attention
+/// over the dequantized caches and against the scalar level, on edge geometries: head sizes that
+/// leave 16-lane tails (24, 40), more query heads per KV head than a tile has rows (10), block
+/// size 16, long contexts spanning many blocks.
+#[test]
+fn every_simd_level_matches_float64_and_the_scalar_twin() {
+    use paged_attention::kernel::fast::{execute_with, FastOptions, SimdLevel};
+    let run = |call: &mut common::call::Call, simd: SimdLevel| {
+        call.with_api(|inputs, mut outputs| {
+            let opts = FastOptions {
+                simd,
+                ..FastOptions::default()
+            };
+            execute_with(opts, &mut inputs.unwrap(), &mut outputs).expect("u8 call runs")
+        })
+    };
+    let mut checked = 0;
+    for (qt, tol) in [(ElemType::F32, 2e-5), (ElemType::BF16, 1e-2)] {
+        for (hkv, g, d, bs) in [
+            (2, 4, 64, 32),
+            (1, 10, 24, 16),
+            (2, 3, 40, 32),
+            (1, 1, 128, 32),
+        ] {
+            let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, bs);
+            geo.max_past = 150;
+            geo.max_new = 40;
+            for (key, value_group) in LAYOUTS {
+                if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                    continue;
+                }
+                if let KeyQuant::ByToken { group } = key {
+                    if group > d || !d.is_multiple_of(group.max(1)) {
+                        continue;
+                    }
+                }
+                let c = gen_case(checked as u64 + 500, &geo, &features());
+                let l = layout_for(&c, key, value_group);
+                let mut scalar = u8_call(&c, &l);
+                run(&mut scalar, SimdLevel::Scalar);
+                let want = reference(&dequantized_case(
+                    &c,
+                    &l,
+                    scalar.inputs[idx::KEY_CACHE].data.u8s(),
+                    scalar.inputs[idx::VALUE_CACHE].data.u8s(),
+                ));
+                for level in SimdLevel::ALL {
+                    let mut call = u8_call(&c, &l);
+                    run(&mut call, level);
+                    let (o, s) = (call.outputs[0].data.to_f64(), call.outputs[1].data.to_f64());
+                    let (eo, es) = (rel_err(&o, &want.output), rel_err(&s, &want.scores));
+                    assert!(
+                        eo <= tol && es <= tol,
+                        "{level:?} {l:?}: vs float64 output {eo:e} scores {es:e}\n{}",
+                        c.describe()
+                    );
+                    let twin_o = rel_err(&o, &scalar.outputs[0].data.to_f64());
+                    let twin_s = rel_err(&s, &scalar.outputs[1].data.to_f64());
+                    assert!(
+                        twin_o <= tol && twin_s <= tol,
+                        "{level:?} {l:?}: vs scalar twin output {twin_o:e} scores {twin_s:e}"
+                    );
+                    assert_eq!(
+                        call.inputs[idx::KEY_CACHE],
+                        scalar.inputs[idx::KEY_CACHE],
+                        "{level:?}: key cache bytes"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 40, "{checked} runs");
+}
