@@ -225,6 +225,12 @@ fn shape_inference_reads_u8_layouts() {
     assert!(err.to_string().contains("33 rows"), "{err}");
     let err = infer_shapes(&inputs(&[DYN, 2, 40, 64], &[DYN, 2, 32, 70])).unwrap_err();
     assert!(err.to_string().contains("70 bytes per token"), "{err}");
+    // block_size + 8 must not wrap: with a block size of i64::MAX the call is refused with a
+    // message that names no wrapped number (found by the fuzzer, whose build panics on the
+    // overflow; the input is in fuzz/regressions/infer_shapes/).
+    let err = infer_shapes(&inputs(&[DYN, 2, 5, 64], &[DYN, 2, i64::MAX, 72])).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("5 rows") && !msg.contains("= -"), "{msg}");
 }
 
 /// Every SIMD level's u8 loops (`fast::u8attn` on that level's `U8Micro`) against float64 attention

@@ -450,8 +450,9 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
         }
     }
     if let (Some(rows), Some(bs)) = (kc.dim(2), k.bs) {
-        let params = PARAM_BYTES as i64;
-        if rows == bs + params {
+        // Checked: a declared block size near i64::MAX must be refused, not wrap.
+        let with_params = bs.checked_add(PARAM_BYTES as i64);
+        if Some(rows) == with_params {
             k.key_quant = Some(KeyQuant::ByChannel);
             unify(&mut k.d, kc.dim(3), "key_cache", |v, known| {
                 format!("key_cache (u8, by channel) has head_size {v} (dim 3), but key/value give {known}")
@@ -464,7 +465,7 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
         } else {
             return Err(PaError::shape(
                 "key_cache",
-                format!("u8 key_cache has {rows} rows per block (dim 2); it must be block_size + 8 = {} (keys by channel, 8 rows of f32 scales and zero points) or block_size = {bs} (keys by token), with block_size = {bs} from value_cache dim 2", bs + params),
+                format!("u8 key_cache has {rows} rows per block (dim 2); it must be block_size + 8{} (keys by channel, 8 rows of f32 scales and zero points) or block_size = {bs} (keys by token), with block_size = {bs} from value_cache dim 2", with_params.map(|v| format!(" = {v}")).unwrap_or_default()),
             ));
         }
     }
