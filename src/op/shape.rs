@@ -480,7 +480,7 @@ fn u8_group(name: &'static str, cols: i64, d: i64) -> Result<usize> {
     group_of_row(cols as usize, d as usize).ok_or_else(|| {
         PaError::shape(
             name,
-            format!("{name} (u8, by token) has {cols} bytes per token (dim 3), which matches no group size for head_size {d}: a row holds D + 8 * D / G bytes for a group size G dividing D ({} for one group of D)", d + PARAM_BYTES as i64),
+            format!("{name} (u8, by token) has {cols} bytes per token (dim 3), which matches no group size for head_size {d}: a row holds D + 8 * D / G bytes for a group size G dividing D ({} for one group of D)", d.checked_add(PARAM_BYTES as i64).map_or("D + 8".into(), |v| v.to_string())),
         )
     })
 }
