@@ -157,10 +157,10 @@ impl Tiles {
         for xb in (0..dp).step_by(32) {
             for rb in (0..r32).step_by(32) {
                 let c = acc[xb * r32 + rb..].as_mut_ptr() as *mut u8;
-                // SAFETY: accumulator rows xb..xb+32 at columns rb..rb+32, value rows
-                // xb..xb+32 (keys 0..n32, stride ldv) and weight-pair rows 0..n32/2 at
-                // columns rb..rb+32 of every term are inside the slices (asserted above);
-                // `self` proves the tile configuration.
+                // Accumulator rows xb..xb+32 at columns rb..rb+32, value rows xb..xb+32 (keys
+                // 0..n32, stride ldv) and weight-pair rows 0..n32/2 at columns rb..rb+32 of
+                // every term are inside the slices (asserted above).
+                // SAFETY: all addresses in bounds (above); `self` proves the tile config.
                 unsafe {
                     c_load(c, r32 * 4);
                     for (vt, pt) in terms {
