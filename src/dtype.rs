@@ -63,6 +63,16 @@ impl std::fmt::Display for ElemType {
     }
 }
 
+/// The elements as f32 when `C` is f32 (a cache then read in place, a row copied as is).
+pub(crate) fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
+    if std::any::TypeId::of::<C>() == std::any::TypeId::of::<f32>() {
+        // SAFETY: C is f32 (same TypeId), so the slice is reinterpreted as its own type.
+        Some(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })
+    } else {
+        None
+    }
+}
+
 /// A floating-point storage type: f32, f16 or bf16.
 pub trait Float: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
     const TYPE: ElemType;

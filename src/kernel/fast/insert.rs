@@ -3,14 +3,16 @@
 //! One task per (cache, KV head): rows of different KV heads never overlap, and inside a task tokens are
 //! written in the reference's order, so block tables that alias give the reference's result.
 
+use super::micro::{Micro, TileMicro, U8Micro};
 use super::shared::SharedMut;
-use crate::dtype::Float;
+use super::{on_level, OnMicro, SimdLevel};
+use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::seq_row;
 use crate::op::Plan;
 use crate::threads::Runner;
 
-/// Writes `src` into `cache`. Safe for any plan: rows are disjoint by construction and every
-/// slice access is checked.
+/// Writes `src` into `cache`, on the micro-kernels of the process's SIMD level. Safe for any
+/// plan: rows are disjoint by construction and every slice access is checked.
 pub fn insert<Q: Float, C: Float>(
     runner: Runner,
     plan: &Plan,
@@ -18,12 +20,41 @@ pub fn insert<Q: Float, C: Float>(
     cache: &mut [C],
     block_indices: &[i32],
 ) {
-    insert_all(runner, plan, &mut [(src, cache)], block_indices)
+    struct One<'p, 'a, Q, C> {
+        runner: Runner,
+        plan: &'p Plan,
+        pair: (&'a [Q], &'p mut [C]),
+        block_indices: &'p [i32],
+    }
+    impl<Q: Float, C: Float> OnMicro for One<'_, '_, Q, C> {
+        type Out = ();
+        fn on<M: TileMicro + U8Micro>(self, m: M) {
+            let (src, cache) = self.pair;
+            insert_all(
+                m,
+                self.runner,
+                self.plan,
+                &mut [(src, cache)],
+                self.block_indices,
+            )
+        }
+    }
+    let pair = (src, cache);
+    on_level(
+        SimdLevel::from_env(),
+        One {
+            runner,
+            plan,
+            pair,
+            block_indices,
+        },
+    )
 }
 
 /// Writes every `(src, cache)` pair (the keys and the values of a call) in one parallel region,
 /// one task per (pair, KV head): a region less for the threads to meet at.
-pub fn insert_all<Q: Float, C: Float>(
+pub(crate) fn insert_all<M: Micro, Q: Float, C: Float>(
+    m: M,
     runner: Runner,
     plan: &Plan,
     pairs: &mut [(&[Q], &mut [C])],
@@ -44,23 +75,29 @@ pub fn insert_all<Q: Float, C: Float>(
                 // written by different tasks are disjoint; this task holds one row at a time.
                 let row = unsafe { w.part(dst, d) };
                 let s = &src[((sp.begin + i) * hkv + head) * d..][..d];
-                copy_row(s, row);
+                copy_row(m, s, row);
             }
         }
     });
 }
 
-/// `dst = src` converted to the cache type (a plain copy when the types match).
-fn copy_row<Q: Float, C: Float>(src: &[Q], dst: &mut [C]) {
+/// `dst = src` converted to the cache type as `C::from_f32(src.to_f32())` does it (a plain
+/// copy when the types match; a half-precision source goes through f32 a chunk at a time).
+fn copy_row<M: Micro, Q: Float, C: Float>(m: M, src: &[Q], dst: &mut [C]) {
     if Q::TYPE == C::TYPE {
         // SAFETY: one Float impl per element type, so equal TYPEs mean Q and C are the same
         // type; both slices hold dst.len() elements.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr() as *const C, dst.as_mut_ptr(), dst.len())
         };
+    } else if let Some(src) = as_f32(src) {
+        m.narrow(src, dst);
     } else {
-        for (o, v) in dst.iter_mut().zip(src) {
-            *o = C::from_f32(v.to_f32());
+        let mut buf = [0f32; 64];
+        for (s, o) in src.chunks(buf.len()).zip(dst.chunks_mut(buf.len())) {
+            let b = &mut buf[..s.len()];
+            m.widen(s, b);
+            m.narrow(b, o);
         }
     }
 }

@@ -276,17 +276,52 @@ fn run_in(
         // Nothing to tile; the reference does no arithmetic here.
         return super::run_reference(plan, inputs, outputs);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        let level = opts.simd.effective();
-        if let (SimdLevel::Avx512 | SimdLevel::Amx, Some(m)) = (level, Avx512::detect()) {
-            return dispatch(Fast { m, opts }, plan, inputs, outputs);
-        }
-        if let (SimdLevel::Avx2, Some(m)) = (level, Avx2::detect()) {
-            return dispatch(Fast { m, opts }, plan, inputs, outputs);
+    struct Call<'p, 'a, 'b> {
+        plan: &'p Plan,
+        inputs: &'p mut PaInputs<'a>,
+        outputs: &'p mut PaOutputs<'b>,
+        opts: FastOptions,
+    }
+    impl OnMicro for Call<'_, '_, '_> {
+        type Out = Result<()>;
+        fn on<M: TileMicro + U8Micro>(self, m: M) -> Result<()> {
+            let opts = self.opts;
+            dispatch(Fast { m, opts }, self.plan, self.inputs, self.outputs)
         }
     }
-    dispatch(Fast { m: Scalar, opts }, plan, inputs, outputs)
+    on_level(
+        opts.simd,
+        Call {
+            plan,
+            inputs,
+            outputs,
+            opts,
+        },
+    )
+}
+
+/// Work run on the micro-kernels of one SIMD level (see [`on_level`]).
+pub(crate) trait OnMicro {
+    type Out;
+    fn on<M: TileMicro + U8Micro>(self, m: M) -> Self::Out;
+}
+
+/// Runs `op` on the micro-kernels of `level`, or of the best level below it this CPU has:
+/// the one place a tier is chosen.
+pub(crate) fn on_level<O: OnMicro>(level: SimdLevel, op: O) -> O::Out {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let level = level.effective();
+        if let (SimdLevel::Avx512 | SimdLevel::Amx, Some(m)) = (level, Avx512::detect()) {
+            return op.on(m);
+        }
+        if let (SimdLevel::Avx2, Some(m)) = (level, Avx2::detect()) {
+            return op.on(m);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = level;
+    op.on(Scalar)
 }
 
 /// The fast kernels on micro-kernels `M`, as a [`TypedOp`].
@@ -310,6 +345,7 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
             );
         }
         insert::insert_all(
+            m,
             opts.runner,
             plan,
             &mut [(b.key, &mut *b.key_cache), (b.value, &mut *b.value_cache)],

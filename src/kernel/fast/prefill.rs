@@ -10,9 +10,10 @@
 
 use super::micro::TileMicro;
 use super::partition::Item;
+use super::pool::{Buf, Pooled};
 use super::shared::SharedMut;
 use super::tile::{finite_outside, mask_tile_strided, prefetch_part, Ctx};
-use crate::dtype::Float;
+use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
 use crate::op::SeqPlan;
 use std::any::TypeId;
@@ -51,21 +52,11 @@ pub(super) fn aligned<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     &mut v[off..off + n]
 }
 
-/// The elements as f32 when `C` is f32 (the cache is then read in place, not widened).
-fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
-    if TypeId::of::<C>() == TypeId::of::<f32>() {
-        // SAFETY: C is f32 (same TypeId), so the slice is reinterpreted as its own type.
-        Some(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })
-    } else {
-        None
-    }
-}
-
 /// f32 copies of the K and V rows of the prefill sequences (f16/bf16 caches): each row is
 /// widened once per call instead of once per query tile that reads it.
 pub(crate) struct Widened {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Buf<f32>,
+    v: Buf<f32>,
     /// Per sequence, the offsets of its K and V rows (`[Hkv][ctx][D]`), `None` when not
     /// widened.
     base: Vec<Option<(usize, usize)>>,
@@ -105,10 +96,10 @@ pub(crate) fn prepare<M: TileMicro, Q: Float, C: Float>(
 }
 
 /// K buffer, V buffer, and each sequence's offsets in them (`None`: not a prefill sequence).
-pub(super) type Regions<T> = (Vec<T>, Vec<T>, Vec<Option<(usize, usize)>>);
+pub(super) type Regions<T> = (Buf<T>, Buf<T>, Vec<Option<(usize, usize)>>);
 
 /// Runs `fill(s, kvh, k, v)` on every (prefill sequence, KV head) in parallel, `k` and `v`
-/// being that head's `region(seq)` (K, V) elements of two zeroed buffers allocated here;
+/// being that head's `region(seq)` (K, V) elements of two zeroed buffers from the pool;
 /// `None` when there is nothing to fill or a buffer would exceed `budget` elements.
 pub(super) fn per_head_regions<T, Q, C>(
     ctx: &Ctx<'_, Q, C>,
@@ -117,7 +108,7 @@ pub(super) fn per_head_regions<T, Q, C>(
     fill: impl Fn(usize, usize, &mut [T], &mut [T]) + Sync,
 ) -> Option<Regions<T>>
 where
-    T: Copy + Default + Send,
+    T: Pooled,
 {
     let plan = ctx.plan;
     let hkv = plan.hkv;
@@ -134,7 +125,7 @@ where
     if klen == 0 || klen.max(vlen) > budget {
         return None;
     }
-    let (mut k, mut v) = (vec![T::default(); klen], vec![T::default(); vlen]);
+    let (mut k, mut v) = (Buf::zeroed(klen), Buf::zeroed(vlen));
     // One task per (prefill sequence, KV head): (s, kvh, K offset, V offset).
     let tasks: Vec<(usize, usize, usize, usize)> = (0..plan.seqs.len())
         .filter_map(|s| base[s].map(|b| (s, b)))

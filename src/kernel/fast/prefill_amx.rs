@@ -34,6 +34,7 @@
 use super::micro::x86::amx::{Amx, Tiles};
 use super::micro::TileMicro;
 use super::partition::Item;
+use super::pool::Buf;
 use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRows};
 use super::shared::SharedMut;
 use super::tile::{mask_tile_strided, Ctx};
@@ -53,8 +54,8 @@ pub(crate) static ITEMS: AtomicU64 = AtomicU64::new(0);
 /// `[ctx + 32][kw]` and values transposed `[dp][ctx + 32]` (the 32 spare keys are zeros, so a
 /// span's last k-step may read past the context).
 pub(crate) struct Packed {
-    k: Vec<u16>,
-    v: Vec<u16>,
+    k: Buf<u16>,
+    v: Buf<u16>,
     base: Vec<Option<(usize, usize)>>,
     /// Per (sequence, KV head): every packed value is finite (so no span needs the check of
     /// the values its masked keys hold).

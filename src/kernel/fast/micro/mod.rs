@@ -69,6 +69,9 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     fn scale_logits(self, s: &mut [f32], c: f32);
     /// `dst[j] = src[j]` widened to f32.
     fn widen<C: Float>(self, src: &[C], dst: &mut [f32]);
+    /// `dst[j] = C::from_f32(src[j])`, bit for bit (round to nearest even; NaN stays a quiet
+    /// NaN of the same sign): how new tokens enter an f16/bf16 cache.
+    fn narrow<C: Float>(self, src: &[f32], dst: &mut [C]);
 }
 
 /// The loops over u8 cache rows. Bytes are widened to f32 as they are loaded (never a whole

@@ -51,6 +51,12 @@ impl Micro for Scalar {
             *o = v.to_f32();
         }
     }
+
+    fn narrow<C: Float>(self, src: &[f32], dst: &mut [C]) {
+        for (o, &v) in dst.iter_mut().zip(src) {
+            *o = C::from_f32(v);
+        }
+    }
 }
 
 /// `s[j] = exp(s[j] - m)` in place; returns their sum (in order).

@@ -151,7 +151,7 @@ fn dec_softmax<M: Micro, C: Float>(m: M, tier: &str) {
     }
 }
 
-/// add_exp_scaled, scale and widen at every length up to 40.
+/// add_exp_scaled, scale, widen and narrow at every length up to 40.
 fn elementwise<M: Micro>(m: M, tier: &str) {
     let mut rng = Rng(0xe1e);
     for n in 0..=40 {
@@ -228,6 +228,59 @@ fn elementwise<M: Micro>(m: M, tier: &str) {
             assert_eq!(&out[..n], &src[..], "{what} widen {name}");
             untouched(&format!("{what} widen {name}"), &out[n..]);
         }
+
+        // narrow against `half`'s conversions, bit for bit, on values where rounding has
+        // edges: ties with even and odd last kept bits, just past a tie, denormals of both
+        // formats, overflow to infinity, infinities, NaNs of both signs and payloads.
+        let edges = [
+            f32::from_bits(0x3f80_8000), // bf16 tie, even: stays
+            f32::from_bits(0x3f81_8000), // bf16 tie, odd: rounds up
+            f32::from_bits(0x3f80_8001),
+            f32::from_bits(0x0000_8000), // f32 denormal, a bf16 tie
+            f32::from_bits(0x8001_7fff),
+            f32::from_bits(0x7f7f_ffff), // f32::MAX: bf16 rounds to inf
+            65520.0,                     // f16 rounds to inf
+            1.0 + 1.0 / 2048.0,          // f16 tie, even
+            3e-6,                        // f16 denormal
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0xffc1_2345), // negative NaN with payload
+            f32::from_bits(0x7f80_0001), // signalling NaN
+            -0.0,
+        ];
+        let src: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 3 == 0 {
+                    rng.f(4.0)
+                } else {
+                    edges[i % edges.len()]
+                }
+            })
+            .collect();
+        fn check<C: Float, M: Micro>(m: M, src: &[f32], what: &str, bits: impl Fn(C) -> u32) {
+            let n = src.len();
+            let sentinel = C::from_f32(7.0);
+            let mut out = vec![sentinel; n + 16];
+            m.narrow(src, &mut out[..n]);
+            for (i, &x) in src.iter().enumerate() {
+                let (got, want) = (bits(out[i]), bits(C::from_f32(x)));
+                assert_eq!(
+                    got,
+                    want,
+                    "{what} narrow {:?} of {x:e} ({:#x})",
+                    C::TYPE,
+                    x.to_bits()
+                );
+            }
+            assert!(
+                out[n..].iter().all(|v| *v == sentinel),
+                "{what} narrow wrote past its range"
+            );
+        }
+        check::<f16, M>(m, &src, &what, |v| v.to_bits() as u32);
+        check::<bf16, M>(m, &src, &what, |v| v.to_bits() as u32);
+        check::<f32, M>(m, &src, &what, |v| v.to_bits());
     }
 }
 

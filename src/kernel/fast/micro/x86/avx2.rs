@@ -80,6 +80,12 @@ impl Micro for Avx2 {
         // SAFETY: `self` proves the features; `n` elements exist in both slices.
         unsafe { widen::<C>(src.as_ptr(), dst.as_mut_ptr(), n) }
     }
+
+    fn narrow<C: Float>(self, src: &[f32], dst: &mut [C]) {
+        let n = src.len().min(dst.len());
+        // SAFETY: `self` proves the features; `n` elements exist in both slices.
+        unsafe { narrow::<C>(src.as_ptr(), dst.as_mut_ptr(), n) }
+    }
 }
 
 /// Eight elements of type `C` at `p`, widened to f32.
@@ -234,7 +240,7 @@ pub(super) unsafe fn exp8_nonpos(x: __m256) -> __m256 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exp8_clamped(x: __m256) -> __m256 {
-    let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+    let fx = _mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
@@ -361,6 +367,56 @@ unsafe fn scale<const CAP: bool>(x: &mut [f32], c: f32) {
             *v = v.cap();
         }
     }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn narrow<C: Float>(src: *const f32, dst: *mut C, n: usize) {
+    let mut j = 0;
+    while j + 8 <= n {
+        // SAFETY: j + 8 <= n elements in both buffers; `C::TYPE` names the element type of
+        // `dst`, so each arm writes exactly its 8 elements.
+        unsafe {
+            let x = _mm256_loadu_ps(src.add(j));
+            let p = dst.add(j);
+            match C::TYPE {
+                ElemType::F32 => _mm256_storeu_ps(p as *mut f32, x),
+                // `vcvtps2ph`: what `half` itself uses on F16C CPUs.
+                ElemType::F16 => _mm_storeu_si128(
+                    p as *mut __m128i,
+                    _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x),
+                ),
+                _ => _mm_storeu_si128(p as *mut __m128i, bf16_bits8(x)),
+            }
+        }
+        j += 8;
+    }
+    while j < n {
+        // SAFETY: j < n.
+        unsafe { *dst.add(j) = C::from_f32(*src.add(j)) };
+        j += 1;
+    }
+}
+
+/// The bf16 bits of 8 f32 lanes, packed, as `half`'s `bf16::from_f32` (see the AVX-512 tier's
+/// `bf16_bits16`: round to nearest even, NaN kept quiet).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bf16_bits8(x: __m256) -> __m128i {
+    let b = _mm256_castps_si256(x);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, bias));
+    // |x| > inf as signed compare: both sides are below 2^31 once the sign is cleared.
+    let nan = _mm256_cmpgt_epi32(
+        _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)),
+        _mm256_set1_epi32(0x7f80_0000),
+    );
+    let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+    let bits = _mm256_blendv_epi8(rounded, quiet, nan);
+    // Every lane is below 2^16, so the unsigned-saturating pack keeps it; the pack works per
+    // 128-bit half, so the two halves are joined from lanes 0 and 2 of the 64-bit view.
+    let packed = _mm256_packus_epi32(bits, bits);
+    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

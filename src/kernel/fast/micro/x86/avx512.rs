@@ -105,6 +105,12 @@ impl Micro for Avx512 {
         // SAFETY: `self` proves the features; `n` elements exist in both slices.
         unsafe { widen::<C>(src.as_ptr(), dst.as_mut_ptr(), n) }
     }
+
+    fn narrow<C: Float>(self, src: &[f32], dst: &mut [C]) {
+        let n = src.len().min(dst.len());
+        // SAFETY: `self` proves the features; `n` elements exist in both slices.
+        unsafe { narrow::<C>(src.as_ptr(), dst.as_mut_ptr(), n) }
+    }
 }
 
 /// The lanes of `k` from 16 elements of type `C` at `p`, widened to f32; other lanes 0.
@@ -151,9 +157,10 @@ pub(super) fn exp16_nonpos(x: __m512) -> __m512 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 fn exp16_clamped(x: __m512) -> __m512 {
-    let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-    );
+    let fx = _mm512_roundscale_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
     let x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(cephes::LN2_HI), x);
     let x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(cephes::LN2_LO), x);
     let mut y = _mm512_set1_ps(cephes::P[0]);
@@ -505,6 +512,54 @@ unsafe fn widen<C: Float>(src: *const C, dst: *mut f32, n: usize) {
         unsafe { _mm512_mask_storeu_ps(dst.add(j), k, load16(src.add(j), k)) };
         j += 16;
     }
+}
+
+/// `dst[..n] = C::from_f32(src[..n])`: f16 by `vcvtps2ph` (what `half` itself uses on F16C
+/// CPUs), bf16 by [`bf16_bits16`]; 16 lanes per step, the tail masked.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn narrow<C: Float>(src: *const f32, dst: *mut C, n: usize) {
+    let mut j = 0;
+    while j < n {
+        let k = tail((n - j).min(16));
+        // SAFETY: the lanes of `k` are elements j.. < n of both buffers; `C::TYPE` names the
+        // element type of `dst`, so each arm writes exactly its elements.
+        unsafe {
+            let x = _mm512_maskz_loadu_ps(k, src.add(j));
+            match C::TYPE {
+                ElemType::F32 => _mm512_mask_storeu_ps(dst.add(j) as *mut f32, k, x),
+                ElemType::F16 => _mm256_mask_storeu_epi16(
+                    dst.add(j) as *mut i16,
+                    k,
+                    _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x),
+                ),
+                _ => _mm256_mask_storeu_epi16(
+                    dst.add(j) as *mut i16,
+                    k,
+                    _mm512_cvtepi32_epi16(bf16_bits16(x)),
+                ),
+            }
+        }
+        j += 16;
+    }
+}
+
+/// The bf16 bits of 16 f32 lanes (in the low half of each 32-bit lane), as `half`'s
+/// `bf16::from_f32`: round to nearest even (`x + 0x7fff + lsb`, carrying into the exponent
+/// up to infinity), NaN kept quiet with its sign and top payload bits. `vcvtneps2bf16` is not
+/// used: it flushes denormal inputs to zero.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn bf16_bits16(x: __m512) -> __m512i {
+    let b = _mm512_castps_si512(x);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+    let nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)),
+        _mm512_set1_epi32(0x7f80_0000),
+    );
+    let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+    _mm512_mask_mov_epi32(rounded, nan, quiet)
 }
 
 /// Sixteen rows' softmax state, one per lane (see [`Lanes`]). Built only from vectors the
