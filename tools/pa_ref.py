@@ -22,7 +22,9 @@ Conventions
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,26 +45,11 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- dtype helpers
-def f32_to_bf16_bits(x) -> np.ndarray:
-    """Round float32 values to bf16 (round to nearest, ties to even) and return the raw uint16 bits.
-
-    Values are first converted to float32 (so float64 input is rounded twice: f64->f32->bf16; feed
-    float32 or bf16-exact values to avoid double rounding). NaN stays NaN (quiet)."""
-    a = np.require(x, dtype=np.float32, requirements="C")
-    u = a.view(np.uint32).astype(np.uint64)
-    lsb = (u >> 16) & 1
-    rounded = (u + 0x7FFF + lsb) >> 16
-    out = rounded.astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        out = np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), out)
-    return out.reshape(a.shape)
-
-
-def bf16_bits_to_f32(bits) -> np.ndarray:
-    """Decode raw bf16 bit patterns (uint16) into float32 values (exact)."""
-    b = np.require(bits, dtype=np.uint16, requirements="C")
-    return (b.astype(np.uint32) << 16).view(np.float32).reshape(b.shape)
+# The bf16 bit conversions (plain numpy) are the Python package's, imported from the source tree.
+_PY = str(Path(__file__).resolve().parent.parent / "python")
+if _PY not in sys.path:
+    sys.path.insert(0, _PY)
+from paged_attention._tensors import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 
 
 def round_bf16(x) -> np.ndarray:
