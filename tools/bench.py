@@ -398,10 +398,12 @@ def write_chart(rows, path):
     threads = sorted({r["threads"] for r in rows})
     if not threads:
         raise ValueError("no benchmark rows to draw")
-    fig, axes = plt.subplots(len(threads), 1, figsize=(11, 3.6 * len(threads)), squeeze=False)
+    per_panel = max(sum(r["threads"] == n for r in rows) for n in threads)
+    fig, axes = plt.subplots(len(threads), 1, figsize=(max(8, 0.75 * per_panel), 4.4 * len(threads)),
+                             squeeze=False)
     for ax, n in zip(axes[:, 0], threads):
         rs = [r for r in rows if r["threads"] == n]
-        labels = [f"{r['workload']}\n{r['cache']}" for r in rs]
+        labels = [f"{r['workload']}, {r['cache']}" for r in rs]
         x = np.arange(len(rs))
         ours = [r["ext_min"] if r["ext_min"] is not None else r["ours_min"] for r in rs]
         ovb = [r["ov_min"] if r["ov_min"] is not None else 0.0 for r in rs]
@@ -411,7 +413,7 @@ def write_chart(rows, path):
             if r.get("ratio"):
                 ax.annotate(f"{r['ratio']:.2f}x", (x[k], max(ours[k], ovb[k])), ha="center",
                             va="bottom", fontsize=8)
-        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("min ms (lower is better)")
         ax.set_title(f"{n} thread{'s' if n != 1 else ''}")
         ax.legend(fontsize=8)
