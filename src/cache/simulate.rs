@@ -386,6 +386,7 @@ fn run(cfg: &SimConfig, w: &Workload, block_size: usize, num_blocks: usize) -> S
     let mut rng = SplitMix64::new(cfg.seed ^ 0x5eed);
     let arrival: HashMap<u64, u64> = w.reqs.iter().map(|q| (q.1.id, q.0)).collect();
     let (mut queueing, mut ttft) = (HashMap::new(), HashMap::new());
+    let mut failure = None;
     while next < w.reqs.len() || !s.is_idle() {
         while next < w.reqs.len() && w.reqs[next].0 <= step {
             let req = &w.reqs[next].1;
@@ -401,13 +402,7 @@ fn run(cfg: &SimConfig, w: &Workload, block_size: usize, num_blocks: usize) -> S
         let st = match s.schedule() {
             Ok(st) => st,
             Err(e) => {
-                let why = DropReason::SchedulerError(e.to_string());
-                let done: std::collections::HashSet<u64> = r.dropped.iter().map(|d| d.0).collect();
-                for q in &w.reqs[..next] {
-                    if !done.contains(&q.1.id) && s.tokens(q.1.id).is_ok() {
-                        r.dropped.push((q.1.id, why.clone()));
-                    }
-                }
+                failure = Some(e.to_string());
                 break;
             }
         };
@@ -451,15 +446,22 @@ fn run(cfg: &SimConfig, w: &Workload, block_size: usize, num_blocks: usize) -> S
         match s.complete_step(&sampled) {
             Ok(finished) => r.completed += finished.len(),
             Err(e) => {
-                let why = DropReason::SchedulerError(e.to_string());
-                r.dropped
-                    .extend(st.seqs.iter().map(|q| (q.id, why.clone())));
+                failure = Some(e.to_string());
                 r.trace.push(rec);
                 break;
             }
         }
         rec.completed = r.completed;
         r.trace.push(rec);
+    }
+    if let Some(msg) = failure {
+        // Every request still queued or running is lost with the scheduler.
+        let why = DropReason::SchedulerError(msg);
+        for q in &w.reqs[..next] {
+            if s.tokens(q.1.id).is_ok() {
+                r.dropped.push((q.1.id, why.clone()));
+            }
+        }
     }
     let b = busy.max(1) as f64;
     r.steps = step;

@@ -59,7 +59,7 @@ is 1 if any case failed on any path. Progress goes to stderr.
 
 OpenVINO is found under the repository root (--root, else $PA_ROOT, else the checkout this
 binary was built from): ROOT/.venv/bin/python (--python or $PA_PYTHON instead),
-ROOT/tools/ov_run_case.py, and the extension ROOT/target/release/libpaged_attention.so
+ROOT/tools/ov_run_case.py, and the OpenVINO extension module built in ROOT/target/release/
 (--extension or $PA_EXTENSION_LIB instead). If it cannot be run, the suite runs on our executor
 only and says so on stderr and in the summary; with --require-openvino that is a failure.";
 
@@ -102,7 +102,7 @@ struct ConformanceArgs {
     /// Python with openvino and numpy [default: ROOT/.venv/bin/python]
     #[arg(long, value_name = "FILE")]
     python: Option<PathBuf>,
-    /// The OpenVINO extension module [default: ROOT/target/release/libpaged_attention.so]
+    /// The OpenVINO extension module [default: the one built in ROOT/target/release/]
     #[arg(long, value_name = "FILE")]
     extension: Option<PathBuf>,
 }
