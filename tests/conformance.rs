@@ -8,7 +8,15 @@
 
 use std::path::{Path, PathBuf};
 
-use paged_attention::ir::case::{find_cases, Case, OvEnv};
+// The harness is the `pa` binary's (kept out of the library); compiled in here as well.
+#[allow(dead_code)]
+#[path = "../src/bin/pa/case.rs"]
+mod case;
+#[allow(dead_code)]
+#[path = "../src/bin/pa/npy.rs"]
+mod npy;
+
+use case::{find_cases, Case, OvEnv};
 use paged_attention::ir::Model;
 
 const MIN_CASES: usize = 30;
@@ -48,7 +56,7 @@ fn golden_suite_passes_through_our_executor() {
 
 #[test]
 fn golden_suite_passes_through_openvino_with_our_extension() {
-    let env = match OvEnv::detect(&root()) {
+    let env = match OvEnv::detect(&root(), None, None) {
         Ok(env) => env,
         Err(why) => {
             eprintln!("openvino: not available ({why}); this path is not run");
@@ -86,7 +94,7 @@ fn run_with(xml: &Path, case: &Case) -> Vec<Option<Vec<f64>>> {
 
 #[test]
 fn an_ir_saved_by_openvino_reads_back_and_runs_the_same() {
-    let env = match OvEnv::detect(&root()) {
+    let env = match OvEnv::detect(&root(), None, None) {
         Ok(env) => env,
         Err(why) => {
             eprintln!("openvino: not available ({why}); round trip not run");

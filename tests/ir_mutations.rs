@@ -4,7 +4,12 @@
 //! with an error. A panic, an out-of-bounds read or an allocation from an unchecked size
 //! (which would abort the process) fails the test.
 
-use paged_attention::ir::npy::parse_npy;
+// The `.npy` reader is the `pa` binary's (kept out of the library); compiled in here as well.
+#[allow(dead_code)]
+#[path = "../src/bin/pa/npy.rs"]
+mod npy;
+
+use npy::parse_npy;
 use paged_attention::ir::Model;
 use std::path::PathBuf;
 

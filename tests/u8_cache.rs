@@ -7,10 +7,15 @@
 //! replays the steps through our insertion, feeding each step our own caches of the step before,
 //! and requires every byte of both caches to equal OpenVINO's.
 
-use paged_attention::ir::json::{self, Json};
-use paged_attention::ir::npy::{read_npy, NpyArray, NpyDtype};
+// The `.npy` reader is the `pa` binary's (kept out of the library); compiled in here as well.
+#[allow(dead_code)]
+#[path = "../src/bin/pa/npy.rs"]
+mod npy;
+
+use npy::{read_npy, NpyArray, NpyDtype};
 use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
 use paged_attention::op::validate::SeqPlan;
+use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 
 fn data_dir() -> PathBuf {
@@ -39,7 +44,7 @@ fn i32s(a: &NpyArray) -> Vec<i32> {
 
 fn num(j: &Json, key: &str) -> usize {
     j.get(key)
-        .and_then(|v| v.as_f64())
+        .and_then(Json::as_u64)
         .unwrap_or_else(|| panic!("case.json: {key}")) as usize
 }
 
@@ -56,7 +61,7 @@ fn cases() -> Vec<Case> {
     for entry in std::fs::read_dir(data_dir()).expect("tests/data/u8_cache") {
         let dir = entry.unwrap().path();
         let text = std::fs::read_to_string(dir.join("case.json")).unwrap();
-        let j = json::parse(&text).unwrap();
+        let j: Json = serde_json::from_str(&text).unwrap();
         let by_token = matches!(j.get("key_by_token"), Some(Json::Bool(true)));
         let layout = U8Layout {
             hkv: num(&j, "Hkv"),

@@ -5,6 +5,8 @@ inputs (the same buffers), at each thread count asked for.
 
     .venv/bin/python tools/bench.py [--threads 2,all] [--hint f32] [--reps 15]
                                     [--only decode16,prefill] [--types f32,f16,bf16,u8] [--json out.json]
+                                    [--chart bench.svg]
+    .venv/bin/python tools/bench.py --from-json out.json --chart bench.png   (chart only, no run)
 
 Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16/u8 (u8: OpenVINO's default layout,
 keys by channel, values by token, the same buffers for both ops; hint f32 unless --hint says). Both OpenVINO models are
@@ -21,6 +23,8 @@ must read, at the min time) and GFLOP/s (4*D flops per visible (query head, key)
 share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run.
 Outputs of the paths are compared (max abs difference) as a sanity check. A thread-scaling table
 (parallel efficiency t1 / (n * tn)) follows when more than one thread count is measured.
+--chart FILE (.svg or .png, matplotlib) draws min ms of ours inside OpenVINO and of OpenVINO's
+built-in op, per workload and cache type, one panel per thread count, with the ratio above each pair.
 """
 from __future__ import annotations
 
@@ -254,7 +258,16 @@ def main():
                     help="INFERENCE_PRECISION_HINT for both OpenVINO models: f32, f16, bf16, or 'cache' = "
                          "the cache's type (how an f16 or bf16 deployment runs)")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--chart", help="also draw the results to this .svg or .png file")
+    ap.add_argument("--from-json", help="no benchmark: read the rows --json wrote (use with --chart)")
     args = ap.parse_args()
+    if args.from_json:
+        if not args.chart:
+            ap.error("--from-json needs --chart")
+        saved = json.loads(Path(args.from_json).read_text())
+        write_chart(saved["rows"], args.chart)
+        print(f"wrote {args.chart}")
+        return 0
     ncpu = len(os.sched_getaffinity(0))
     threads = sorted({ncpu if t == "all" else int(t) for t in args.threads.split(",")})
 
@@ -369,6 +382,45 @@ def main():
                 print(f"| {WORKLOADS[key][0]} | {cache} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(threads=threads, hint=args.hint, rows=rows), indent=1))
+    if args.chart:
+        write_chart(rows, args.chart)
+        print(f"\nwrote {args.chart}")
+
+
+def write_chart(rows, path):
+    """Bars of min ms, ours inside OpenVINO vs OpenVINO's built-in op, per (workload, cache type),
+    one panel per thread count; the built-in / ours ratio above each pair (> 1: ours is faster).
+    The format follows the file's suffix (.svg keeps text as text, so it can be searched)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams["svg.fonttype"] = "none"
+    threads = sorted({r["threads"] for r in rows})
+    if not threads:
+        raise ValueError("no benchmark rows to draw")
+    per_panel = max(sum(r["threads"] == n for r in rows) for n in threads)
+    fig, axes = plt.subplots(len(threads), 1, figsize=(max(8, 0.75 * per_panel), 4.4 * len(threads)),
+                             squeeze=False)
+    for ax, n in zip(axes[:, 0], threads):
+        rs = [r for r in rows if r["threads"] == n]
+        labels = [f"{r['workload']}, {r['cache']}" for r in rs]
+        x = np.arange(len(rs))
+        ours = [r["ext_min"] if r["ext_min"] is not None else r["ours_min"] for r in rs]
+        ovb = [r["ov_min"] if r["ov_min"] is not None else 0.0 for r in rs]
+        ax.bar(x - 0.2, ours, 0.4, label="ours in OpenVINO", color="#1f77b4")
+        ax.bar(x + 0.2, ovb, 0.4, label="OpenVINO built-in", color="#d62728")
+        for k, r in enumerate(rs):
+            if r.get("ratio"):
+                ax.annotate(f"{r['ratio']:.2f}x", (x[k], max(ours[k], ovb[k])), ha="center",
+                            va="bottom", fontsize=8)
+        ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
+        ax.set_ylabel("min ms (lower is better)")
+        ax.set_title(f"{n} thread{'s' if n != 1 else ''}")
+        ax.legend(fontsize=8)
+    fig.suptitle("PagedAttention: ours inside OpenVINO vs OpenVINO's built-in op")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

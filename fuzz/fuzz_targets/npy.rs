@@ -1,7 +1,13 @@
-//! The .npy reader (src/ir/npy.rs): a whole file in memory, then the conversions `pa run` applies.
+//! The .npy reader (src/bin/pa/npy.rs, the `pa` binary's own): a whole file in memory, then the
+//! conversions `pa run` applies.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use paged_attention::ir::npy::{encode_npy, parse_npy};
+
+#[allow(dead_code)]
+#[path = "../../src/bin/pa/npy.rs"]
+mod npy;
+
+use npy::{encode_npy, parse_npy};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(arr) = parse_npy(data) else {

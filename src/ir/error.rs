@@ -89,9 +89,6 @@ pub enum IrError {
 
     #[error("input `{name}`: {detail}")]
     Input { name: String, detail: String },
-
-    #[error("{path}: {detail}")]
-    Npy { path: PathBuf, detail: String },
 }
 
 impl IrError {

@@ -1,24 +1,19 @@
 //! OpenVINO IR (v10/v11 XML with its `.bin`) for PagedAttention models: a reader, a checker and a
-//! small executor, plus the `.npy` files and case descriptions of the golden suite.
+//! small executor. (The golden suite's harness, its `.npy` files and `case.json`, is the `pa`
+//! binary's: src/bin/pa/.)
 //!
 //! - `xml`: the document into layers, ports and edges (`rt_info` skipped), nothing interpreted.
 //! - `types`: precision strings and dimensions.
 //! - `graph`: layer kinds, Const data from the `.bin`, edge checks, shape inference: [`Model`].
 //! - `exec`: [`Model::run`], caches written in place in the caller's tensors.
 //! - `owned`: [`OwnedTensor`], the tensors the executor and its callers own.
-//! - `npy`: `.npy` reading and writing.
-//! - `json`: a small JSON reader for `case.json`.
-//! - `case`: one golden case directory: load, run, compare.
 //!
 //! Supported layers: `Parameter`, `Const`, `Convert` (f32/f16/bf16 among themselves, i32 to
 //! i32), `PagedAttention` (version `ie_internal_opset`, 9 to 16 inputs) and `Result`.
 
-pub mod case;
 pub mod error;
 pub mod exec;
 pub mod graph;
-pub mod json;
-pub mod npy;
 pub mod owned;
 pub mod types;
 pub mod xml;

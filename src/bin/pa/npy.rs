@@ -2,11 +2,15 @@
 //! `<i4`, `<u2` (bf16 as raw bits, the golden suite's convention), `|u1` and `|b1` (masks), and,
 //! read only, `<f8` and `<i8`. Sizes are checked against the file before anything is allocated.
 
+//!
+//! Private to the `pa` binary (the golden suite's harness); the tests and the fuzz target that
+//! exercise it include this file with `#[path]`. Errors are messages naming the file.
+
 use std::path::Path;
 
-use super::error::IrError;
-use super::owned::{OwnedData, OwnedTensor};
-use crate::tensor::shape_elems;
+use paged_attention::dtype::ElemType;
+use paged_attention::ir::{OwnedData, OwnedTensor};
+use paged_attention::tensor::shape_elems;
 
 const MAGIC: &[u8] = b"\x93NUMPY";
 
@@ -166,21 +170,14 @@ pub fn parse_npy(file: &[u8]) -> Result<NpyArray, String> {
     })
 }
 
-pub fn read_npy(path: &Path) -> Result<NpyArray, IrError> {
-    let file = std::fs::read(path).map_err(|source| IrError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse_npy(&file).map_err(|detail| IrError::Npy {
-        path: path.to_path_buf(),
-        detail,
-    })
+pub fn read_npy(path: &Path) -> Result<NpyArray, String> {
+    let file = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    parse_npy(&file).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 impl NpyArray {
     /// As an executor tensor: `<f4` f32, `<f2` f16, `<u2` bf16, `<i4` i32, `|u1` u8 (cache bytes).
     pub fn into_tensor(self) -> Result<OwnedTensor, String> {
-        use crate::dtype::ElemType;
         let elem = match self.dtype {
             NpyDtype::F32 => ElemType::F32,
             NpyDtype::F16 => ElemType::F16,
@@ -273,11 +270,8 @@ pub fn tensor_npy(t: &OwnedTensor) -> Vec<u8> {
     encode_npy(dtype, t.shape(), &t.to_le_bytes())
 }
 
-pub fn write_npy(path: &Path, t: &OwnedTensor) -> Result<(), IrError> {
-    std::fs::write(path, tensor_npy(t)).map_err(|source| IrError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+pub fn write_npy(path: &Path, t: &OwnedTensor) -> Result<(), String> {
+    std::fs::write(path, tensor_npy(t)).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 #[cfg(test)]

@@ -1,16 +1,20 @@
 //! One golden case directory (`models/<case>/`, format in `models/README.md`): its description,
-//! its inputs, a run through our executor or through OpenVINO (`tools/ov_run_case.py`), and the
-//! comparison with the expected outputs and caches.
+//! its inputs, a run through our executor or through OpenVINO (`tools/ov_run_case.py`, a Python
+//! process this binary starts: never the library, which OpenVINO loads), and the comparison with
+//! the expected outputs and caches.
+//!
+//! Private to the `pa` binary; tests/conformance.rs includes it with `#[path]` (with `npy.rs`
+//! beside it as `crate::npy`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::graph::Model;
-use super::json::{self, Json};
-use super::npy::{read_npy, NpyArray};
-use super::owned::OwnedTensor;
-use crate::op::contract::{KEY_CACHE, VALUE_CACHE};
+use serde::Deserialize;
+
+use crate::npy::{read_npy, NpyArray};
+use paged_attention::ir::{Model, OwnedTensor};
+use paged_attention::op::contract::{KEY_CACHE, VALUE_CACHE};
 
 /// The four compared tensors, in table order.
 pub const COMPARED: [&str; 4] = ["output", "scores", "cache_key", "cache_value"];
@@ -79,8 +83,12 @@ pub struct Verdict {
     pub notes: Vec<String>,
 }
 
-/// Subdirectories of `dir` holding a `case.json`, sorted by name.
+/// `dir` itself if it holds a `case.json` (one case), else its subdirectories holding one,
+/// sorted by name.
 pub fn find_cases(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    if dir.join("case.json").is_file() {
+        return Ok(vec![dir.to_path_buf()]);
+    }
     let rd = std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
     let mut v: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -90,12 +98,39 @@ pub fn find_cases(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Ok(v)
 }
 
-fn str_list(j: Option<&Json>) -> Vec<String> {
-    j.and_then(Json::as_array)
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|v| v.as_str().map(str::to_string))
-        .collect()
+/// What `pa` reads of `case.json` (other keys are the generator's notes and are ignored).
+#[derive(Deserialize)]
+struct CaseFile {
+    name: Option<String>,
+    #[serde(default)]
+    features: Vec<String>,
+    truth: Option<String>,
+    tolerance: Tolerance,
+}
+
+/// Field names in [`COMPARED`] order.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Tolerance {
+    output: f64,
+    scores: f64,
+    cache_key: f64,
+    cache_value: f64,
+}
+
+/// What `tools/ov_run_case.py` writes beside its results.
+#[derive(Deserialize)]
+struct OvInfo {
+    #[serde(default = "yes")]
+    caches_in_place: bool,
+    #[serde(default)]
+    infer_ms: f64,
+    #[serde(default)]
+    note: Option<String>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Case {
@@ -103,22 +138,19 @@ impl Case {
         let path = dir.join("case.json");
         let text = std::fs::read_to_string(&path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let j = json::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let tol_obj = j
-            .get("tolerance")
-            .ok_or_else(|| format!("{}: no `tolerance`", path.display()))?;
-        let mut tol = [0.0; 4];
+        let j: CaseFile =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let t = &j.tolerance;
+        let tol = [t.output, t.scores, t.cache_key, t.cache_value];
         for (k, name) in COMPARED.iter().enumerate() {
-            tol[k] = tol_obj
-                .get(name)
-                .and_then(Json::as_f64)
-                .filter(|t| *t >= 0.0)
-                .ok_or_else(|| {
-                    format!(
-                        "{}: `tolerance.{name}` is missing or not a non-negative number",
-                        path.display()
-                    )
-                })?;
+            // JSON has no NaN or infinity, so a negative number is the only bad value.
+            if tol[k] < 0.0 {
+                return Err(format!(
+                    "{}: `tolerance.{name}` must be a non-negative number, got {}",
+                    path.display(),
+                    tol[k]
+                ));
+            }
         }
         let dir_name = dir
             .file_name()
@@ -126,16 +158,9 @@ impl Case {
             .unwrap_or_default();
         Ok(Case {
             dir: dir.to_path_buf(),
-            name: j
-                .get("name")
-                .and_then(Json::as_str)
-                .map_or(dir_name, str::to_string),
-            features: str_list(j.get("features")),
-            truth: j
-                .get("truth")
-                .and_then(Json::as_str)
-                .unwrap_or("?")
-                .to_string(),
+            name: j.name.unwrap_or(dir_name),
+            features: j.features,
+            truth: j.truth.unwrap_or_else(|| "?".into()),
             tol,
         })
     }
@@ -169,8 +194,7 @@ impl Case {
                 .ok_or_else(|| {
                     format!("{}: no Parameter feeds input {stem} of the op", f.display())
                 })?;
-            let t = read_npy(&f)
-                .map_err(|e| e.to_string())?
+            let t = read_npy(&f)?
                 .into_tensor()
                 .map_err(|e| format!("{}: {e}", f.display()))?;
             // Two files for one Parameter (`in_0_query.npy` and `in_0_query_extra.npy`) would
@@ -210,7 +234,7 @@ impl Case {
 
     /// Compares a run with the expected files.
     pub fn compare(&self, actual: &Actual) -> Result<Verdict, String> {
-        let read = |f: &str| read_npy(&self.dir.join(f)).map_err(|e| e.to_string());
+        let read = |f: &str| read_npy(&self.dir.join(f));
         let mask = read("cache_mask.npy")?;
         let mask_bits = mask.to_mask().map_err(|e| format!("cache_mask.npy: {e}"))?;
         let mut v = Verdict {
@@ -316,18 +340,28 @@ pub struct OvEnv {
     pub extension: PathBuf,
 }
 
+/// The OpenVINO extension module built in the checkout at `root`: the one place that names
+/// the file.
+pub fn extension_path(root: &Path) -> PathBuf {
+    root.join("target/release/libpaged_attention.so")
+}
+
 impl OvEnv {
-    /// Finds `.venv/bin/python` (with openvino importable), `tools/ov_run_case.py` and the
-    /// extension (`$PA_EXTENSION_LIB`, default `target/release/libpaged_attention.so`) under
-    /// `root`. `Err` says what is missing.
-    pub fn detect(root: &Path) -> Result<OvEnv, String> {
-        let python = std::env::var_os("PA_PYTHON")
-            .map(PathBuf::from)
+    /// Finds the Python (`python`, else `$PA_PYTHON`, else `root/.venv/bin/python`; it must
+    /// import openvino and numpy), `root/tools/ov_run_case.py` and the extension (`extension`,
+    /// else `$PA_EXTENSION_LIB`, else [`extension_path`]). `Err` says what is missing.
+    pub fn detect(
+        root: &Path,
+        python: Option<PathBuf>,
+        extension: Option<PathBuf>,
+    ) -> Result<OvEnv, String> {
+        let python = python
+            .or_else(|| std::env::var_os("PA_PYTHON").map(PathBuf::from))
             .unwrap_or_else(|| root.join(".venv/bin/python"));
         let script = root.join("tools/ov_run_case.py");
-        let extension = std::env::var_os("PA_EXTENSION_LIB")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target/release/libpaged_attention.so"));
+        let extension = extension
+            .or_else(|| std::env::var_os("PA_EXTENSION_LIB").map(PathBuf::from))
+            .unwrap_or_else(|| extension_path(root));
         if !python.is_file() {
             return Err(format!("no {} (run scripts/setup.sh)", python.display()));
         }
@@ -393,25 +427,19 @@ fn read_ov_result(dir: &Path) -> Result<Actual, String> {
     }
     let info = std::fs::read_to_string(dir.join("info.json"))
         .map_err(|e| format!("no info.json from the OpenVINO run: {e}"))?;
-    let info = json::parse(&info)?;
-    let in_place = info.get("caches_in_place") != Some(&Json::Bool(false));
-    let ms = info.get("infer_ms").and_then(Json::as_f64).unwrap_or(0.0);
+    let info: OvInfo =
+        serde_json::from_str(&info).map_err(|e| format!("info.json from the OpenVINO run: {e}"))?;
+    let (in_place, ms) = (info.caches_in_place, info.infer_ms);
     let mut values: [Option<Values>; 4] = [None, None, None, None];
     for k in 0..4 {
         if k >= 2 && !in_place {
             continue;
         }
-        values[k] = Some(Values::from(
-            &read_npy(&dir.join(FILES[k])).map_err(|e| e.to_string())?,
-        ));
+        values[k] = Some(Values::from(&read_npy(&dir.join(FILES[k]))?));
     }
     Ok(Actual {
         values,
         time: Duration::from_secs_f64(ms.max(0.0) / 1e3),
-        note: info
-            .get("note")
-            .and_then(Json::as_str)
-            .filter(|s| !s.is_empty())
-            .map(str::to_string),
+        note: info.note.filter(|s| !s.is_empty()),
     })
 }
