@@ -27,7 +27,7 @@ pa conformance [DIR]
     Runs every case directory under DIR (one with a case.json; format in models/README.md)
     through this crate's IR executor and, when available, through OpenVINO with this crate's
     extension loaded (tools/ov_run_case.py under .venv/bin/python, extension
-    target/release/libpaged_attention.so or $PA_EXTENSION_LIB; $PA_PYTHON overrides the Python).
+    target/release/libpaged_attention_openvino.so or $PA_EXTENSION_LIB; $PA_PYTHON overrides the Python).
     Prints one row per case and path: max abs error of output, scores, key cache and value cache
     (caches only on the slots cache_mask.npy selects) against the expected files, the case's
     tolerances, PASS/FAIL and the time of the call. Ends with \"N passed, M failed\"; the exit

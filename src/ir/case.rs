@@ -318,7 +318,7 @@ pub struct OvEnv {
 
 impl OvEnv {
     /// Finds `.venv/bin/python` (with openvino importable), `tools/ov_run_case.py` and the
-    /// extension (`$PA_EXTENSION_LIB`, default `target/release/libpaged_attention.so`) under
+    /// extension (`$PA_EXTENSION_LIB`, default `target/release/libpaged_attention_openvino.so`) under
     /// `root`. `Err` says what is missing.
     pub fn detect(root: &Path) -> Result<OvEnv, String> {
         let python = std::env::var_os("PA_PYTHON")
@@ -327,7 +327,7 @@ impl OvEnv {
         let script = root.join("tools/ov_run_case.py");
         let extension = std::env::var_os("PA_EXTENSION_LIB")
             .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target/release/libpaged_attention.so"));
+            .unwrap_or_else(|| root.join("target/release/libpaged_attention_openvino.so"));
         if !python.is_file() {
             return Err(format!("no {} (run scripts/setup.sh)", python.display()));
         }
@@ -336,7 +336,7 @@ impl OvEnv {
         }
         if !extension.is_file() {
             return Err(format!(
-                "no {} (cargo build --release --features openvino)",
+                "no {} (cargo build --release -p paged_attention_openvino)",
                 extension.display()
             ));
         }

@@ -4,9 +4,14 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The crate root.
+/// The repository root (this file is also compiled into the tests of the `openvino/` crate).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .find(|d| d.join("include/paged_attention.h").is_file())
+        .unwrap_or_else(|| panic!("no include/paged_attention.h above {}", manifest.display()))
+        .to_path_buf()
 }
 
 /// `target/<profile>/deps`, where this test binary lives and where `cargo test` builds the
