@@ -27,6 +27,16 @@ pub fn lib_dir() -> PathBuf {
         "libpaged_attention.so not found in {}",
         dir.display()
     );
+    // Programs linked to the library need it by its SONAME, which only an install creates.
+    let soname = dir.join("libpaged_attention.so.0");
+    if let Err(e) = std::os::unix::fs::symlink("libpaged_attention.so", &soname) {
+        // Another test of this run may have made it first.
+        assert!(
+            e.kind() == std::io::ErrorKind::AlreadyExists,
+            "cannot create {}: {e}",
+            soname.display()
+        );
+    }
     dir
 }
 
