@@ -2,8 +2,11 @@
  * paged_attention.h: C ABI of the PagedAttention op (OpenVINO `ie_internal_opset` semantics).
  *
  * The op's contract (16 inputs, 2 outputs, their order, shapes and meaning) is docs/contract.md
- * ("SPEC.md" below); the README shows a complete example. This header is hand-written and committed; the Rust side
- * (src/ffi/) follows it, and tests compile it with -Wall -Wextra -Werror as C and C++.
+ * in the source repository ("SPEC.md" below); the inputs and outputs are listed below with their
+ * PA_INPUT_* / PA_OUTPUT_* indices, and the README shows a complete example. This header is
+ * hand-written and committed; the Rust side (src/ffi/) follows it, and tests compile it with
+ * -Wall -Wextra -Werror as C and C++ and check its status codes, indices and struct layouts
+ * against the Rust definitions (tests/header_abi.rs).
  *
  * Conventions for every function below:
  *  - Functions return a pa_status (int32_t). PA_STATUS_OK (0) is success; every other code is
@@ -46,6 +49,29 @@ extern "C" {
 #define PA_MIN_INPUTS 9
 #define PA_MAX_INPUTS 16
 #define PA_NUM_OUTPUTS 2
+
+/* Inputs, in the order every function below takes them ("SPEC order"), and outputs.
+ * T = tokens in the call, B = sequences, H / Hkv = query / KV heads, D = head size, BS = block
+ * size, NB = blocks; "float" is f32, f16 or bf16 (the caches also u8, see PA_ELEM_U8).
+ * Inputs 9..15 are optional: omitted at the end of the list or given with zero elements. */
+#define PA_INPUT_QUERY 0                     /* [T, H*D] float */
+#define PA_INPUT_KEY 1                       /* [T, Hkv*D] float, the new tokens' keys */
+#define PA_INPUT_VALUE 2                     /* [T, Hkv*D] float */
+#define PA_INPUT_KEY_CACHE 3                 /* [NB, Hkv, BS, D], written in place */
+#define PA_INPUT_VALUE_CACHE 4               /* [NB, Hkv, BS, D], written in place */
+#define PA_INPUT_PAST_LENS 5                 /* [B] i32: tokens already cached per sequence */
+#define PA_INPUT_SUBSEQUENCE_BEGINS 6        /* [B+1] i32: each sequence's first row in query */
+#define PA_INPUT_BLOCK_INDICES 7             /* [N] i32: physical blocks of all sequences */
+#define PA_INPUT_BLOCK_INDICES_BEGINS 8      /* [B+1] i32: each sequence's first block_indices entry */
+#define PA_INPUT_SCALE 9                     /* scalar float (optional; absent or 0: 1/sqrt(D)) */
+#define PA_INPUT_SLIDING_WINDOW 10           /* scalar i32 (optional) */
+#define PA_INPUT_ALIBI_SLOPES 11             /* [H] float (optional) */
+#define PA_INPUT_ROTATED_BLOCK_INDICES 12    /* [R] i32 (optional): blocks whose keys are re-rotated */
+#define PA_INPUT_ROTATION_DELTAS 13          /* [R, BS], [R, 1] or [R] i32 (optional): LUT rows */
+#define PA_INPUT_ROTATION_TRIG_LUT 14        /* [M, D] f32 or f16 (optional): D/2 cos, D/2 sin a row */
+#define PA_INPUT_SCORE_AGGREGATION_WINDOW 15 /* scalar or [B] i32 (optional) */
+#define PA_OUTPUT_OUTPUT 0                   /* [T, H*D], query's type */
+#define PA_OUTPUT_SCORES 1                   /* [sum(past_lens) + T], query's type */
 
 /* Status codes (pa_status). Numbers are stable. */
 typedef int32_t pa_status;

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs what the tests need: a venv at .venv with OpenVINO 2026.4.1 (pinned, from PyPI), numpy,
-# pytest and matplotlib (tools/bench.py --chart); valgrind (tests/valgrind.rs) and a C/C++ compiler
-# (the C tests, the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent; safe to run on a
-# fresh machine.
+# pytest, matplotlib (tools/bench.py --chart), cmake (the install test builds a CMake project with
+# find_package) and setuptools-rust + wheel (the Python package's build backend: pip wheel .);
+# valgrind (tests/valgrind.rs), pkg-config (the install test) and a C/C++ compiler (the C tests,
+# the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent;
+# safe to run on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
 command -v valgrind >/dev/null || missing+=(valgrind)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v cc >/dev/null || missing+=(gcc)
 command -v c++ >/dev/null || missing+=(g++)
 if [ ${#missing[@]} -ne 0 ]; then
@@ -19,8 +22,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-want="openvino==2026.4.1 numpy pytest matplotlib"
-if ! .venv/bin/python -c "import openvino, numpy, pytest, matplotlib, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null; then
+want="openvino==2026.4.1 numpy pytest matplotlib cmake setuptools-rust wheel"
+if ! .venv/bin/python -c "import openvino, numpy, pytest, matplotlib, setuptools_rust, wheel, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
+    || [ ! -x .venv/bin/cmake ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check $want
 fi
 .venv/bin/python -c "import openvino; print('OpenVINO', openvino.__version__.split('-')[0], 'in', openvino.__file__.rsplit('/', 1)[0])"

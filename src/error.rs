@@ -5,26 +5,55 @@
 
 use crate::dtype::ElemType;
 
-/// Status codes of the C ABI (`PA_STATUS_*` in `include/paged_attention.h`). The numbers never
-/// change meaning and are never reused.
-#[repr(i32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Status {
-    Ok = 0,
-    NullPointer = 1,
-    InvalidArgument = 2,
-    InputCount = 3,
-    Rank = 4,
-    ElementType = 5,
-    Shape = 6,
-    Value = 7,
-    BufferSize = 8,
-    Alignment = 9,
-    Panic = 10,
-    OutOfBlocks = 11,
-    UnknownSequence = 12,
-    InvalidState = 13,
-    OutOfMemory = 14,
+/// Defines [`Status`] and its C names from one table, so a code, its variant and its
+/// `PA_STATUS_*` name cannot drift apart (tests/header_abi.rs checks the table against the header).
+macro_rules! status_table {
+    ($($variant:ident = $code:literal => $name:literal,)*) => {
+        /// Status codes of the C ABI (`PA_STATUS_*` in `include/paged_attention.h`). The numbers
+        /// never change meaning and are never reused.
+        #[repr(i32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Status {
+            $($variant = $code,)*
+        }
+
+        impl Status {
+            /// Every status, in code order.
+            pub const ALL: &'static [Status] = &[$(Status::$variant,)*];
+
+            /// The header's name of the code (`c"PA_STATUS_VALUE"`).
+            pub const fn c_name(self) -> &'static std::ffi::CStr {
+                match self {
+                    $(Status::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+status_table! {
+    Ok = 0 => c"PA_STATUS_OK",
+    NullPointer = 1 => c"PA_STATUS_NULL_POINTER",
+    InvalidArgument = 2 => c"PA_STATUS_INVALID_ARGUMENT",
+    InputCount = 3 => c"PA_STATUS_INPUT_COUNT",
+    Rank = 4 => c"PA_STATUS_RANK",
+    ElementType = 5 => c"PA_STATUS_ELEMENT_TYPE",
+    Shape = 6 => c"PA_STATUS_SHAPE",
+    Value = 7 => c"PA_STATUS_VALUE",
+    BufferSize = 8 => c"PA_STATUS_BUFFER_SIZE",
+    Alignment = 9 => c"PA_STATUS_ALIGNMENT",
+    Panic = 10 => c"PA_STATUS_PANIC",
+    OutOfBlocks = 11 => c"PA_STATUS_OUT_OF_BLOCKS",
+    UnknownSequence = 12 => c"PA_STATUS_UNKNOWN_SEQUENCE",
+    InvalidState = 13 => c"PA_STATUS_INVALID_STATE",
+    OutOfMemory = 14 => c"PA_STATUS_OUT_OF_MEMORY",
+}
+
+impl Status {
+    /// The status with this code, if there is one.
+    pub fn from_code(code: i32) -> Option<Status> {
+        Status::ALL.iter().copied().find(|s| *s as i32 == code)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -1,6 +1,7 @@
 //! PagedAttention for CPUs: the 16-input / 2-output op of OpenVINO's `ie_internal_opset`
-//! (contract: `docs/contract.md`), with a C ABI (`include/paged_attention.h`), an OpenVINO extension
-//! (feature `openvino`, C++ shim in `cpp/`), an IR loader, and a KV-cache manager.
+//! (contract: `docs/contract.md`), with a C ABI (`include/paged_attention.h`), an IR loader, and a KV-cache
+//! manager. The OpenVINO extension module (C++ shim in `cpp/`) is the `paged_attention_openvino`
+//! crate in `openvino/`, which links this one.
 //!
 //! - [`op`]: the contract, shape inference and validation.
 //! - [`kernel`]: the CPU kernels (scalar reference and fast paths) and [`execute`].

@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-LIB = ROOT / "target" / "release" / "libpaged_attention.so"
+LIB = ROOT / "target" / "release" / "libpaged_attention.so"  # the C library
+EXT = ROOT / "target" / "release" / "libpaged_attention_openvino.so"  # the OpenVINO extension
 MACHINE = ROOT / "target" / "release" / "pa_machine"
 H, HKV, D, BS = 32, 8, 128, 32
 
@@ -276,13 +277,13 @@ def main():
     lib.pa_execute.restype = ct.c_int32
     lib.pa_set_num_threads.argtypes = [ct.c_size_t]
     core = ov.Core()
-    has_ext = hasattr(lib, "create_extensions")
+    has_ext = EXT.is_file()
     import tempfile
     tmpdir = tempfile.mkdtemp(prefix="pa_bench_")
     if has_ext:
-        core.add_extension(str(LIB))
+        core.add_extension(str(EXT))
     print(f"# OpenVINO {ov.__version__.split('-')[0]}, INFERENCE_PRECISION_HINT={args.hint} for both ops, "
-          f"{ncpu} CPUs; our extension: {'yes' if has_ext else 'n/a (library built without --features openvino)'}")
+          f"{ncpu} CPUs; our extension: {'yes' if has_ext else 'n/a (no ' + str(EXT) + ': cargo build --release -p paged_attention_openvino)'}")
     hdr = ("| workload | cache | threads | ours in OV ms min / med | OV built-in ms min / med | ratio OV/ours "
            "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak) "
            "| OV GB/s | max abs diff |")

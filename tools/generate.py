@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from paged_model import F32_CONFIG, PagedModel, Seq
-from pa_scheduler import DEFAULT_LIB, Library, Scheduler
+from pa_scheduler import DEFAULT_EXTENSION, Library, Scheduler
 
 BLOCK_SIZE = 32  # the CPU plugin's built-in op runs only this block size
 
@@ -175,7 +175,8 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="INFERENCE_NUM_THREADS for both models")
-    ap.add_argument("--extension", type=Path, default=DEFAULT_LIB)
+    ap.add_argument("--extension", type=Path, default=DEFAULT_EXTENSION,
+                    help="the OpenVINO extension module (its C ABI also drives the scheduler)")
     args = ap.parse_args(argv)
 
     core = ov.Core()

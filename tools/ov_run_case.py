@@ -1,7 +1,7 @@
 """Run golden cases (models/<case>/) through OpenVINO with our extension loaded; `pa conformance`
 calls this once for all cases and compares what it writes.
 
-    .venv/bin/python tools/ov_run_case.py --ext target/release/libpaged_attention.so \
+    .venv/bin/python tools/ov_run_case.py --ext target/release/libpaged_attention_openvino.so \
         --out OUTDIR CASEDIR [CASEDIR...]
 
 For each case it writes OUTDIR/<case dir name>/: out_0_output.npy and out_1_scores.npy (float32),
@@ -118,7 +118,7 @@ def run_case(core, case_dir, out_dir, native_f16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ext", required=True, help="the extension library (libpaged_attention.so)")
+    ap.add_argument("--ext", required=True, help="the extension module (libpaged_attention_openvino.so)")
     ap.add_argument("--out", required=True, help="directory for the results")
     ap.add_argument("cases", nargs="+", help="case directories")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """Converts OpenVINO's paged LLM graphs to this project's op: every ``PagedAttentionExtension`` node
 (what ``paged_attention_transformation`` makes, 17 to 28 inputs, 1 to 3 outputs) becomes a 16-input /
 2-output ``PagedAttention`` (``ie_internal_opset``, docs/contract.md), which the extension
-``libpaged_attention.so`` runs.
+``libpaged_attention_openvino.so`` runs.
 
     python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type f32] [--serving]
 

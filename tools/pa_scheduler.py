@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_LIB = Path(__file__).resolve().parents[1] / "target/release/libpaged_attention.so"
+# The OpenVINO extension module: the same C ABI, for a process that also runs the op in OpenVINO.
+DEFAULT_EXTENSION = Path(__file__).resolve().parents[1] / "target/release/libpaged_attention_openvino.so"
 
 
 class SchedulerError(RuntimeError):

@@ -4,12 +4,9 @@
 //! - this file: the panic-catching boundary, the per-thread last error, tensor conversion.
 //! - `op`: the op's functions (version, shape inference, validate, execute).
 //! - `cache`: the block manager and scheduler (`include/paged_attention_cache.h`).
-//! - `openvino` (feature `openvino`): the OpenVINO extension entry point `create_extensions`.
 
 pub mod cache;
 pub mod op;
-#[cfg(feature = "openvino")]
-pub mod openvino;
 
 use crate::dtype::ElemType;
 use crate::error::{PaError, Status};

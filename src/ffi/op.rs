@@ -2,7 +2,7 @@
 
 use super::{boundary, c_array, check_no_overlap, describe, PaPartialShape, PaTensor, MAX_RANK};
 use crate::dtype::ElemType;
-use crate::error::PaError;
+use crate::error::{PaError, Status};
 use crate::op::contract::{
     INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, OUTPUT_NAMES, VALUE_CACHE,
 };
@@ -28,25 +28,9 @@ pub extern "C" fn pa_version_string() -> *const c_char {
 
 #[no_mangle]
 pub extern "C" fn pa_status_name(status: i32) -> *const c_char {
-    let s: &'static str = match status {
-        0 => "PA_STATUS_OK\0",
-        1 => "PA_STATUS_NULL_POINTER\0",
-        2 => "PA_STATUS_INVALID_ARGUMENT\0",
-        3 => "PA_STATUS_INPUT_COUNT\0",
-        4 => "PA_STATUS_RANK\0",
-        5 => "PA_STATUS_ELEMENT_TYPE\0",
-        6 => "PA_STATUS_SHAPE\0",
-        7 => "PA_STATUS_VALUE\0",
-        8 => "PA_STATUS_BUFFER_SIZE\0",
-        9 => "PA_STATUS_ALIGNMENT\0",
-        10 => "PA_STATUS_PANIC\0",
-        11 => "PA_STATUS_OUT_OF_BLOCKS\0",
-        12 => "PA_STATUS_UNKNOWN_SEQUENCE\0",
-        13 => "PA_STATUS_INVALID_STATE\0",
-        14 => "PA_STATUS_OUT_OF_MEMORY\0",
-        _ => "PA_STATUS_UNKNOWN\0",
-    };
-    s.as_ptr() as *const c_char
+    Status::from_code(status)
+        .map_or(c"PA_STATUS_UNKNOWN", Status::c_name)
+        .as_ptr()
 }
 
 /// # Safety

@@ -1,8 +1,8 @@
 """The library as an OpenVINO extension, in the real runtime (openvino 2026.4.1, CPU plugin).
 
-Needs the release cdylib built with the `openvino` feature:
-    cargo build --release --features openvino
-(path from $PA_EXTENSION_LIB, default target/release/libpaged_attention.so). A missing library or
+Needs the release extension module:
+    cargo build --release -p paged_attention_openvino
+(path from $PA_EXTENSION_LIB, default target/release/libpaged_attention_openvino.so). A missing library or
 a missing OpenVINO fails these tests; nothing is skipped.
 
 Every model is tools/ir_writer.py's `paged_attention_ir` (Parameters -> PagedAttention -> 2
@@ -40,14 +40,14 @@ def builtin(inputs):
     return run_builtin(*inputs)
 
 ROOT = Path(__file__).resolve().parents[2]
-EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention.so"))
+EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention_openvino.so"))
 TOL = 2e-6  # f32: |ours - other| <= TOL * max(1, |other|)
 
 
 @pytest.fixture(scope="module")
 def core():
     if not EXT_LIB.is_file():
-        pytest.fail(f"{EXT_LIB} not found: build it with `cargo build --release --features openvino` "
+        pytest.fail(f"{EXT_LIB} not found: build it with `cargo build --release -p paged_attention_openvino` "
                     "(or set PA_EXTENSION_LIB)")
     c = ov.Core()
     c.add_extension(str(EXT_LIB))

@@ -1,5 +1,5 @@
 """The README's Python example works as written: run from the checkout's root with the extension
-built (it loads target/release/libpaged_attention.so), and its results match the golden files of
+built (it loads target/release/libpaged_attention_openvino.so), and its results match the golden files of
 models/seed_example (expected values from the float64 reference, see models/README.md)."""
 import json
 import os
@@ -19,8 +19,8 @@ def readme_blocks(lang):
 def test_readme_python_example_runs_as_written_and_matches_the_golden_case(monkeypatch):
     blocks = readme_blocks("python")
     assert len(blocks) == 1, "expected one Python example marked in the README"
-    lib = ROOT / "target/release/libpaged_attention.so"
-    assert lib.exists(), f"{lib} missing: build with cargo build --release --features openvino"
+    lib = ROOT / "target/release/libpaged_attention_openvino.so"
+    assert lib.exists(), f"{lib} missing: build with cargo build --release -p paged_attention_openvino"
     monkeypatch.chdir(ROOT)
     ns = {}
     exec(compile(blocks[0], "README.md", "exec"), ns)

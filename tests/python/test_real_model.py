@@ -1,7 +1,7 @@
 """A real (tiny) LLM graph on our op: tools/tiny_llm.py's stateful Llama-shaped decoder, turned into
 a paged graph by OpenVINO's own ``paged_attention_transformation`` (built-in
 ``PagedAttentionExtension``), then converted by tools/pa_convert.py to our ``PagedAttention`` and run
-with the extension loaded (``$PA_EXTENSION_LIB``, default target/release/libpaged_attention.so).
+with the extension loaded (``$PA_EXTENSION_LIB``, default target/release/libpaged_attention_openvino.so).
 
 Truth is OpenVINO: the stateful SDPA model checks the paged graph the transformation made, and the
 built-in op runs the same schedule as ours (tools/generate.py ``serve``, driven by our scheduler and
@@ -28,7 +28,7 @@ from pa_scheduler import Library, Scheduler
 from paged_model import F32_CONFIG, PagedModel, Seq
 
 ROOT = Path(__file__).resolve().parents[2]
-EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention.so"))
+EXT_LIB = Path(os.environ.get("PA_EXTENSION_LIB", ROOT / "target/release/libpaged_attention_openvino.so"))
 TOL = 1e-4
 BS = 32
 SERVE_BLOCKS = 24  # small enough that the pool runs out: preemptions too
@@ -37,7 +37,7 @@ SERVE_BLOCKS = 24  # small enough that the pool runs out: preemptions too
 @pytest.fixture(scope="module")
 def core():
     if not EXT_LIB.is_file():
-        pytest.fail(f"{EXT_LIB} not found: build it with `cargo build --release --features openvino`")
+        pytest.fail(f"{EXT_LIB} not found: build it with `cargo build --release -p paged_attention_openvino`")
     c = ov.Core()
     c.add_extension(str(EXT_LIB))
     return c

@@ -2,7 +2,7 @@
 built-in op compiled with KV_CACHE_PRECISION=u8 (tools/ov_u8_cache.py) on the same schedule of
 calls: a batched prefill, decodes, a chunked prefill that grows a by-channel key block. Each op
 keeps its own caches (starting from the same zero bytes); after every call the cache bytes must be
-equal and the outputs within 1e-2. Needs the release cdylib built with `--features openvino`.
+equal and the outputs within 1e-2. Needs the release extension module (`cargo build --release -p paged_attention_openvino`).
 """
 
 import numpy as np

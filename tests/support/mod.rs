@@ -4,9 +4,14 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The crate root.
+/// The repository root (this file is also compiled into the tests of the `openvino/` crate).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .find(|d| d.join("include/paged_attention.h").is_file())
+        .unwrap_or_else(|| panic!("no include/paged_attention.h above {}", manifest.display()))
+        .to_path_buf()
 }
 
 /// `target/<profile>/deps`, where this test binary lives and where `cargo test` builds the
@@ -22,6 +27,16 @@ pub fn lib_dir() -> PathBuf {
         "libpaged_attention.so not found in {}",
         dir.display()
     );
+    // Programs linked to the library need it by its SONAME, which only an install creates.
+    let soname = dir.join("libpaged_attention.so.0");
+    if let Err(e) = std::os::unix::fs::symlink("libpaged_attention.so", &soname) {
+        // Another test of this run may have made it first.
+        assert!(
+            e.kind() == std::io::ErrorKind::AlreadyExists,
+            "cannot create {}: {e}",
+            soname.display()
+        );
+    }
     dir
 }
 

@@ -343,7 +343,7 @@ pub struct OvEnv {
 /// The OpenVINO extension module built in the checkout at `root`: the one place that names
 /// the file.
 pub fn extension_path(root: &Path) -> PathBuf {
-    root.join("target/release/libpaged_attention.so")
+    root.join("target/release/libpaged_attention_openvino.so")
 }
 
 impl OvEnv {
@@ -370,7 +370,7 @@ impl OvEnv {
         }
         if !extension.is_file() {
             return Err(format!(
-                "no {} (cargo build --release --features openvino)",
+                "no {} (cargo build --release -p paged_attention_openvino)",
                 extension.display()
             ));
         }

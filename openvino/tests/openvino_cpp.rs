@@ -3,31 +3,39 @@
 //! an IR with the seed example's shapes (tests/cpp/host_model.xml). host.cpp checks the results
 //! against its own double-precision reference; see its header comment.
 //!
-//! Only with the `openvino` feature, after `cargo build --release --features openvino`:
-//! `cargo test --features openvino --test openvino_cpp`.
-#![cfg(feature = "openvino")]
+//! After `cargo build --release -p paged_attention_openvino`:
+//! `cargo test --release -p paged_attention_openvino --test openvino_cpp`.
 
+#[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The release cdylib the README's test command builds first
-/// (`cargo build --release --features openvino`), or `$PA_EXTENSION_LIB`. `cargo test` does not
+/// The release extension module the README's test command builds first
+/// (`cargo build --release -p paged_attention_openvino`), or `$PA_EXTENSION_LIB`. `cargo test` does not
 /// produce the cdylib itself, and a nested `cargo build` would wait on the lock this run holds,
 /// so the test checks the library exists and is not older than the sources it is built from.
 fn extension_library(root: &Path) -> PathBuf {
     if let Some(p) = std::env::var_os("PA_EXTENSION_LIB") {
         return PathBuf::from(p);
     }
-    let lib = root.join("target/release/libpaged_attention.so");
-    let build =
-        "build it with `cargo build --release --features openvino` (or set PA_EXTENSION_LIB)";
+    let lib = root.join("target/release/libpaged_attention_openvino.so");
+    let build = "build it with `cargo build --release -p paged_attention_openvino` (or set PA_EXTENSION_LIB)";
     let built = std::fs::metadata(&lib)
         .and_then(|m| m.modified())
         .unwrap_or_else(|_| panic!("{} not found: {build}", lib.display()));
     let mut newest = (std::time::SystemTime::UNIX_EPOCH, PathBuf::new());
-    for p in ["src", "cpp", "include", "build.rs", "Cargo.toml"] {
+    for p in [
+        "src",
+        "cpp",
+        "include",
+        "build.rs",
+        "Cargo.toml",
+        "openvino/src",
+        "openvino/build.rs",
+        "openvino/Cargo.toml",
+    ] {
         newest_file(&root.join(p), &mut newest);
     }
     assert!(
@@ -53,7 +61,7 @@ fn newest_file(p: &Path, newest: &mut (std::time::SystemTime, PathBuf)) {
 
 /// Compiles a C++ program against OpenVINO (the paths build.rs found) with warnings as errors.
 fn compile_cpp(source: &Path, exe: &Path) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = &support::root();
     let ov_libs = env!("PA_OPENVINO_LIBS");
     let compile = Command::new("g++")
         .args([
@@ -84,7 +92,7 @@ fn compile_cpp(source: &Path, exe: &Path) {
 
 #[test]
 fn cpp_host_loads_extension_and_matches_its_reference() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = &support::root();
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pa_openvino_host");
     compile_cpp(&root.join("tests/cpp/host.cpp"), &exe);
 
@@ -104,10 +112,10 @@ fn cpp_host_loads_extension_and_matches_its_reference() {
 }
 
 /// The README's C++ loading example works as written, run from the checkout's root (it names
-/// `target/release/libpaged_attention.so` and `models/seed_example/model.xml`).
+/// `target/release/libpaged_attention_openvino.so` and `models/seed_example/model.xml`).
 #[test]
 fn readme_cpp_example_loads_the_extension_as_written() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = &support::root();
     extension_library(root);
     let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
     let blocks = support::marked_blocks(&readme, "cpp");
