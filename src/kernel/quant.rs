@@ -165,6 +165,26 @@ pub fn insert_channel_block(
     quantize_channel_block(scratch, d, slab);
 }
 
+/// Cache bytes insertion writes to: `rows(at, len)` is bytes `at..at + len` of one cache. The
+/// fast kernels give each KV head's task a view of the shared caches (heads never share bytes).
+pub(crate) trait CacheRows {
+    fn rows(&mut self, at: usize, len: usize) -> &mut [u8];
+}
+
+impl CacheRows for [u8] {
+    fn rows(&mut self, at: usize, len: usize) -> &mut [u8] {
+        &mut self[at..at + len]
+    }
+}
+
+/// Buffers of one inserting task, reused across its rows and blocks.
+#[derive(Default)]
+pub(crate) struct InsertScratch {
+    row: Vec<f32>,
+    new_rows: Vec<f32>,
+    block: Vec<f32>,
+}
+
 /// Step 2 (insertion) for u8 caches laid out as `layout`: quantizes each new token's key and
 /// value rows (`[T, Hkv*D]`) into its block and slot. The plan's sequences and `block_indices`
 /// must have been validated against caches of `layout`'s shapes.
@@ -177,12 +197,41 @@ pub fn insert_u8<Q: Float>(
     key_cache: &mut [u8],
     value_cache: &mut [u8],
 ) {
+    let mut buf = InsertScratch::default();
+    for head in 0..layout.hkv {
+        let new = (key, value);
+        insert_u8_head(
+            layout,
+            seqs,
+            block_indices,
+            new,
+            head,
+            key_cache,
+            value_cache,
+            &mut buf,
+        );
+    }
+}
+
+/// [`insert_u8`] for KV head `head` only: the bytes it writes belong to that head alone, and
+/// within the head they are written in the same order as by the whole call (values token by
+/// token, then by-channel key blocks sequence by sequence), so aliasing block tables give the
+/// same bytes whether heads run one after another or in parallel.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn insert_u8_head<Q: Float>(
+    layout: &U8Layout,
+    seqs: &[SeqPlan],
+    block_indices: &[i32],
+    (key, value): (&[Q], &[Q]),
+    head: usize,
+    key_cache: &mut (impl CacheRows + ?Sized),
+    value_cache: &mut (impl CacheRows + ?Sized),
+    buf: &mut InsertScratch,
+) {
     let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
-    let widen = |src: &[Q], token: usize, head: usize| -> Vec<f32> {
-        src[(token * hkv + head) * d..][..d]
-            .iter()
-            .map(|v| v.to_f32())
-            .collect()
+    let widen = |src: &[Q], token: usize, out: &mut Vec<f32>| {
+        let row = &src[(token * hkv + head) * d..][..d];
+        out.extend(row.iter().map(|v| v.to_f32()));
     };
     let value_row = layout.value_row();
     let key_slab = layout.key_slab();
@@ -191,28 +240,23 @@ pub fn insert_u8<Q: Float>(
         for i in 0..sp.n {
             let pos = sp.past + i;
             let block = block_of(sp, pos);
-            for head in 0..hkv {
-                let row = ((block * hkv + head) * bs + pos % bs) * value_row;
-                let v = widen(value, sp.begin + i, head);
-                quantize_token_row(
-                    &v,
-                    layout.value_group,
-                    &mut value_cache[row..row + value_row],
-                );
-                if let KeyQuant::ByToken { group } = layout.key {
-                    let k = widen(key, sp.begin + i, head);
-                    let kr = key_slab / bs;
-                    let row = ((block * hkv + head) * bs + pos % bs) * kr;
-                    quantize_token_row(&k, group, &mut key_cache[row..row + kr]);
-                }
+            let row = ((block * hkv + head) * bs + pos % bs) * value_row;
+            buf.row.clear();
+            widen(value, sp.begin + i, &mut buf.row);
+            let dst = value_cache.rows(row, value_row);
+            quantize_token_row(&buf.row, layout.value_group, dst);
+            if let KeyQuant::ByToken { group } = layout.key {
+                buf.row.clear();
+                widen(key, sp.begin + i, &mut buf.row);
+                let kr = key_slab / bs;
+                let row = ((block * hkv + head) * bs + pos % bs) * kr;
+                quantize_token_row(&buf.row, group, key_cache.rows(row, kr));
             }
         }
     }
     if layout.key != KeyQuant::ByChannel {
         return;
     }
-    let mut scratch = Vec::new();
-    let mut new_rows = Vec::new();
     for sp in seqs {
         // Block by block: the part of the new tokens that falls into each block.
         let mut pos = sp.past;
@@ -220,15 +264,12 @@ pub fn insert_u8<Q: Float>(
             let prev = pos % bs;
             let take = (bs - prev).min(sp.past + sp.n - pos);
             let block = block_of(sp, pos);
-            for head in 0..hkv {
-                new_rows.clear();
-                for t in 0..take {
-                    new_rows.extend(widen(key, sp.begin + (pos - sp.past) + t, head));
-                }
-                let at = (block * hkv + head) * key_slab;
-                let slab = &mut key_cache[at..at + key_slab];
-                insert_channel_block(slab, d, prev, &new_rows, &mut scratch);
+            buf.new_rows.clear();
+            for t in 0..take {
+                widen(key, sp.begin + (pos - sp.past) + t, &mut buf.new_rows);
             }
+            let slab = key_cache.rows((block * hkv + head) * key_slab, key_slab);
+            insert_channel_block(slab, d, prev, &buf.new_rows, &mut buf.block);
             pos += take;
         }
     }

@@ -107,6 +107,11 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
     );
     /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
+    /// `out[i] = (src[i] - zp[i]) * scale[i]`, rounded as `kernel::quant::dequant` (a
+    /// subtraction, then a product: every tier gives the same bits), for `i < out.len()`.
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]);
+    /// `out[i] = (src[i] - zp) * scale`, rounded as [`U8Micro::dequant`].
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]);
 }
 
 /// Panics unless `rows` rows of `n` elements at stride `lda` fit in `a_len` elements.

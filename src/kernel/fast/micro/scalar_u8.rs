@@ -3,6 +3,7 @@
 
 use super::scalar::Scalar;
 use super::{pv_bounds, qk_bounds, U8Micro};
+use crate::kernel::quant::dequant;
 
 impl U8Micro for Scalar {
     fn qk(
@@ -70,6 +71,20 @@ impl U8Micro for Scalar {
         }
         sum
     }
+
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {
+        let (src, zp, scale) = (&src[..out.len()], &zp[..out.len()], &scale[..out.len()]);
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = dequant(src[i], scale[i], zp[i]);
+        }
+    }
+
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]) {
+        let src = &src[..out.len()];
+        for (o, &q) in out.iter_mut().zip(src) {
+            *o = dequant(q, scale, zp);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -103,5 +118,11 @@ impl U8Micro for super::x86::avx2::Avx2 {
     }
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
         Scalar.exp_sum(s, sub)
+    }
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {
+        Scalar.dequant(src, zp, scale, out)
+    }
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]) {
+        Scalar.dequant_uniform(src, zp, scale, out)
     }
 }

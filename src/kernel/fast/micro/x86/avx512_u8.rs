@@ -86,6 +86,56 @@ impl U8Micro for Avx512 {
         // SAFETY: `self` proves the features; the loop reads and writes only lanes of `s`.
         unsafe { exp_sum(s, sub) }
     }
+
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        assert!(
+            src.len() >= n && zp.len() >= n && scale.len() >= n,
+            "u8 dequant"
+        );
+        // SAFETY: `self` proves the features; every slice holds `n` elements (asserted).
+        unsafe { dequant(src.as_ptr(), zp.as_ptr(), scale.as_ptr(), false, out) }
+    }
+
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]) {
+        assert!(src.len() >= out.len(), "u8 dequant");
+        // SAFETY: `self` proves the features; `src` holds `out.len()` bytes (asserted), and
+        // uniform parameters are read once, from the one element each points to.
+        unsafe { dequant(src.as_ptr(), &zp, &scale, true, out) }
+    }
+}
+
+/// `out[i] = (src[i] - zp[i]) * scale[i]`, or with `zp[0]`, `scale[0]` for every `i` when
+/// `uniform`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dequant(
+    src: *const u8,
+    zp: *const f32,
+    scale: *const f32,
+    uniform: bool,
+    out: &mut [f32],
+) {
+    let n = out.len();
+    let mut i = 0;
+    while i < n {
+        let m = tail((n - i).min(16));
+        // SAFETY: lanes of `m` are `i..i + 16` clipped to `n`: inside `src`, `out` and (not
+        // `uniform`) `zp`/`scale`; uniform parameters are their first elements.
+        unsafe {
+            let (z, s) = if uniform {
+                (_mm512_set1_ps(*zp), _mm512_set1_ps(*scale))
+            } else {
+                (
+                    _mm512_maskz_loadu_ps(m, zp.add(i)),
+                    _mm512_maskz_loadu_ps(m, scale.add(i)),
+                )
+            };
+            let v = _mm512_mul_ps(load_u8(src.add(i), m, z), s);
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), m, v);
+        }
+        i += 16;
+    }
 }
 
 /// 16 bytes at `p` (the lanes of `m`) as f32 minus `zp`; other lanes 0.
