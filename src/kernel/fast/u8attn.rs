@@ -91,6 +91,19 @@ impl Scratch {
     }
 }
 
+/// The D scales and D zero points at the head of a by-channel key slab, into `sc` and `zp`.
+fn read_params(slab: &[u8], d: usize, (sc, zp): (&mut [f32], &mut [f32])) {
+    let (s, z) = slab[..PARAM_BYTES * d].split_at(4 * d);
+    let f = |b: &[u8]| f32::from_le_bytes(b.try_into().expect("4 bytes"));
+    for ((o, b), (p, c)) in sc[..d]
+        .iter_mut()
+        .zip(s.chunks_exact(4))
+        .zip(zp[..d].iter_mut().zip(z.chunks_exact(4)))
+    {
+        (*o, *p) = (f(b), f(c));
+    }
+}
+
 /// The rows of sequence `sp`, KV head `kvh`, for tokens `i0..i1` (in token, then head order).
 fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<RowRef> {
     (i0..i1)
@@ -119,7 +132,7 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], sc: &mut Sc
 /// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block): masked keys
 /// `-inf`, ALiBi added.
 #[allow(clippy::too_many_arguments)]
-fn block_logits<M: U8Micro>(
+fn block_logits<M: U8Micro + Micro>(
     m: M,
     plan: &Plan,
     l: &U8Layout,
@@ -137,22 +150,28 @@ fn block_logits<M: U8Micro>(
     let n = j1 - j0;
     match l.key {
         KeyQuant::ByChannel => {
-            for c in 0..d {
-                sc.sc[c] = read_f32(slab, c);
-                sc.zp[c] = read_f32(slab, d + c);
-            }
+            read_params(slab, d, (&mut sc.sc, &mut sc.zp));
             for r in 0..nr {
                 let (q, qs) = (&sc.q[r * d..][..d], &mut sc.qs[r * d..][..d]);
-                let mut cst = 0.0;
-                for c in 0..d {
-                    qs[c] = q[c] * sc.sc[c];
-                    cst += qs[c] * sc.zp[c];
+                for ((o, &x), &s) in qs.iter_mut().zip(q).zip(&sc.sc[..d]) {
+                    *o = x * s;
                 }
-                sc.cst[r] = cst;
             }
+            // The zero points' share of each row's logits, one SIMD dot product per row.
+            Micro::qk(
+                m,
+                &sc.qs[..nr * d],
+                nr,
+                &sc.zp[..d],
+                1,
+                d,
+                &mut sc.cst,
+                1,
+                1.0,
+            );
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
             sc.kzp[..n].fill(0.0);
-            m.qk(&sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
+            U8Micro::qk(m, &sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
             for r in 0..nr {
                 for x in &mut sc.s[r * bs..][..n] {
                     *x -= sc.cst[r];
@@ -173,7 +192,8 @@ fn block_logits<M: U8Micro>(
                     sc.kzp[t] = read_f32(&rows_bytes[t * kr + g0..], 1);
                 }
                 let k = &rows_bytes[g0 + PARAM_BYTES..];
-                m.qk(
+                U8Micro::qk(
+                    m,
                     &sc.q[gi * g..],
                     d,
                     nr,
@@ -288,12 +308,9 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             *o = Q::from_f32(a * norm);
         }
         if row.scored {
+            // weight(x) = exp(x - max) * norm; masked keys (-inf) add 0.
             let kept = &sc.kept[r * (hi - lo)..][..hi - lo];
-            for (p, &x) in part[lo..hi].iter_mut().zip(kept) {
-                if x != f32::NEG_INFINITY {
-                    *p += st[r].weight(x);
-                }
-            }
+            m.add_exp_scaled(&mut part[lo..hi], kept, st[r].max, norm);
         }
     }
 }
@@ -344,10 +361,7 @@ fn dequant_keys<M: U8Micro>(
     let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
     match l.key {
         KeyQuant::ByChannel => {
-            for c in 0..d {
-                sc[c] = read_f32(slab, c);
-                zp[c] = read_f32(slab, d + c);
-            }
+            read_params(slab, d, (sc, zp));
             let data = &slab[PARAM_BYTES * d + slot0 * d..][..n * d];
             for (o, q) in out[..n * d].chunks_exact_mut(d).zip(data.chunks_exact(d)) {
                 m.dequant(q, &zp[..d], &sc[..d], o);
@@ -508,11 +522,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
                 sum: lb[r],
             };
             let kept = &kept[(r - r_sc) * span..][..span];
-            for (p, &x) in part[lo..hi].iter_mut().zip(kept) {
-                if x != f32::NEG_INFINITY {
-                    *p += st.weight(x);
-                }
-            }
+            m.add_exp_scaled(&mut part[lo..hi], kept, st.max, st.norm());
         }
     }
 }
