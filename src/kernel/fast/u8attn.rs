@@ -21,7 +21,7 @@
 use super::micro::{Micro, TileMicro, U8Micro};
 use super::prefill::aligned;
 use super::shared::SharedMut;
-use super::tile::{finite_outside, mask_tile_strided};
+use super::tile::{finite_outside, mask_tile_strided, prefetch_part};
 use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
@@ -266,9 +266,26 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         sc.kept.clear();
         sc.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
     }
-    for (j0, j1) in tiles(lo, hi, bs) {
+    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: its
+    // key slab is requested before this block's logits, its value rows after them.
+    let block_bytes = |(j0, j1): (usize, usize)| {
         let block = block_of(b.block_indices, sp.block_begin, bs, j0);
+        let slab = l.key_slab();
+        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
+        let k = &b.kc[(block * plan.hkv + kvh) * slab..][..slab];
+        (block, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
+    };
+    let mut next = tiles(lo, hi, bs).skip(1);
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let (block, _, _) = block_bytes((j0, j1));
+        let ahead = next.next().map(block_bytes);
+        if let Some((_, k, _)) = ahead {
+            prefetch_part(k, 0, 1);
+        }
         block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), rows, sc);
+        if let Some((_, _, v)) = ahead {
+            prefetch_part(v, 0, 1);
+        }
         let n = j1 - j0;
         for (r, st) in st.iter_mut().enumerate().take(nr) {
             let s = &mut sc.s[r * bs..][..n];
