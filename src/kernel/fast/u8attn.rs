@@ -267,7 +267,8 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         sc.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
     }
     // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: its
-    // key slab is requested before this block's logits, its value rows after them.
+    // key slab and value rows are requested half at a time between this block's steps (all at
+    // once, the requests fill the miss queues and the loads being computed on wait).
     let block_bytes = |(j0, j1): (usize, usize)| {
         let block = block_of(b.block_indices, sp.block_begin, bs, j0);
         let slab = l.key_slab();
@@ -279,13 +280,14 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     for (j0, j1) in tiles(lo, hi, bs) {
         let (block, _, _) = block_bytes((j0, j1));
         let ahead = next.next().map(block_bytes);
-        if let Some((_, k, _)) = ahead {
-            prefetch_part(k, 0, 1);
-        }
+        let fetch = |half: usize, key: bool| match ahead {
+            Some((_, k, _)) if key => prefetch_part(k, half, 2),
+            Some((_, _, v)) if !key => prefetch_part(v, half, 2),
+            _ => {}
+        };
+        fetch(0, true);
         block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), rows, sc);
-        if let Some((_, _, v)) = ahead {
-            prefetch_part(v, 0, 1);
-        }
+        fetch(0, false);
         let n = j1 - j0;
         for (r, st) in st.iter_mut().enumerate().take(nr) {
             let s = &mut sc.s[r * bs..][..n];
@@ -298,6 +300,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             }
             st.add(m.exp_sum(s, step.sub));
         }
+        fetch(1, true);
         let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
         let vrows = &b.vc[vbase..vbase + n * vrow];
         for gi in 0..d / vg {
@@ -314,6 +317,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             let acc = &mut sc.acc[gi * vg..];
             m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.vzp[..n], vg);
         }
+        fetch(1, false);
     }
     for (r, row) in rows.iter().enumerate() {
         let at = row.token * plan.h + row.head;
