@@ -1,22 +1,28 @@
 //! Steps 2-4 over u8 caches in OpenVINO's layout: insertion quantizes with `kernel::quant` (the
-//! byte-checked code), then attention and scores read the cache bytes directly through the
-//! [`U8Micro`] loops, dequantizing on the fly, never widening a cache.
+//! byte-checked code, one task per KV head), then attention and scores read the cache bytes,
+//! never widening a cache.
 //!
-//! Work items are (sequence, KV head); an item walks the sequence's visible key blocks once per
-//! tile of up to [`ROWS`] query rows (tokens x the G query heads of the KV head), so a decode
-//! item reads each key and value byte once for all G heads. Per block:
-//! - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
-//!   scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
-//!   scales once and the second sum is one constant per row and block;
-//! - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
-//! - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group, the accumulators held in
-//!   registers across a block's keys.
+//! Work items are (sequence, KV head, query tokens), cut from the plan alone (results do not
+//! depend on the thread count):
+//! - decode-like sequences (at most [`PREFILL_MIN_ROWS`] rows of tokens x the G query heads of
+//!   the KV head) get one item per KV head, which walks the visible key blocks once per tile of
+//!   up to [`ROWS`] rows, reading each key and value byte once for all G heads through the
+//!   [`U8Micro`] loops (dequantized in registers). Per block:
+//!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
+//!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
+//!     scales once and the second sum is one constant per row and block;
+//!   - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
+//!   - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group, the accumulators held in
+//!     registers across a block's keys.
+//! - longer sequences get items of about [`PREFILL_ROWS`] rows, which dequantize one key block
+//!   and one value block at a time into f32 tiles (as `kernel::quant` dequantizes, so the
+//!   values are the reference's) and run the f32 prefill loops (`TileMicro`) on them.
 //!
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
-//! reference's (`kernel::layout`). Scores: a tile keeps the logits of its score rows (the last
-//! `score_tokens` tokens) and, once its softmax states are final, adds their weights into its
-//! item's partial scores; the partials of a sequence's KV heads are summed in head order, so
-//! results do not depend on the thread count and no logit is computed twice.
+//! reference's (`kernel::layout`). Scores: an item keeps the logits of its score rows (the last
+//! `score_tokens` tokens) and, once their softmax states are final, adds their weights into its
+//! own partial scores; a sequence's partials are summed in item order, so results do not depend
+//! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
 use super::prefill::aligned;
