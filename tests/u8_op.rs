@@ -307,3 +307,77 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
     }
     assert!(checked >= 40, "{checked} runs");
 }
+
+/// Long prefills and mixed batches on u8 caches (several prefill items per KV head, partial
+/// scores of several items per sequence, by-channel key blocks re-quantized as chunks land):
+/// the library's pool at 2 threads gives the same bits as one thread (caches, outputs and
+/// scores), and both stay within the f32 bound of float64 attention over the dequantized caches.
+#[test]
+fn u8_prefill_is_bit_identical_on_one_and_two_threads() {
+    use paged_attention::threads::set_num_threads;
+    use paged_attention::Runner as R;
+    let run = |c: &common::call::Call, runner: R| {
+        let mut c = c.clone();
+        c.with_api(|i, mut o| paged_attention::execute_on(runner, &mut i.unwrap(), &mut o))
+            .expect("u8 call runs");
+        c
+    };
+    set_num_threads(2).unwrap();
+    let mut checked = 0;
+    for (hkv, g, d) in [(2, 4, 64), (1, 3, 40), (3, 1, 32)] {
+        let mut geo = Geometry::new(ElemType::F32, ElemType::F32, hkv, g, d, 16);
+        geo.max_new = 150;
+        geo.max_past = 100;
+        let kinds = [
+            vec![SeqKind::Prefill],
+            vec![SeqKind::ChunkedPrefill, SeqKind::Decode, SeqKind::Prefill],
+        ];
+        for (key, value_group) in LAYOUTS {
+            if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                continue;
+            }
+            if let KeyQuant::ByToken { group } = key {
+                if group > d || !d.is_multiple_of(group.max(1)) {
+                    continue;
+                }
+            }
+            for seqs in &kinds {
+                let f = Features {
+                    seqs: Some(seqs.clone()),
+                    ..features()
+                };
+                let c = gen_case(checked as u64 + 900, &geo, &f);
+                let l = layout_for(&c, key, value_group);
+                let call = u8_call(&c, &l);
+                let one = run(&call, R::Serial);
+                let two = run(&call, R::Auto);
+                for i in [idx::KEY_CACHE, idx::VALUE_CACHE] {
+                    assert_eq!(one.inputs[i], two.inputs[i], "{l:?}: cache {i} bytes");
+                }
+                for o in 0..2 {
+                    let (a, b) = (&one.outputs[o].data, &two.outputs[o].data);
+                    let same = a
+                        .to_f64()
+                        .iter()
+                        .zip(b.to_f64())
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{l:?}: output {o} differs between 1 and 2 threads");
+                }
+                let want = reference(&dequantized_case(
+                    &c,
+                    &l,
+                    one.inputs[idx::KEY_CACHE].data.u8s(),
+                    one.inputs[idx::VALUE_CACHE].data.u8s(),
+                ));
+                let eo = rel_err(&one.outputs[0].data.to_f64(), &want.output);
+                let es = rel_err(&one.outputs[1].data.to_f64(), &want.scores);
+                assert!(
+                    eo <= 2e-5 && es <= 2e-5,
+                    "{l:?}: output {eo:e} scores {es:e}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 20, "{checked} runs");
+}

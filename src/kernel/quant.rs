@@ -19,14 +19,17 @@ use crate::op::Plan;
 /// What OpenVINO substitutes for a zero scale (all values of a group or channel equal).
 const ZERO_RANGE_SCALE: f32 = 0.0001;
 
+#[inline(always)]
 pub(crate) fn read_f32(bytes: &[u8], i: usize) -> f32 {
     f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 
+#[inline(always)]
 fn write_f32(bytes: &mut [u8], i: usize, v: f32) {
     bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
 }
 
+#[inline(always)]
 fn min_max(x: impl Iterator<Item = f32>) -> (f32, f32) {
     x.fold((f32::MAX, -f32::MAX), |(lo, hi), v| (lo.min(v), hi.max(v)))
 }
@@ -55,6 +58,7 @@ pub fn dequant(q: u8, scale: f32, zp: f32) -> f32 {
 }
 
 /// Quantizes one group of one token: writes `[scale f32][zp f32][x.len() bytes]` into `dst`.
+#[inline(always)]
 pub fn quantize_group(x: &[f32], dst: &mut [u8]) {
     let (lo, hi) = min_max(x.iter().copied());
     let mut scale = (hi - lo) / 255.0;
@@ -77,6 +81,7 @@ pub fn quantize_group(x: &[f32], dst: &mut [u8]) {
 }
 
 /// Quantizes a token row of `x.len()` channels into `dst` (`token_row_bytes` long), by groups.
+#[inline(always)]
 pub fn quantize_token_row(x: &[f32], group: usize, dst: &mut [u8]) {
     let g = effective_group(group, x.len());
     for (xs, ds) in x.chunks(g).zip(dst.chunks_mut(g + PARAM_BYTES)) {
@@ -97,38 +102,48 @@ pub fn dequantize_token_row(row: &[u8], group: usize, out: &mut [f32]) {
 
 /// Quantizes `rows` (`n x d`, row-major, `n >= 1`) as the tokens of one by-channel key block:
 /// writes the slab's scales, zero points and its first `n` rows; later rows are left alone.
+#[inline(always)]
 pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8]) {
-    let n = rows.len() / d;
     // Channels 16 and 8 at a time take the vector paths (scale from the f32 reciprocal of 255);
     // the last d % 8 the scalar one (a true division).
     let vec_len = d - d % 8;
     let (params, data) = slab.split_at_mut(PARAM_BYTES * d);
+    // Each channel's range is folded in token order, as one channel at a time would, but the
+    // loops run across channels (contiguous, so they vectorize).
+    let (mut lo, mut hi) = (vec![f32::MAX; d], vec![-f32::MAX; d]);
+    for row in rows.chunks_exact(d) {
+        for ((lo, hi), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
+            (*lo, *hi) = (lo.min(x), hi.max(x));
+        }
+    }
+    // From here `lo` holds the zero points and `hi` what the quantizer multiplies or divides by.
     for j in 0..d {
-        let (lo, hi) = min_max((0..n).map(|t| rows[t * d + j]));
         let mut scale = if j < vec_len {
-            (hi - lo) * (1.0f32 / 255.0)
+            (hi[j] - lo[j]) * (1.0f32 / 255.0)
         } else {
-            (hi - lo) / 255.0
+            (hi[j] - lo[j]) / 255.0
         };
         if scale == 0.0 {
             scale += ZERO_RANGE_SCALE;
         }
-        let zp = -lo / scale;
+        let zp = -lo[j] / scale;
         write_f32(params, j, scale);
         write_f32(params, d + j, zp);
-        let inv = 1.0 / scale;
-        for t in 0..n {
-            let x = rows[t * d + j];
-            data[t * d + j] = if j < vec_len {
-                q_vector(x, inv, zp)
-            } else {
-                q_scalar(x, scale, zp)
-            };
+        lo[j] = zp;
+        hi[j] = if j < vec_len { 1.0 / scale } else { scale };
+    }
+    for (row, out) in rows.chunks_exact(d).zip(data.chunks_exact_mut(d)) {
+        for j in 0..vec_len {
+            out[j] = q_vector(row[j], hi[j], lo[j]);
+        }
+        for j in vec_len..d {
+            out[j] = q_scalar(row[j], hi[j], lo[j]);
         }
     }
 }
 
 /// Dequantizes token `slot` of a by-channel key slab into `out` (D values).
+#[inline(always)]
 pub fn dequantize_channel_row(slab: &[u8], slot: usize, out: &mut [f32]) {
     let d = out.len();
     let row = &slab[PARAM_BYTES * d + slot * d..][..d];
@@ -142,6 +157,7 @@ pub fn dequantize_channel_row(slab: &[u8], slot: usize, out: &mut [f32]) {
 /// dequantized with the old parameters, the range is taken over them and the new keys, and all
 /// are quantized again (so earlier keys stay within the block's range, at the cost of a second
 /// rounding). `scratch` is reused between calls.
+#[inline(always)]
 pub fn insert_channel_block(
     slab: &mut [u8],
     d: usize,
@@ -165,6 +181,26 @@ pub fn insert_channel_block(
     quantize_channel_block(scratch, d, slab);
 }
 
+/// Cache bytes insertion writes to: `rows(at, len)` is bytes `at..at + len` of one cache. The
+/// fast kernels give each KV head's task a view of the shared caches (heads never share bytes).
+pub(crate) trait CacheRows {
+    fn rows(&mut self, at: usize, len: usize) -> &mut [u8];
+}
+
+impl CacheRows for [u8] {
+    fn rows(&mut self, at: usize, len: usize) -> &mut [u8] {
+        &mut self[at..at + len]
+    }
+}
+
+/// Buffers of one inserting task, reused across its rows and blocks.
+#[derive(Default)]
+pub(crate) struct InsertScratch {
+    row: Vec<f32>,
+    new_rows: Vec<f32>,
+    block: Vec<f32>,
+}
+
 /// Step 2 (insertion) for u8 caches laid out as `layout`: quantizes each new token's key and
 /// value rows (`[T, Hkv*D]`) into its block and slot. The plan's sequences and `block_indices`
 /// must have been validated against caches of `layout`'s shapes.
@@ -177,12 +213,81 @@ pub fn insert_u8<Q: Float>(
     key_cache: &mut [u8],
     value_cache: &mut [u8],
 ) {
+    let mut buf = InsertScratch::default();
+    for head in 0..layout.hkv {
+        let new = (key, value);
+        insert_u8_head(
+            layout,
+            seqs,
+            block_indices,
+            new,
+            head,
+            key_cache,
+            value_cache,
+            &mut buf,
+        );
+    }
+}
+
+/// [`insert_u8`] for KV head `head` only: the bytes it writes belong to that head alone, and
+/// within the head they are written in the same order as by the whole call (values token by
+/// token, then by-channel key blocks sequence by sequence), so aliasing block tables give the
+/// same bytes whether heads run one after another or in parallel.
+///
+/// On x86_64 CPUs with FMA and AVX2 the same code is compiled for them (the fused multiply-add
+/// and rounding become instructions instead of library calls, the per-channel loops vectorize);
+/// IEEE arithmetic gives the same bytes either way.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn insert_u8_head<Q: Float>(
+    layout: &U8Layout,
+    seqs: &[SeqPlan],
+    block_indices: &[i32],
+    new: (&[Q], &[Q]),
+    head: usize,
+    key_cache: &mut (impl CacheRows + ?Sized),
+    value_cache: &mut (impl CacheRows + ?Sized),
+    buf: &mut InsertScratch,
+) {
+    let args = (layout, seqs, block_indices, new, head);
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("fma") && is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has FMA and AVX2 (detected just above), all the function enables.
+        return unsafe { insert_head_fma(args, key_cache, value_cache, buf) };
+    }
+    insert_head(args, key_cache, value_cache, buf)
+}
+
+/// What [`insert_u8_head`] inserts: layout, sequences, block table, (key, value), KV head.
+type HeadArgs<'a, Q> = (
+    &'a U8Layout,
+    &'a [SeqPlan],
+    &'a [i32],
+    (&'a [Q], &'a [Q]),
+    usize,
+);
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma,avx2")]
+unsafe fn insert_head_fma<Q: Float>(
+    args: HeadArgs<'_, Q>,
+    key_cache: &mut (impl CacheRows + ?Sized),
+    value_cache: &mut (impl CacheRows + ?Sized),
+    buf: &mut InsertScratch,
+) {
+    insert_head(args, key_cache, value_cache, buf)
+}
+
+#[inline(always)]
+fn insert_head<Q: Float>(
+    (layout, seqs, block_indices, (key, value), head): HeadArgs<'_, Q>,
+    key_cache: &mut (impl CacheRows + ?Sized),
+    value_cache: &mut (impl CacheRows + ?Sized),
+    buf: &mut InsertScratch,
+) {
     let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
-    let widen = |src: &[Q], token: usize, head: usize| -> Vec<f32> {
-        src[(token * hkv + head) * d..][..d]
-            .iter()
-            .map(|v| v.to_f32())
-            .collect()
+    let widen = |src: &[Q], token: usize, out: &mut Vec<f32>| {
+        let row = &src[(token * hkv + head) * d..][..d];
+        out.extend(row.iter().map(|v| v.to_f32()));
     };
     let value_row = layout.value_row();
     let key_slab = layout.key_slab();
@@ -191,28 +296,23 @@ pub fn insert_u8<Q: Float>(
         for i in 0..sp.n {
             let pos = sp.past + i;
             let block = block_of(sp, pos);
-            for head in 0..hkv {
-                let row = ((block * hkv + head) * bs + pos % bs) * value_row;
-                let v = widen(value, sp.begin + i, head);
-                quantize_token_row(
-                    &v,
-                    layout.value_group,
-                    &mut value_cache[row..row + value_row],
-                );
-                if let KeyQuant::ByToken { group } = layout.key {
-                    let k = widen(key, sp.begin + i, head);
-                    let kr = key_slab / bs;
-                    let row = ((block * hkv + head) * bs + pos % bs) * kr;
-                    quantize_token_row(&k, group, &mut key_cache[row..row + kr]);
-                }
+            let row = ((block * hkv + head) * bs + pos % bs) * value_row;
+            buf.row.clear();
+            widen(value, sp.begin + i, &mut buf.row);
+            let dst = value_cache.rows(row, value_row);
+            quantize_token_row(&buf.row, layout.value_group, dst);
+            if let KeyQuant::ByToken { group } = layout.key {
+                buf.row.clear();
+                widen(key, sp.begin + i, &mut buf.row);
+                let kr = key_slab / bs;
+                let row = ((block * hkv + head) * bs + pos % bs) * kr;
+                quantize_token_row(&buf.row, group, key_cache.rows(row, kr));
             }
         }
     }
     if layout.key != KeyQuant::ByChannel {
         return;
     }
-    let mut scratch = Vec::new();
-    let mut new_rows = Vec::new();
     for sp in seqs {
         // Block by block: the part of the new tokens that falls into each block.
         let mut pos = sp.past;
@@ -220,15 +320,12 @@ pub fn insert_u8<Q: Float>(
             let prev = pos % bs;
             let take = (bs - prev).min(sp.past + sp.n - pos);
             let block = block_of(sp, pos);
-            for head in 0..hkv {
-                new_rows.clear();
-                for t in 0..take {
-                    new_rows.extend(widen(key, sp.begin + (pos - sp.past) + t, head));
-                }
-                let at = (block * hkv + head) * key_slab;
-                let slab = &mut key_cache[at..at + key_slab];
-                insert_channel_block(slab, d, prev, &new_rows, &mut scratch);
+            buf.new_rows.clear();
+            for t in 0..take {
+                widen(key, sp.begin + (pos - sp.past) + t, &mut buf.new_rows);
             }
+            let slab = key_cache.rows((block * hkv + head) * key_slab, key_slab);
+            insert_channel_block(slab, d, prev, &buf.new_rows, &mut buf.block);
             pos += take;
         }
     }

@@ -23,8 +23,10 @@
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
 //!   tiles (same masks, softmax step and output writing as `prefill`).
-//! - `u8attn`: insertion, attention and scores over u8 caches (OpenVINO's layout), reading the
-//!   bytes through the `U8Micro` loops (dequantized on the fly).
+//! - `u8attn`: insertion (one task per KV head), attention and scores over u8 caches
+//!   (OpenVINO's layout): decode tiles read the bytes through the `U8Micro` loops (dequantized
+//!   in registers), prefill items dequantize one block at a time into f32 tiles for the
+//!   `TileMicro` loops.
 //! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, built
 //!   on x86_64 only; scalar twins in `micro/`, the only tier elsewhere).
 //!

@@ -1,34 +1,45 @@
 //! Steps 2-4 over u8 caches in OpenVINO's layout: insertion quantizes with `kernel::quant` (the
-//! byte-checked code), then attention and scores read the cache bytes directly through the
-//! [`U8Micro`] loops, dequantizing on the fly, never widening a cache.
+//! byte-checked code, one task per KV head), then attention and scores read the cache bytes,
+//! never widening a cache.
 //!
-//! Work items are (sequence, KV head); an item walks the sequence's visible key blocks once per
-//! tile of up to [`ROWS`] query rows (tokens x the G query heads of the KV head), so a decode
-//! item reads each key and value byte once for all G heads. Per block:
-//! - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
-//!   scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
-//!   scales once and the second sum is one constant per row and block;
-//! - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
-//! - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group, the accumulators held in
-//!   registers across a block's keys.
+//! Work items are (sequence, KV head, query tokens), cut from the plan alone (results do not
+//! depend on the thread count):
+//! - decode-like sequences (at most [`PREFILL_MIN_ROWS`] rows of tokens x the G query heads of
+//!   the KV head) get one item per KV head, which walks the visible key blocks once per tile of
+//!   up to [`ROWS`] rows, reading each key and value byte once for all G heads through the
+//!   [`U8Micro`] loops (dequantized in registers). Per block:
+//!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
+//!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
+//!     scales once and the second sum is one constant per row and block;
+//!   - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
+//!   - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group, the accumulators held in
+//!     registers across a block's keys.
+//! - longer sequences get items of about [`PREFILL_ROWS`] rows, which dequantize one key block
+//!   and one value block at a time into f32 tiles (as `kernel::quant` dequantizes, so the
+//!   values are the reference's) and run the f32 prefill loops (`TileMicro`) on them.
 //!
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
-//! reference's (`kernel::layout`). Scores: a tile keeps the logits of its score rows (the last
-//! `score_tokens` tokens) and, once its softmax states are final, adds their weights into its
-//! item's partial scores; the partials of a sequence's KV heads are summed in head order, so
-//! results do not depend on the thread count and no logit is computed twice.
+//! reference's (`kernel::layout`). Scores: an item keeps the logits of its score rows (the last
+//! `score_tokens` tokens) and, once their softmax states are final, adds their weights into its
+//! own partial scores; a sequence's partials are summed in item order, so results do not depend
+//! on the thread count and no logit is computed twice.
 
-use super::micro::{Micro, U8Micro};
+use super::micro::{Micro, TileMicro, U8Micro};
+use super::prefill::aligned;
 use super::shared::SharedMut;
+use super::tile::{finite_outside, mask_tile_strided, prefetch_part};
 use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::kernel::bind::Bound;
-use crate::kernel::layout::{block_of, tiles, visible, window_start};
-use crate::kernel::quant::{self, read_f32, KeyQuant, U8Layout, PARAM_BYTES};
+use crate::kernel::layout::{block_of, seen_by_all, tiles, visible, visible_span, window_start};
+use crate::kernel::quant::{
+    self, read_f32, CacheRows, InsertScratch, KeyQuant, U8Layout, PARAM_BYTES,
+};
 use crate::kernel::softmax::OnlineSoftmax;
 use crate::op::{Plan, SeqPlan};
 use crate::threads::Runner;
+use std::cell::RefCell;
 
 /// Query rows per tile.
 const ROWS: usize = 8;
@@ -86,6 +97,19 @@ impl Scratch {
     }
 }
 
+/// The D scales and D zero points at the head of a by-channel key slab, into `sc` and `zp`.
+fn read_params(slab: &[u8], d: usize, (sc, zp): (&mut [f32], &mut [f32])) {
+    let (s, z) = slab[..PARAM_BYTES * d].split_at(4 * d);
+    let f = |b: &[u8]| f32::from_le_bytes(b.try_into().expect("4 bytes"));
+    for ((o, b), (p, c)) in sc[..d]
+        .iter_mut()
+        .zip(s.chunks_exact(4))
+        .zip(zp[..d].iter_mut().zip(z.chunks_exact(4)))
+    {
+        (*o, *p) = (f(b), f(c));
+    }
+}
+
 /// The rows of sequence `sp`, KV head `kvh`, for tokens `i0..i1` (in token, then head order).
 fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<RowRef> {
     (i0..i1)
@@ -114,7 +138,7 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], sc: &mut Sc
 /// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block): masked keys
 /// `-inf`, ALiBi added.
 #[allow(clippy::too_many_arguments)]
-fn block_logits<M: U8Micro>(
+fn block_logits<M: U8Micro + Micro>(
     m: M,
     plan: &Plan,
     l: &U8Layout,
@@ -132,22 +156,28 @@ fn block_logits<M: U8Micro>(
     let n = j1 - j0;
     match l.key {
         KeyQuant::ByChannel => {
-            for c in 0..d {
-                sc.sc[c] = read_f32(slab, c);
-                sc.zp[c] = read_f32(slab, d + c);
-            }
+            read_params(slab, d, (&mut sc.sc, &mut sc.zp));
             for r in 0..nr {
                 let (q, qs) = (&sc.q[r * d..][..d], &mut sc.qs[r * d..][..d]);
-                let mut cst = 0.0;
-                for c in 0..d {
-                    qs[c] = q[c] * sc.sc[c];
-                    cst += qs[c] * sc.zp[c];
+                for ((o, &x), &s) in qs.iter_mut().zip(q).zip(&sc.sc[..d]) {
+                    *o = x * s;
                 }
-                sc.cst[r] = cst;
             }
+            // The zero points' share of each row's logits, one SIMD dot product per row.
+            Micro::qk(
+                m,
+                &sc.qs[..nr * d],
+                nr,
+                &sc.zp[..d],
+                1,
+                d,
+                &mut sc.cst,
+                1,
+                1.0,
+            );
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
             sc.kzp[..n].fill(0.0);
-            m.qk(&sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
+            U8Micro::qk(m, &sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
             for r in 0..nr {
                 for x in &mut sc.s[r * bs..][..n] {
                     *x -= sc.cst[r];
@@ -168,7 +198,8 @@ fn block_logits<M: U8Micro>(
                     sc.kzp[t] = read_f32(&rows_bytes[t * kr + g0..], 1);
                 }
                 let k = &rows_bytes[g0 + PARAM_BYTES..];
-                m.qk(
+                U8Micro::qk(
+                    m,
                     &sc.q[gi * g..],
                     d,
                     nr,
@@ -241,9 +272,28 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         sc.kept.clear();
         sc.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
     }
-    for (j0, j1) in tiles(lo, hi, bs) {
+    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: its
+    // key slab and value rows are requested half at a time between this block's steps (all at
+    // once, the requests fill the miss queues and the loads being computed on wait).
+    let block_bytes = |(j0, j1): (usize, usize)| {
         let block = block_of(b.block_indices, sp.block_begin, bs, j0);
+        let slab = l.key_slab();
+        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
+        let k = &b.kc[(block * plan.hkv + kvh) * slab..][..slab];
+        (block, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
+    };
+    let mut next = tiles(lo, hi, bs).skip(1);
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let (block, _, _) = block_bytes((j0, j1));
+        let ahead = next.next().map(block_bytes);
+        let fetch = |half: usize, key: bool| match ahead {
+            Some((_, k, _)) if key => prefetch_part(k, half, 2),
+            Some((_, _, v)) if !key => prefetch_part(v, half, 2),
+            _ => {}
+        };
+        fetch(0, true);
         block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), rows, sc);
+        fetch(0, false);
         let n = j1 - j0;
         for (r, st) in st.iter_mut().enumerate().take(nr) {
             let s = &mut sc.s[r * bs..][..n];
@@ -256,6 +306,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             }
             st.add(m.exp_sum(s, step.sub));
         }
+        fetch(1, true);
         let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
         let vrows = &b.vc[vbase..vbase + n * vrow];
         for gi in 0..d / vg {
@@ -272,6 +323,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             let acc = &mut sc.acc[gi * vg..];
             m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.vzp[..n], vg);
         }
+        fetch(1, false);
     }
     for (r, row) in rows.iter().enumerate() {
         let at = row.token * plan.h + row.head;
@@ -283,14 +335,272 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             *o = Q::from_f32(a * norm);
         }
         if row.scored {
+            // weight(x) = exp(x - max) * norm; masked keys (-inf) add 0.
             let kept = &sc.kept[r * (hi - lo)..][..hi - lo];
-            for (p, &x) in part[lo..hi].iter_mut().zip(kept) {
-                if x != f32::NEG_INFINITY {
-                    *p += st[r].weight(x);
+            m.add_exp_scaled(&mut part[lo..hi], kept, st[r].max, norm);
+        }
+    }
+}
+
+/// Query rows above which a sequence's tiles take the prefill path (per KV head: tokens x G).
+const PREFILL_MIN_ROWS: usize = 16;
+
+/// Query rows of a prefill item (about, as the f32 prefill tiles: a multiple of G).
+const PREFILL_ROWS: usize = 64;
+
+/// Per-thread buffers of prefill items, grown on demand.
+#[derive(Default)]
+struct PrefillScratch {
+    qr: Vec<f32>,
+    qt: Vec<f32>,
+    acc: Vec<f32>,
+    st: Vec<f32>,
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    c: Vec<f32>,
+    sc: Vec<f32>,
+    zp: Vec<f32>,
+    kept: Vec<f32>,
+}
+
+thread_local! {
+    static PREFILL_SCRATCH: RefCell<PrefillScratch> = RefCell::new(PrefillScratch::default());
+}
+
+/// Dequantizes the keys of slots `slot0..slot0 + n` of (block, KV head `kvh`) into `out`
+/// (`[n][D]`), as `kernel::quant` does (`(q - zp) * scale`, the reference's values exactly).
+#[allow(clippy::too_many_arguments)]
+fn dequant_keys<M: U8Micro>(
+    m: M,
+    plan: &Plan,
+    l: &U8Layout,
+    kc: &[u8],
+    block: usize,
+    kvh: usize,
+    (slot0, n): (usize, usize),
+    (sc, zp): (&mut [f32], &mut [f32]),
+    out: &mut [f32],
+) {
+    let d = plan.d;
+    let slab_len = l.key_slab();
+    let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
+    match l.key {
+        KeyQuant::ByChannel => {
+            read_params(slab, d, (sc, zp));
+            let data = &slab[PARAM_BYTES * d + slot0 * d..][..n * d];
+            for (o, q) in out[..n * d].chunks_exact_mut(d).zip(data.chunks_exact(d)) {
+                m.dequant(q, &zp[..d], &sc[..d], o);
+            }
+        }
+        KeyQuant::ByToken { group } => {
+            let kr = slab_len / plan.bs;
+            dequant_token_rows(m, &slab[slot0 * kr..][..n * kr], kr, d, group, out);
+        }
+    }
+}
+
+/// Dequantizes `n` by-token rows of `ldr` bytes (groups of `group` channels, 0 = D) into `out`.
+fn dequant_token_rows<M: U8Micro>(
+    m: M,
+    rows: &[u8],
+    ldr: usize,
+    d: usize,
+    group: usize,
+    out: &mut [f32],
+) {
+    let g = if group == 0 { d } else { group };
+    for (o, r) in out.chunks_exact_mut(d).zip(rows.chunks_exact(ldr)) {
+        for (og, rg) in o.chunks_exact_mut(g).zip(r.chunks_exact(g + PARAM_BYTES)) {
+            let (scale, zp) = (read_f32(rg, 0), read_f32(rg, 1));
+            m.dequant_uniform(&rg[PARAM_BYTES..], zp, scale, og);
+        }
+    }
+}
+
+/// One prefill item: query tokens `i0..i1` of sequence `sp`, KV head `kvh`, over all their
+/// visible keys. Each key block is dequantized once into an f32 tile (never more of the cache)
+/// and run through the f32 prefill loops (`TileMicro`: transposed logits, lane-wise softmax),
+/// as `fast::prefill` runs f32 caches. Writes the rows' outputs; adds the final softmax weights
+/// of its score rows into `part` (when it has score rows).
+#[allow(clippy::too_many_arguments)]
+fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
+    m: M,
+    plan: &Plan,
+    l: &U8Layout,
+    b: &Inputs<'_, Q>,
+    sp: &SeqPlan,
+    kvh: usize,
+    (i0, i1): (usize, usize),
+    sc: &mut PrefillScratch,
+    out: &SharedMut<'_, Q>,
+    part: Option<&mut [f32]>,
+) {
+    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let nt = i1 - i0;
+    let rows = nt * g;
+    let rows8 = rows.div_ceil(8) * 8;
+    let pos0 = sp.past + i0;
+    let (lo, hi) = (window_start(plan, pos0), sp.ctx().min(pos0 + nt));
+    let PrefillScratch {
+        qr,
+        qt,
+        acc,
+        st,
+        kf,
+        vf,
+        m: mb,
+        l: lb,
+        c: cb,
+        sc: ksc,
+        zp: kzp,
+        kept,
+    } = sc;
+    let qt = aligned(qt, d * rows8);
+    let acc = aligned(acc, rows * d);
+    let st = aligned(st, bs * rows8);
+    let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
+    let (kf, vf) = (aligned(kf, bs * d), aligned(vf, bs * d));
+    let (ksc, kzp) = (aligned(ksc, d), aligned(kzp, d));
+    // Query panel [D][rows8], padding rows 0 (logits are scaled, not the query).
+    let qr = aligned(qr, rows8 * d);
+    for ti in 0..nt {
+        let src = &b.query[((sp.begin + i0 + ti) * h + kvh * g) * d..][..g * d];
+        m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
+    }
+    qr[rows * d..].fill(0.0);
+    m.transpose(qr, rows, d, qt, rows8);
+    acc.fill(0.0);
+    mb.fill(f32::NEG_INFINITY);
+    lb.fill(0.0);
+    // Score rows are a suffix of the rows (token-major): their logits are kept row-major.
+    let first_scored = (sp.n - sp.score_tokens).max(i0).min(i1);
+    let r_sc = (first_scored - i0) * g;
+    let span = hi - lo;
+    if part.is_some() {
+        kept.clear();
+        kept.resize((rows - r_sc) * span, f32::NEG_INFINITY);
+    }
+    let vrow = l.value_row();
+    for (j0, j1) in tiles(lo, hi, bs) {
+        let n = j1 - j0;
+        let block = block_of(b.block_indices, sp.block_begin, bs, j0);
+        let kx = &mut kf[..n * d];
+        let slots = (j0 % bs, n);
+        dequant_keys(m, plan, l, b.kc, block, kvh, slots, (ksc, kzp), kx);
+        for r in (0..rows8).step_by(M::QK_ROWS) {
+            let rr = M::QK_ROWS.min(rows8 - r);
+            m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
+        }
+        m.scale_logits(&mut st[..n * rows8], plan.scale);
+        mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
+        if part.is_some() {
+            for r in r_sc..rows {
+                let dst = &mut kept[(r - r_sc) * span + j0 - lo..][..n];
+                for (jj, o) in dst.iter_mut().enumerate() {
+                    *o = st[jj * rows8 + r];
+                }
+            }
+        }
+        m.softmax_t(st, rows8, rows, n, mb, lb, cb);
+        let vx = &mut vf[..n * d];
+        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
+        dequant_token_rows(
+            m,
+            &b.vc[vbase..vbase + n * vrow],
+            vrow,
+            d,
+            l.value_group,
+            vx,
+        );
+        let vx = &*vx;
+        let (a, e) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
+        if finite_outside(vx, n, d, (a - j0, e - j0)) {
+            m.pv_t(st, rows8, rows, vx, n, d, cb, acc);
+        } else {
+            // A non-finite value some row is masked for: each row over its own keys.
+            for r in 0..rows {
+                let (a, e) = visible_span(plan, pos0 + r / g, j0, j1);
+                let (a, e) = (a - j0, e - j0);
+                if a < e {
+                    let (p, v) = (&st[a * rows8 + r..], &vx[a * d..e * d]);
+                    m.pv_t(p, rows8, 1, v, e - a, d, &cb[r..], &mut acc[r * d..]);
                 }
             }
         }
     }
+    for r in 0..rows {
+        let (ti, gi) = (r / g, r % g);
+        let at = ((sp.begin + i0 + ti) * h + kvh * g + gi) * d;
+        // SAFETY: (token, head) pairs are distinct across rows of all items (an item owns its
+        // tokens and its KV head's query heads), so these parts never overlap.
+        let o = unsafe { out.part(at, d) };
+        // One reciprocal per row, as `fast::prefill` writes its rows.
+        let inv = 1.0 / lb[r];
+        for (o, &a) in o.iter_mut().zip(&acc[r * d..][..d]) {
+            *o = Q::from_f32(a * inv);
+        }
+    }
+    if let Some(part) = part {
+        for r in r_sc..rows {
+            let st = OnlineSoftmax {
+                max: mb[r],
+                sum: lb[r],
+            };
+            let kept = &kept[(r - r_sc) * span..][..span];
+            m.add_exp_scaled(&mut part[lo..hi], kept, st.max, st.norm());
+        }
+    }
+}
+
+/// One work item: tokens `i0..i1` of sequence `seq`, KV head `kvh`.
+struct Work {
+    seq: usize,
+    kvh: usize,
+    i0: usize,
+    i1: usize,
+    prefill: bool,
+    /// Offset of the item's partial scores (`ctx` floats) when it has score rows.
+    part: Option<usize>,
+}
+
+/// The call's work items, sequence by sequence, KV head by KV head, in token order (the order
+/// partial scores are summed in), and the length of the partial-score buffer. The cut depends
+/// only on the plan, so results do not depend on the thread count.
+fn work_items(plan: &Plan) -> Result<(Vec<Work>, usize)> {
+    let mut items = Vec::new();
+    let mut parts = 0usize;
+    let too_big = || PaError::OutOfMemory {
+        what: "u8 partial scores".into(),
+        bytes: usize::MAX,
+    };
+    for (seq, sp) in plan.seqs.iter().enumerate() {
+        let prefill = sp.n * plan.g > PREFILL_MIN_ROWS;
+        let step = if prefill {
+            (PREFILL_ROWS / plan.g).max(1)
+        } else {
+            sp.n.max(1)
+        };
+        for kvh in 0..plan.hkv {
+            for i0 in (0..sp.n).step_by(step) {
+                let i1 = (i0 + step).min(sp.n);
+                let part = (i1 > sp.n - sp.score_tokens).then_some(parts);
+                if part.is_some() {
+                    parts = parts.checked_add(sp.ctx()).ok_or_else(too_big)?;
+                }
+                items.push(Work {
+                    seq,
+                    kvh,
+                    i0,
+                    i1,
+                    prefill,
+                    part,
+                });
+            }
+        }
+    }
+    Ok((items, parts))
 }
 
 /// The read-only side of the bound call.
@@ -301,33 +611,38 @@ struct Inputs<'a, Q> {
     block_indices: &'a [i32],
 }
 
+/// A KV head's view of a shared cache for insertion.
+struct HeadRows<'a, 'b>(&'a SharedMut<'b, u8>);
+
+impl CacheRows for HeadRows<'_, '_> {
+    fn rows(&mut self, at: usize, len: usize) -> &mut [u8] {
+        // SAFETY: a HeadRows is used by one KV head's task only, and every byte insertion
+        // writes for a head lies in that head's (block, head) slabs or rows, which no other
+        // head's task touches; `&mut self` keeps one slice of it alive at a time.
+        unsafe { self.0.part(at, len) }
+    }
+}
+
 /// Runs insertion, attention and scores of a validated call on u8 caches of layout `l`.
-pub(crate) fn run<M: U8Micro + Micro, Q: Float>(
+pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     m: M,
     runner: Runner,
     plan: &Plan,
     l: &U8Layout,
     b: Bound<'_, Q, u8>,
 ) -> Result<()> {
-    let hkv = plan.hkv;
-    // One partial score vector per (sequence, KV head), laid out like the scores times Hkv.
-    let parts_len = plan
-        .scores_len
-        .checked_mul(hkv)
-        .ok_or_else(|| PaError::OutOfMemory {
-            what: "u8 partial scores".into(),
-            bytes: usize::MAX,
-        })?;
+    let (items, parts_len) = work_items(plan)?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
-    quant::insert_u8(
-        l,
-        &plan.seqs,
-        b.block_indices,
-        b.key,
-        b.value,
-        b.key_cache,
-        b.value_cache,
-    );
+    {
+        let (kc, vc) = (SharedMut::new(b.key_cache), SharedMut::new(b.value_cache));
+        runner.for_each(plan.hkv, &|head| {
+            let mut buf = InsertScratch::default();
+            let (mut kr, mut vr) = (HeadRows(&kc), HeadRows(&vc));
+            let new = (b.key, b.value);
+            let (seqs, bi) = (&plan.seqs, b.block_indices);
+            quant::insert_u8_head(l, seqs, bi, new, head, &mut kr, &mut vr, &mut buf);
+        });
+    }
     let inputs = Inputs {
         query: b.query,
         kc: b.key_cache,
@@ -337,27 +652,47 @@ pub(crate) fn run<M: U8Micro + Micro, Q: Float>(
     {
         let out = SharedMut::new(b.output);
         let parts = SharedMut::new(&mut parts);
-        runner.for_each(plan.seqs.len() * hkv, &|item| {
-            let (sp, kvh) = (&plan.seqs[item / hkv], item % hkv);
-            // SAFETY: item (s, kvh) owns `ctx` partials at `score_offset * hkv + kvh * ctx`;
-            // sequences' score ranges are disjoint, so these parts are too.
-            let part = unsafe { parts.part(sp.score_offset * hkv + kvh * sp.ctx(), sp.ctx()) };
+        runner.for_each(items.len(), &|i| {
+            let w = &items[i];
+            let sp = &plan.seqs[w.seq];
+            // SAFETY: every item with score rows owns its own `ctx` partials (offsets laid
+            // out one after another by `work_items`).
+            let part = w.part.map(|at| unsafe { parts.part(at, sp.ctx()) });
+            if w.prefill {
+                PREFILL_SCRATCH.with(|s| {
+                    let sc = &mut *s.borrow_mut();
+                    let span = (w.i0, w.i1);
+                    prefill_item(m, plan, l, &inputs, sp, w.kvh, span, sc, &out, part);
+                });
+                return;
+            }
             let mut sc = Scratch::new(plan);
+            let mut none = [];
+            let part: &mut [f32] = part.unwrap_or(&mut none);
             let tokens_per_tile = (ROWS / plan.g).max(1);
-            for i0 in (0..sp.n).step_by(tokens_per_tile) {
-                let rows = rows_of(plan, sp, kvh, i0, (i0 + tokens_per_tile).min(sp.n));
+            for i0 in (w.i0..w.i1).step_by(tokens_per_tile) {
+                let rows = rows_of(plan, sp, w.kvh, i0, (i0 + tokens_per_tile).min(w.i1));
                 for tile in rows.chunks(ROWS) {
-                    attend_tile(m, plan, l, &inputs, sp, kvh, tile, &mut sc, &out, part);
+                    attend_tile(m, plan, l, &inputs, sp, w.kvh, tile, &mut sc, &out, part);
                 }
             }
         });
     }
-    for sp in &plan.seqs {
+    let mut item = 0;
+    for (s, sp) in plan.seqs.iter().enumerate() {
         let (ctx, at) = (sp.ctx(), sp.score_offset);
         let dst = &mut b.scores[at..at + ctx];
-        let mine = &parts[at * hkv..(at + ctx) * hkv];
-        for (j, o) in dst.iter_mut().enumerate() {
-            *o = Q::from_f32((0..hkv).map(|h| mine[h * ctx + j]).sum());
+        let mut sum = vec![0f32; ctx];
+        while item < items.len() && items[item].seq == s {
+            if let Some(p) = items[item].part {
+                for (o, &x) in sum.iter_mut().zip(&parts[p..p + ctx]) {
+                    *o += x;
+                }
+            }
+            item += 1;
+        }
+        for (o, &x) in dst.iter_mut().zip(&sum) {
+            *o = Q::from_f32(x);
         }
     }
     Ok(())

@@ -10,7 +10,8 @@
 //!   twins also keep the next tile's cache lines coming while they compute.
 //! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
 //! - `scalar_u8`: the [`U8Micro`] loops over u8 cache bytes (OpenVINO's layout; the driver
-//!   `fast::u8attn` folds scales and zero points around them); `x86/avx512_u8` is the AVX-512 tier.
+//!   `fast::u8attn` folds scales and zero points around them); `x86/avx2_u8` and `x86/avx512_u8`
+//!   are the AVX2 and AVX-512 tiers.
 //! - `x86/amx`: AMX-BF16 tile products (QK and PV) for prefill items of a bf16
 //!   query; `scalar_amx` is its twin (test oracle).
 //!
@@ -30,6 +31,8 @@ pub(crate) mod x86;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_u8;
 
 use crate::dtype::Float;
 use crate::kernel::softmax::OnlineSoftmax;
@@ -110,6 +113,11 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
     );
     /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
+    /// `out[i] = (src[i] - zp[i]) * scale[i]`, rounded as `kernel::quant::dequant` (a
+    /// subtraction, then a product: every tier gives the same bits), for `i < out.len()`.
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]);
+    /// `out[i] = (src[i] - zp) * scale`, rounded as [`U8Micro::dequant`].
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]);
 }
 
 /// Panics unless `rows` rows of `n` elements at stride `lda` fit in `a_len` elements.

@@ -1,8 +1,9 @@
 //! The scalar [`U8Micro`]: plain loops over u8 cache bytes, the twin the SIMD tiers are tested
-//! against; the AVX2 tier runs these loops too (not vectorised yet).
+//! against.
 
 use super::scalar::Scalar;
 use super::{pv_bounds, qk_bounds, U8Micro};
+use crate::kernel::quant::dequant;
 
 impl U8Micro for Scalar {
     fn qk(
@@ -70,38 +71,18 @@ impl U8Micro for Scalar {
         }
         sum
     }
-}
 
-#[cfg(target_arch = "x86_64")]
-impl U8Micro for super::x86::avx2::Avx2 {
-    fn qk(
-        self,
-        q: &[f32],
-        ldq: usize,
-        rows: usize,
-        k: &[u8],
-        ldk: usize,
-        zp: &[f32],
-        len: usize,
-        s: &mut [f32],
-        lds: usize,
-    ) {
-        Scalar.qk(q, ldq, rows, k, ldk, zp, len, s, lds)
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {
+        let (src, zp, scale) = (&src[..out.len()], &zp[..out.len()], &scale[..out.len()]);
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = dequant(src[i], scale[i], zp[i]);
+        }
     }
-    fn pv(
-        self,
-        acc: &mut [f32],
-        lda: usize,
-        rows: usize,
-        w: &[f32],
-        v: &[u8],
-        ldv: usize,
-        zp: &[f32],
-        len: usize,
-    ) {
-        Scalar.pv(acc, lda, rows, w, v, ldv, zp, len)
-    }
-    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
-        Scalar.exp_sum(s, sub)
+
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]) {
+        let src = &src[..out.len()];
+        for (o, &q) in out.iter_mut().zip(src) {
+            *o = dequant(q, scale, zp);
+        }
     }
 }

@@ -22,31 +22,16 @@ impl U8Micro for Avx512 {
     ) {
         let n = zp.len();
         qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
-        let mut r = 0;
-        while r < rows {
-            let tr = (rows - r).min(4);
-            let mut t = 0;
-            while t < n {
-                let tk = if n - t >= 4 { 4 } else { 1 };
-                // SAFETY: `self` proves the features; `qk_bounds` checked rows `r..r + tr` of
-                // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
-                unsafe {
-                    let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
-                    let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
-                    match (tr, tk) {
-                        (4, 4) => qk_rk::<4, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        (3, 4) => qk_rk::<3, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        (2, 4) => qk_rk::<2, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        (1, 4) => qk_rk::<1, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        (4, _) => qk_rk::<4, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        (3, _) => qk_rk::<3, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        (2, _) => qk_rk::<2, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                        _ => qk_rk::<1, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    }
-                }
-                t += tk;
+        // By-channel keys come with zero points 0 (folded into the query by the driver): one
+        // subtraction fewer per 16 bytes.
+        let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
+        // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
+        unsafe {
+            if zp.iter().all(|&z| z == 0.0) {
+                qk_tiles::<false>(args)
+            } else {
+                qk_tiles::<true>(args)
             }
-            r += tr;
         }
     }
 
@@ -86,6 +71,105 @@ impl U8Micro for Avx512 {
         // SAFETY: `self` proves the features; the loop reads and writes only lanes of `s`.
         unsafe { exp_sum(s, sub) }
     }
+
+    fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        assert!(
+            src.len() >= n && zp.len() >= n && scale.len() >= n,
+            "u8 dequant"
+        );
+        // SAFETY: `self` proves the features; every slice holds `n` elements (asserted).
+        unsafe { dequant(src.as_ptr(), zp.as_ptr(), scale.as_ptr(), false, out) }
+    }
+
+    fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]) {
+        assert!(src.len() >= out.len(), "u8 dequant");
+        // SAFETY: `self` proves the features; `src` holds `out.len()` bytes (asserted), and
+        // uniform parameters are read once, from the one element each points to.
+        unsafe { dequant(src.as_ptr(), &zp, &scale, true, out) }
+    }
+}
+
+/// `out[i] = (src[i] - zp[i]) * scale[i]`, or with `zp[0]`, `scale[0]` for every `i` when
+/// `uniform`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dequant(
+    src: *const u8,
+    zp: *const f32,
+    scale: *const f32,
+    uniform: bool,
+    out: &mut [f32],
+) {
+    let n = out.len();
+    let mut i = 0;
+    while i < n {
+        let m = tail((n - i).min(16));
+        // SAFETY: lanes of `m` are `i..i + 16` clipped to `n`: inside `src`, `out` and (not
+        // `uniform`) `zp`/`scale`; uniform parameters are their first elements.
+        unsafe {
+            let (z, s) = if uniform {
+                (_mm512_set1_ps(*zp), _mm512_set1_ps(*scale))
+            } else {
+                (
+                    _mm512_maskz_loadu_ps(m, zp.add(i)),
+                    _mm512_maskz_loadu_ps(m, scale.add(i)),
+                )
+            };
+            let v = _mm512_mul_ps(load_u8(src.add(i), m, z), s);
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), m, v);
+        }
+        i += 16;
+    }
+}
+
+/// [`U8Micro::qk`] in tiles of up to 4 rows x 4 keys; `SUB`: whether the zero points are
+/// subtracted (they are all 0 when not).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ (an [`Avx512`] exists) and the arguments pass `qk_bounds`.
+#[allow(clippy::type_complexity)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn qk_tiles<const SUB: bool>(
+    (q, ldq, rows, k, ldk, zp, len, s, lds): (
+        &[f32],
+        usize,
+        usize,
+        &[u8],
+        usize,
+        &[f32],
+        usize,
+        &mut [f32],
+        usize,
+    ),
+) {
+    let n = zp.len();
+    let mut r = 0;
+    while r < rows {
+        let tr = (rows - r).min(4);
+        let mut t = 0;
+        while t < n {
+            let tk = if n - t >= 4 { 4 } else { 1 };
+            // SAFETY: the caller guarantees the features and that `qk_bounds` checked rows `r..r + tr` of
+            // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
+            unsafe {
+                let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
+                let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
+                match (tr, tk) {
+                    (4, 4) => qk_rk::<SUB, 4, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (3, 4) => qk_rk::<SUB, 3, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (2, 4) => qk_rk::<SUB, 2, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (1, 4) => qk_rk::<SUB, 1, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (4, _) => qk_rk::<SUB, 4, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (3, _) => qk_rk::<SUB, 3, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (2, _) => qk_rk::<SUB, 2, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    _ => qk_rk::<SUB, 1, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                }
+            }
+            t += tk;
+        }
+        r += tr;
+    }
 }
 
 /// 16 bytes at `p` (the lanes of `m`) as f32 minus `zp`; other lanes 0.
@@ -103,7 +187,7 @@ unsafe fn load_u8(p: *const u8, m: __mmask16, zp: __m512) -> __m512 {
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn qk_rk<const R: usize, const K: usize>(
+unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
     q: *const f32,
     ldq: usize,
     k: *const u8,
@@ -122,7 +206,12 @@ unsafe fn qk_rk<const R: usize, const K: usize>(
         unsafe {
             let mut kv = [_mm512_setzero_ps(); K];
             for (j, kv) in kv.iter_mut().enumerate() {
-                *kv = load_u8(k.add(j * ldk + c), m, _mm512_set1_ps(*zp.add(j)));
+                *kv = if SUB {
+                    load_u8(k.add(j * ldk + c), m, _mm512_set1_ps(*zp.add(j)))
+                } else {
+                    let b = _mm_maskz_loadu_epi8(m, k.add(j * ldk + c) as *const i8);
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+                };
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let qv = _mm512_maskz_loadu_ps(m, q.add(r * ldq + c));

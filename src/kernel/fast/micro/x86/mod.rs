@@ -4,6 +4,7 @@
 //! - `avx2`: AVX2 + FMA + F16C [`Micro`] (8-wide), chosen only after runtime detection.
 //! - `avx2_decode`: its [`DecodeMicro`] loops (decode tiles, with software prefetch).
 //! - `avx2_tile`: its [`TileMicro`] loops (prefill tiles on transposed logits).
+//! - `avx2_u8`: its `U8Micro` loops (u8 cache bytes).
 //! - `avx512`: AVX-512 F + BW + VL + DQ [`Micro`] (16-wide, masked tails) and the QK / PV
 //!   register blocks its decode and prefill loops share.
 //! - `avx512_decode`, `avx512_tile`, `avx512_u8`: its [`DecodeMicro`], [`TileMicro`] and
@@ -19,6 +20,7 @@ pub(crate) mod amx;
 pub(crate) mod avx2;
 pub(crate) mod avx2_decode;
 mod avx2_tile;
+mod avx2_u8;
 pub(crate) mod avx512;
 mod avx512_decode;
 mod avx512_tile;

@@ -1,0 +1,187 @@
+//! Every tier's [`U8Micro`] loops (the scalar twin included) against float64 on seeded random
+//! bytes, at the vector edges: row counts around the 4-row blocks, key counts around the 4-key
+//! blocks, lengths that leave every tail of 8 and 16 lanes, zero points all 0 (by-channel keys)
+//! or not. Buffers carry NaN sentinels past the ranges a loop may write. Bounds as in
+//! `micro::tests`: a sum of `n` f32 products is within `(n + 2) * eps * sum |terms|`.
+
+use super::scalar::Scalar;
+use super::U8Micro;
+use crate::kernel::quant::dequant;
+
+const EPS: f64 = f32::EPSILON as f64;
+const ROWS: [usize; 6] = [1, 2, 3, 4, 5, 9];
+const KEYS: [usize; 6] = [1, 3, 4, 5, 8, 33];
+const LENS: [usize; 9] = [1, 7, 8, 9, 15, 16, 17, 40, 128];
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f(&mut self, a: f32) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| (self.next() >> 32) as u8).collect()
+    }
+    fn zps(&mut self, n: usize, zero: bool) -> Vec<f32> {
+        (0..n)
+            .map(|_| if zero { 0.0 } else { 127.5 + self.f(127.5) })
+            .collect()
+    }
+}
+
+fn check(what: &str, got: f32, want: f64, tol: f64) {
+    assert!(
+        (got as f64 - want).abs() <= tol,
+        "{what}: got {got}, want {want} (tol {tol:e})"
+    );
+}
+
+fn qk<M: U8Micro>(m: M, tier: &str) {
+    let mut rng = Rng(0x5eed_0008);
+    for rows in ROWS {
+        for n in KEYS {
+            for len in LENS {
+                for zero in [true, false] {
+                    let what = format!("{tier} qk rows={rows} n={n} len={len} zp0={zero}");
+                    let (ldq, ldk, lds) = (len + 2, len + 5, n + 3);
+                    let q: Vec<f32> = (0..rows * ldq).map(|_| rng.f(1.0)).collect();
+                    let k = rng.bytes(n * ldk);
+                    let zp = rng.zps(n, zero);
+                    let mut s = vec![f32::NAN; rows * lds];
+                    m.qk(&q, ldq, rows, &k, ldk, &zp, len, &mut s, lds);
+                    for r in 0..rows {
+                        for t in 0..n {
+                            let terms = (0..len).map(|c| {
+                                q[r * ldq + c] as f64 * (k[t * ldk + c] as f64 - zp[t] as f64)
+                            });
+                            let (want, abs) =
+                                terms.fold((0.0, 0.0), |(a, b), x| (a + x, b + x.abs()));
+                            // one more rounding per term: the f32 subtraction of the zero point
+                            let tol = (len as f64 + 4.0) * EPS * abs.max(1e-30);
+                            check(&what, s[r * lds + t], want, tol);
+                        }
+                        let tail = &s[r * lds + n..(r + 1) * lds];
+                        assert!(tail.iter().all(|v| v.is_nan()), "{what}: wrote past n");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn pv<M: U8Micro>(m: M, tier: &str) {
+    let mut rng = Rng(0x9f3_0008);
+    for rows in ROWS {
+        for n in KEYS {
+            for len in LENS {
+                let what = format!("{tier} pv rows={rows} n={n} len={len}");
+                let (lda, ldv) = (len + 3, len + 6);
+                let mut acc = vec![f32::NAN; rows * lda];
+                for r in 0..rows {
+                    for c in 0..len {
+                        acc[r * lda + c] = rng.f(1.0);
+                    }
+                }
+                let before = acc.clone();
+                let w: Vec<f32> = (0..rows * n).map(|_| rng.f(1.0).abs()).collect();
+                let v = rng.bytes(n * ldv);
+                let zp = rng.zps(n, false);
+                m.pv(&mut acc, lda, rows, &w, &v, ldv, &zp, len);
+                for r in 0..rows {
+                    for c in 0..len {
+                        let terms = (0..n)
+                            .map(|t| w[r * n + t] as f64 * (v[t * ldv + c] as f64 - zp[t] as f64));
+                        let a0 = before[r * lda + c] as f64;
+                        let (want, abs) =
+                            terms.fold((a0, a0.abs()), |(a, b), x| (a + x, b + x.abs()));
+                        let tol = (n as f64 + 4.0) * EPS * abs;
+                        check(&what, acc[r * lda + c], want, tol);
+                    }
+                    let tail = &acc[r * lda + len..(r * lda + lda).min(acc.len())];
+                    assert!(tail.iter().all(|v| v.is_nan()), "{what}: wrote past len");
+                }
+            }
+        }
+    }
+}
+
+fn elementwise<M: U8Micro>(m: M, tier: &str) {
+    let mut rng = Rng(0xe1e_0008);
+    for len in LENS {
+        let what = format!("{tier} len={len}");
+        let src = rng.bytes(len);
+        let zp = rng.zps(len, false);
+        let scale: Vec<f32> = (0..len).map(|_| rng.f(0.01).abs()).collect();
+        let mut out = vec![f32::NAN; len + 9];
+        m.dequant(&src, &zp, &scale, &mut out[..len]);
+        for i in 0..len {
+            let want = dequant(src[i], scale[i], zp[i]);
+            assert_eq!(out[i].to_bits(), want.to_bits(), "{what} dequant {i}");
+        }
+        assert!(
+            out[len..].iter().all(|v| v.is_nan()),
+            "{what}: dequant wrote past"
+        );
+        let mut out = vec![f32::NAN; len + 9];
+        m.dequant_uniform(&src, zp[0], scale[0], &mut out[..len]);
+        for i in 0..len {
+            let want = dequant(src[i], scale[0], zp[0]);
+            assert_eq!(out[i].to_bits(), want.to_bits(), "{what} uniform {i}");
+        }
+        assert!(
+            out[len..].iter().all(|v| v.is_nan()),
+            "{what}: uniform wrote past"
+        );
+        let mut s: Vec<f32> = (0..len)
+            .map(|i| {
+                if i % 5 == 3 {
+                    f32::NEG_INFINITY
+                } else {
+                    rng.f(20.0)
+                }
+            })
+            .collect();
+        let sub = 5.0f32;
+        let want: Vec<f64> = s.iter().map(|&x| ((x - sub) as f64).exp()).collect();
+        let sum = m.exp_sum(&mut s, sub);
+        let total: f64 = want.iter().sum();
+        for (i, (&g, &w)) in s.iter().zip(&want).enumerate() {
+            check(&format!("{what} exp {i}"), g, w, 4.0 * EPS * w);
+        }
+        check(
+            &format!("{what} exp sum"),
+            sum,
+            total,
+            (len as f64 + 8.0) * EPS * total,
+        );
+    }
+}
+
+fn all<M: U8Micro>(m: M, tier: &str) {
+    qk(m, tier);
+    pv(m, tier);
+    elementwise(m, tier);
+}
+
+#[test]
+fn every_u8_tier_matches_float64_at_the_vector_edges() {
+    let mut ran = vec!["scalar"];
+    all(Scalar, "scalar");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(m) = super::x86::avx2::Avx2::detect() {
+            all(m, "avx2");
+            ran.push("avx2");
+        }
+        if let Some(m) = super::x86::avx512::Avx512::detect() {
+            all(m, "avx512");
+            ran.push("avx512");
+        }
+    }
+    eprintln!("u8 micro tiers exercised: {}", ran.join(" "));
+}
