@@ -400,19 +400,30 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let qplane = dp / 2 * r32;
     let qt = aligned(qt, parts.q * qplane);
     qt.fill(0);
-    for ti in 0..ir.nt {
-        let src = &ctx.query[((sp.begin + ir.t0 + ti) * h + kvh * g) * d..][..g * d];
-        let qrows: &[f32] = match crate::dtype::as_f32(src) {
-            Some(q) => q,
-            None => {
-                let qf = aligned(qf, g * d);
-                m.widen(src, qf);
-                qf
+    // An f32 query is read in place, others widened first.
+    let q32 = crate::dtype::as_f32(ctx.query);
+    let qf: &[f32] = match q32 {
+        Some(_) => &[],
+        None => {
+            let qf = aligned(qf, rows * d);
+            for (ti, dst) in qf.chunks_exact_mut(g * d).enumerate() {
+                m.widen(
+                    &ctx.query[((sp.begin + ir.t0 + ti) * h + kvh * g) * d..][..g * d],
+                    dst,
+                );
             }
-        };
-        for (gi, row) in qrows.chunks_exact(d).enumerate() {
-            amx.pair_cols(row, parts.q, qt, r32, qplane, ti * g + gi);
+            qf
         }
+    };
+    let row = |r: usize| -> &[f32] {
+        match q32 {
+            Some(q) => &q[((sp.begin + ir.t0 + r / g) * h + kvh * g + r % g) * d..][..d],
+            None => &qf[r * d..(r + 1) * d],
+        }
+    };
+    for r0 in (0..rows).step_by(16) {
+        let group: Vec<&[f32]> = (r0..rows.min(r0 + 16)).map(row).collect();
+        amx.pair_cols(&group, d, parts.q, qt, r32, qplane, r0);
     }
 
     let acc_t = aligned(acc_t, dp * r32);
@@ -500,11 +511,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         }
         m.softmax_t(st, r32, rows, n, mb, lb, cb);
         if cb.iter().any(|&c| c != 1.0) {
-            for row in acc_t.chunks_exact_mut(r32) {
-                for (a, c) in row.iter_mut().zip(cb.iter()) {
-                    *a *= c;
-                }
-            }
+            amx.mul_rows(acc_t, cb);
         }
         if pre.is_none() {
             let vt = aligned(vt, parts.v * dp * SPAN);

@@ -93,24 +93,41 @@ impl Amx {
         unsafe { pair_rows(st.as_ptr(), ldt, n, n32, parts, pt.as_mut_ptr(), plane) }
     }
 
-    /// Row `r` of the query pairs of QK, cut into `parts` bf16 parts (as [`Amx::pair_rows`]
-    /// cuts weights): `qt[b*plane + x2*ld + r]` = part `b` of (q[2*x2], q[2*x2+1]) for
-    /// `x2 < q.len().div_ceil(2)` (an odd length pairs its last element with 0). One pass
-    /// over `q`, straight into the transposed layout.
+    /// Rows `r0..r0 + 16` of the query pairs of QK, cut into `parts` bf16 parts (as
+    /// [`Amx::pair_rows`] cuts weights): `qt[b*plane + x2*ld + r0 + i]` = part `b` of
+    /// (q_i[2*x2], q_i[2*x2+1]) for `x2 < d.div_ceil(2)` (an odd `d` pairs the last element
+    /// with 0), `q_i` = `rows[i]` (`d` long; rows past `rows.len()` are zeros). One pass over
+    /// the rows, transposed in registers into whole 16-row pair lines.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn pair_cols(
         self,
-        q: &[f32],
+        rows: &[&[f32]],
+        d: usize,
         parts: usize,
         qt: &mut [u32],
         ld: usize,
         plane: usize,
-        r: usize,
+        r0: usize,
     ) {
-        let n2 = q.len().div_ceil(2);
-        assert!(parts >= 1 && r < ld && plane >= n2 * ld && 8 * ld <= i32::MAX as usize);
-        assert!(n2 == 0 || qt.len() > (parts - 1) * plane + (n2 - 1) * ld + r);
-        // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access.
-        unsafe { pair_cols(q.as_ptr(), q.len(), parts, qt.as_mut_ptr(), ld, plane, r) }
+        let n2 = d.div_ceil(2);
+        assert!(rows.len() <= 16 && rows.iter().all(|q| q.len() >= d));
+        assert!(parts >= 1 && r0 + 16 <= ld && plane >= n2 * ld);
+        assert!(n2 == 0 || qt.len() >= (parts - 1) * plane + (n2 - 1) * ld + r0 + 16);
+        let mut p = [std::ptr::null::<f32>(); 16];
+        for (p, q) in p.iter_mut().zip(rows) {
+            *p = q.as_ptr();
+        }
+        // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access (the first
+        // `rows.len()` pointers address `d` elements each, the rest are not read).
+        unsafe { pair_cols(&p, rows.len(), d, parts, qt.as_mut_ptr(), ld, plane, r0) }
+    }
+
+    /// `x[i*c.len() + r] *= c[r]`: the rows of `x` scaled by `c` element-wise (the softmax
+    /// step's correction of a transposed accumulator).
+    pub(crate) fn mul_rows(self, x: &mut [f32], c: &[f32]) {
+        assert!(c.len().is_multiple_of(16) && x.len().is_multiple_of(c.len().max(1)));
+        // SAFETY: `self` proves AVX-512F; whole 16-lane vectors inside both slices.
+        unsafe { mul_rows(x.as_mut_ptr(), x.len(), c.as_ptr(), c.len()) }
     }
 }
 
@@ -503,45 +520,103 @@ unsafe fn pair_rows(
     }
 }
 
+#[target_feature(enable = "avx512f")]
+unsafe fn mul_rows(x: *mut f32, n: usize, c: *const f32, w: usize) {
+    for i in (0..n).step_by(w) {
+        for r in (0..w).step_by(16) {
+            // SAFETY: i + r + 16 <= n and r + 16 <= w, as the caller asserted.
+            unsafe {
+                let v = _mm512_loadu_ps(x.add(i + r));
+                _mm512_storeu_ps(x.add(i + r), _mm512_mul_ps(v, _mm512_loadu_ps(c.add(r))));
+            }
+        }
+    }
+}
+
+/// Transposes 16 rows of 16 u32 (row `i` in `r[i]`) into 16 columns (column `j` in `r[j]`).
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: &mut [__m512i; 16]) {
+    // Within 128-bit lanes: pairs of rows, then groups of four rows (column 4L + k of rows
+    // 4g..4g+4 in lane L of `c[4g + k]`).
+    let mut c = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+        let (a0, b0) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+        let (a1, b1) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+        c[4 * g] = _mm512_unpacklo_epi64(a0, a1);
+        c[4 * g + 1] = _mm512_unpackhi_epi64(a0, a1);
+        c[4 * g + 2] = _mm512_unpacklo_epi64(b0, b1);
+        c[4 * g + 3] = _mm512_unpackhi_epi64(b0, b1);
+    }
+    // Across lanes: column 4L + k gathers lane L of c[k], c[4 + k], c[8 + k], c[12 + k].
+    for k in 0..4 {
+        let e0 = _mm512_shuffle_i32x4::<0x88>(c[k], c[4 + k]);
+        let e1 = _mm512_shuffle_i32x4::<0xDD>(c[k], c[4 + k]);
+        let f0 = _mm512_shuffle_i32x4::<0x88>(c[8 + k], c[12 + k]);
+        let f1 = _mm512_shuffle_i32x4::<0xDD>(c[8 + k], c[12 + k]);
+        r[k] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
+        r[4 + k] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
+        r[8 + k] = _mm512_shuffle_i32x4::<0xDD>(e0, f0);
+        r[12 + k] = _mm512_shuffle_i32x4::<0xDD>(e1, f1);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn pair_cols(
-    q: *const f32,
+    rows: &[*const f32; 16],
+    nr: usize,
     d: usize,
     parts: usize,
     qt: *mut u32,
     ld: usize,
     plane: usize,
-    r: usize,
+    r0: usize,
 ) {
-    // Pair i of a 16-element chunk goes to pair row x/2 + i, `ld` elements apart.
-    let step = _mm256_mullo_epi32(
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        _mm256_set1_epi32(ld as i32),
-    );
-    let mut x = 0;
-    while x < d {
-        let k = (d - x).min(16);
-        let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
-        let pairs: __mmask8 = if k >= 15 {
+    let n2 = d.div_ceil(2);
+    let mask = |x: usize| -> __mmask16 {
+        let k = d.saturating_sub(x).min(16);
+        if k == 16 {
             !0
         } else {
-            (1u8 << k.div_ceil(2)) - 1
-        };
-        // SAFETY: elements x..x+k < d of `q`, masked; pair rows x/2 + i < d.div_ceil(2) of
-        // parts b < parts at column r, masked, as the caller asserted (offsets fit in i32:
-        // the caller's slice is that long).
-        unsafe {
-            let mut v = _mm512_maskz_loadu_ps(mask, q.add(x));
-            for b in 0..parts {
-                let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-                let base = qt.add(b * plane + x / 2 * ld + r);
-                _mm256_mask_i32scatter_epi32::<4>(base as *mut _, pairs, step, h);
-                if b + 1 < parts {
-                    v = rest(v, h);
-                }
+            (1u16 << k) - 1
+        }
+    };
+    let z = _mm512_setzero_ps();
+    // 32 elements (16 pairs) of every row at a time.
+    for x in (0..d).step_by(32) {
+        let (ml, mh) = (mask(x), mask(x + 16));
+        let mut lo = [z; 16];
+        let mut hi = [z; 16];
+        for i in 0..nr {
+            // SAFETY: elements x..x+32 of row i < nr, masked to d, as the caller asserted.
+            unsafe {
+                lo[i] = _mm512_maskz_loadu_ps(ml, rows[i].add(x));
+                hi[i] = _mm512_maskz_loadu_ps(mh, rows[i].add(x + 16));
             }
         }
-        x += 16;
+        for b in 0..parts {
+            let mut t = [_mm512_setzero_si512(); 16];
+            for i in 0..16 {
+                // Pairs of row i in order: `cvtne2ps` puts `lo`'s 16 bf16 below `hi`'s.
+                // SAFETY: the bf16 vector is 64 bytes, as __m512i.
+                t[i] = unsafe {
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi[i], lo[i]))
+                };
+                if b + 1 < parts {
+                    lo[i] = rest(lo[i], _mm512_castsi512_si256(t[i]));
+                    hi[i] = rest(hi[i], _mm512_extracti64x4_epi64::<1>(t[i]));
+                }
+            }
+            transpose16(&mut t);
+            for (j, &col) in t.iter().enumerate().take(n2 - x / 2) {
+                // SAFETY: pair row x/2 + j < n2 of part b < parts, columns r0..r0+16, as the
+                // caller asserted.
+                unsafe {
+                    _mm512_storeu_si512(qt.add(b * plane + (x / 2 + j) * ld + r0) as *mut _, col)
+                };
+            }
+        }
     }
 }
 
@@ -670,8 +745,9 @@ mod tests {
             a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
         }
         let mut qt = vec![0u32; dp / 2 * r32];
-        for r in 0..rows {
-            a.pair_cols(&q[r * d..(r + 1) * d], 1, &mut qt, r32, dp / 2 * r32, r);
+        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
+        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
+            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
         }
         let mut st = vec![f32::NAN; n32 * r32];
         let terms = vec![(&kp[..], &qt[..]); reps];
@@ -749,19 +825,41 @@ mod tests {
                 }
             }
         }
-        for d in [1usize, 7, 16, 33, 128] {
-            let (ld, rows) = (48, 5);
-            let q: Vec<f32> = rng.v(rows * d).iter().map(|x| x * 5.0).collect();
+        for d in [1usize, 7, 16, 33, 48, 128] {
+            // Groups of rows at r0: 16, a partial 5, 1; columns 48..64 never written.
+            let (ld, groups) = (64, [(0usize, 16usize), (16, 5), (32, 1)]);
+            let q: Vec<f32> = rng.v(22 * d).iter().map(|x| x * 5.0).collect();
+            let row = |c: usize| -> Option<usize> {
+                let (r0, nr) = groups.iter().find(|g| (g.0..g.0 + 16).contains(&c))?;
+                (c - r0 < *nr).then(|| {
+                    groups
+                        .iter()
+                        .take_while(|g| g.0 < *r0)
+                        .map(|g| g.1)
+                        .sum::<usize>()
+                        + c
+                        - r0
+                })
+            };
             let n2 = d.div_ceil(2);
             let plane = n2 * ld + 3;
-            let mut qt = vec![0u32; 3 * plane];
-            for r in 0..rows {
-                a.pair_cols(&q[r * d..(r + 1) * d], 3, &mut qt, ld, plane, r + 40);
+            let mut qt = vec![0xDEAD_BEEFu32; 3 * plane];
+            for (b, x2, c) in
+                (0..3).flat_map(|b| (0..n2).flat_map(move |x2| (0..48).map(move |c| (b, x2, c))))
+            {
+                qt[b * plane + x2 * ld + c] = 0x1234_5678;
+            }
+            let mut next = 0;
+            for &(r0, nr) in &groups {
+                let rows: Vec<&[f32]> = (next..next + nr).map(|r| &q[r * d..(r + 1) * d]).collect();
+                a.pair_cols(&rows, d, 3, &mut qt, ld, plane, r0);
+                next += nr;
             }
             for (i, &p) in qt.iter().enumerate() {
                 let (b, x2, c) = (i / plane, i % plane / ld, i % plane % ld);
-                let want = if (40..40 + rows).contains(&c) && x2 < n2 {
-                    let r = c - 40;
+                let want = if i % plane >= n2 * ld || c >= 48 {
+                    0xDEAD_BEEF
+                } else if let Some(r) = row(c) {
                     let part = |x: usize| {
                         if x < d {
                             split_bf16(q[r * d + x])[b] as u32
