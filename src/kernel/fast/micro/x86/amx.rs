@@ -327,11 +327,11 @@ unsafe fn k_loop(a: *const u8, lda: usize, b: *const u8, ldb: usize, ksteps: usi
         asm!(
             "2:",
             "tileloadd tmm4, [{a} + {lda}]",
-            "tileloadd tmm5, [{a2} + {lda}]",
             "tileloadd tmm6, [{b} + {ldb}]",
-            "tileloadd tmm7, [{b} + {ldb} + 64]",
             "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {ldb} + 64]",
             "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a2} + {lda}]",
             "tdpbf16ps tmm2, tmm5, tmm6",
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a}, 64",
