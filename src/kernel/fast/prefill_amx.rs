@@ -10,9 +10,9 @@
 //! Operands are cut into bf16 parts ([`Parts`]): rounding a value, then what is left of it,
 //! and so on (part `i` is below `2^(-8i)` of the value). A product of two cut operands is the
 //! sum of the products of their parts whose orders add up to at most 2 (the rest are below
-//! 2^-24 relative together); the QK products are laid side by side along the tile's sum
-//! dimension (key row = the key parts of each product in turn, query row = the matching query
-//! parts), the PV products are one tile pass each into the same accumulator.
+//! 2^-24 relative together); each product is one tile pass into the same accumulator (for QK
+//! a panel of key parts, `[key][part][dp]`, against a plane of query pairs per part; for PV a
+//! panel of value parts against a plane of weight pairs per part).
 //! - f32 math (an f32 or f16 query): the query in three parts (f32) or two (f16, exact), the
 //!   softmax weights in three, keys and values whole (bf16 cache: exact; the caller only
 //!   comes here with a bf16 cache, where this beats the FMA loops). Products of bf16 are exact
@@ -37,7 +37,7 @@ use super::partition::Item;
 use super::pool::Buf;
 use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRows};
 use super::shared::SharedMut;
-use super::tile::{mask_tile_strided, Ctx};
+use super::tile::{mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
 use std::any::TypeId;
@@ -123,9 +123,9 @@ impl Parts {
         terms(self.v, self.p)
     }
 
-    /// Width of a packed key row: one `dp` segment per QK product.
+    /// Width of a packed key row: one `dp` segment per key part.
     fn kw(self, d: usize) -> usize {
-        self.qk().len() * dp_of(d)
+        self.k * dp_of(d)
     }
 }
 
@@ -205,7 +205,6 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
 struct PackScratch {
     rows: Vec<f32>,
     cols: Vec<f32>,
-    kparts: Vec<u16>,
 }
 
 thread_local! {
@@ -214,7 +213,7 @@ thread_local! {
 }
 
 /// Keys `j0..j1` of KV head `kvh` of sequence `s` cut into bf16 parts ([`Parts`]): key `j`
-/// into row `j - j0` of `kp` (`kw` wide: part `a` of each QK product `(a, b)` in turn) and
+/// into row `j - j0` of `kp` (`kw` wide: part `a` at `a*dp`) and
 /// column `j - j0` of `vt` (`ld` wide; rows `a*dp..a*dp + D` hold value part `a`). Padding
 /// columns of `kp` and rows `D..dp` of each part of `vt` are left as they are (zero in the
 /// callers' buffers).
@@ -235,13 +234,12 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
     let plan = ctx.plan;
     let (d, bs) = (plan.d, plan.bs);
     let parts = Parts::of::<Q, C>();
-    let (dp, kw, qk) = (dp_of(d), parts.kw(d), parts.qk());
+    let (dp, kw) = (dp_of(d), parts.kw(d));
     let sp = &plan.seqs[s];
     // Values go through an f32 transpose 64 keys at a time (whole 8-row blocks for it).
     const CH: usize = 64;
     let rows = aligned(&mut sc.rows, CH * d);
     let cols = aligned(&mut sc.cols, d * CH);
-    let kparts = aligned(&mut sc.kparts, parts.k * d);
     let mut c0 = j0;
     while c0 < j1 {
         let c1 = (c0 + CH).min(j1);
@@ -252,11 +250,7 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
             let stage = &mut rows[(a - c0) * d..(b - c0) * d];
             m.widen(&ctx.kc[off..off + len], stage);
             for (jj, row) in stage.chunks_exact_mut(d).enumerate() {
-                cut(amx, row, parts.k, kparts, d);
-                let dst = &mut kp[(a - j0 + jj) * kw..][..kw];
-                for (t, &(ka, _)) in qk.iter().enumerate() {
-                    dst[t * dp..t * dp + d].copy_from_slice(&kparts[ka * d..(ka + 1) * d]);
-                }
+                cut(amx, row, parts.k, &mut kp[(a - j0 + jj) * kw..][..kw], dp);
             }
             m.widen(&ctx.vc[off..off + len], stage);
         }
@@ -275,7 +269,6 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
 #[derive(Default)]
 struct Scratch {
     qf: Vec<f32>,
-    qb: Vec<u32>,
     qt: Vec<u32>,
     st: Vec<f32>,
     pt: Vec<u32>,
@@ -287,24 +280,6 @@ struct Scratch {
     kp: Vec<u16>,
     vt: Vec<u16>,
     pack: PackScratch,
-}
-
-/// `u32` elements as their bit patterns in `f32` (the transposes only move bits).
-fn as_f32(v: &[u32]) -> &[f32] {
-    // SAFETY: same size and alignment, and every bit pattern is a valid f32.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const f32, v.len()) }
-}
-
-fn as_f32_mut(v: &mut [u32]) -> &mut [f32] {
-    // SAFETY: as in `as_f32`; the borrow is exclusive.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut f32, v.len()) }
-}
-
-/// `u32` pair rows as their two bf16 halves (x86_64 is little-endian: the first element of a
-/// pair is the low half, as the tiles want it).
-fn as_u16_mut(v: &mut [u32]) -> &mut [u16] {
-    // SAFETY: a u32 is two u16 with u16 alignment; the borrow is exclusive.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u16, v.len() * 2) }
 }
 
 /// Whether a bf16 (bits) is finite.
@@ -407,7 +382,6 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let (rows, r32) = (ir.rows, ir.rows.div_ceil(32) * 32);
     let Scratch {
         qf,
-        qb,
         qt,
         st,
         pt,
@@ -421,27 +395,36 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         pack,
     } = sc;
 
-    // Query pairs [kw/2][r32]: rows cut into parts, part `b` of each QK product `(a, b)` in
-    // turn, into [r32][kw], then transposed as u32 pairs. Not scaled: the scale multiplies
+    // Query pairs, one plane of [dp/2][r32] per query part. Not scaled: the scale multiplies
     // the f32 logits.
-    let qf = aligned(qf, g * d);
-    let qparts = aligned(&mut pack.kparts, parts.q * d);
-    let qb = aligned(qb, r32 * kw / 2);
-    qb.fill(0);
-    for ti in 0..ir.nt {
-        let src = &ctx.query[((sp.begin + ir.t0 + ti) * h + kvh * g) * d..][..g * d];
-        m.widen(src, qf);
-        let qb16 = as_u16_mut(qb);
-        for (gi, row) in qf.chunks_exact_mut(d).enumerate() {
-            cut(amx, row, parts.q, qparts, d);
-            let dst = &mut qb16[(ti * g + gi) * kw..][..kw];
-            for (t, &(_, qb_)) in qk.iter().enumerate() {
-                dst[t * dp..t * dp + d].copy_from_slice(&qparts[qb_ * d..(qb_ + 1) * d]);
+    let qplane = dp / 2 * r32;
+    let qt = aligned(qt, parts.q * qplane);
+    qt.fill(0);
+    // An f32 query is read in place, others widened first.
+    let q32 = crate::dtype::as_f32(ctx.query);
+    let qf: &[f32] = match q32 {
+        Some(_) => &[],
+        None => {
+            let qf = aligned(qf, rows * d);
+            for (ti, dst) in qf.chunks_exact_mut(g * d).enumerate() {
+                m.widen(
+                    &ctx.query[((sp.begin + ir.t0 + ti) * h + kvh * g) * d..][..g * d],
+                    dst,
+                );
             }
+            qf
         }
+    };
+    let row = |r: usize| -> &[f32] {
+        match q32 {
+            Some(q) => &q[((sp.begin + ir.t0 + r / g) * h + kvh * g + r % g) * d..][..d],
+            None => &qf[r * d..(r + 1) * d],
+        }
+    };
+    for r0 in (0..rows).step_by(16) {
+        let group: Vec<&[f32]> = (r0..rows.min(r0 + 16)).map(row).collect();
+        amx.pair_cols(&group, d, parts.q, qt, r32, qplane, r0);
     }
-    let qt = aligned(qt, kw / 2 * r32);
-    m.transpose(as_f32(qb), r32, kw / 2, as_f32_mut(qt), r32);
 
     let acc_t = aligned(acc_t, dp * r32);
     acc_t.fill(0.0);
@@ -468,8 +451,18 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         });
 
     let ldp = ctx_len + 32;
+    // The items of a KV head come in falling query tiles (`Partition`), runs of them on one
+    // thread: the query rows of the tile before this one are likely the next read from
+    // memory, fetched a part per span while this item computes.
+    let qtok = ctx.part.seqs[ir.si].qtok;
+    let next_q = ir.t0.saturating_sub(qtok)..ir.t0;
+    let nspans = (ir.hi - ir.lo).div_ceil(SPAN);
     let mut j0 = ir.lo;
     while j0 < ir.hi {
+        for t in next_q.clone() {
+            let rows = &ctx.query[((sp.begin + t) * h + kvh * g) * d..][..g * d];
+            prefetch_part(rows, (j0 - ir.lo) / SPAN, nspans);
+        }
         let j1 = (j0 + SPAN).min(ir.hi);
         let (n, n32) = (j1 - j0, (j1 - j0).div_ceil(32) * 32);
         // The tile product multiplies every value of keys j0..j0+n32 by a weight, zero where
@@ -500,7 +493,11 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             Some((k, _)) => &k[j0 * kw..],
             None => aligned(kp, SPAN * kw),
         };
-        tl.qk_t(ks, kw, n32, qt, r32, st);
+        let qk_terms: Vec<(&[u16], &[u32])> = qk
+            .iter()
+            .map(|&(a, b)| (&ks[a * dp..], &qt[b * qplane..]))
+            .collect();
+        tl.qk_t(&qk_terms, kw, dp, n32, r32, st);
         m.scale_logits(&mut st[..n * r32], plan.scale);
         // A block's worth of keys at a time, so only the pieces the causal edge or the window
         // cuts take the per-element path (one span may cover the whole diagonal).
@@ -514,23 +511,14 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         }
         m.softmax_t(st, r32, rows, n, mb, lb, cb);
         if cb.iter().any(|&c| c != 1.0) {
-            for row in acc_t.chunks_exact_mut(r32) {
-                for (a, c) in row.iter_mut().zip(cb.iter()) {
-                    *a *= c;
-                }
-            }
+            amx.mul_rows(acc_t, cb);
         }
         if pre.is_none() {
             let vt = aligned(vt, parts.v * dp * SPAN);
             let vparts = (parts.v, dp);
             masked_non_finite(ctx, &ir, j0, (lo, hi), j1, st, r32, vt, SPAN, vparts, acc_t);
         }
-        for b in 0..parts.p {
-            if b > 0 {
-                amx.residual(&mut st[..n * r32]);
-            }
-            amx.pair_rows(st, r32, n, n32, &mut pt[b * plane..]);
-        }
+        amx.pair_rows(st, r32, n, n32, parts.p, pt, plane);
         let (vs, ldv): (&[u16], usize) = match pre {
             Some((_, v)) => (&v[j0..], ldp),
             None => (aligned(vt, parts.v * dp * SPAN), SPAN),

@@ -8,7 +8,7 @@
 //!
 //! Layouts (all zero-padded, `dp` = D rounded up to 32, `r32` = rows rounded up to 32, a "pair
 //! row" being two bf16 in one u32, the first in the low half, as `tdpbf16ps` pairs them):
-//! - keys `kp[j*dp + x]` (bf16, a key per row): the A operand of QK;
+//! - keys `kp[j*ldk + x]` (bf16, a key per row): the A operand of QK;
 //! - query pairs `qt[x2*r32 + r]` = (q[r][2*x2], q[r][2*x2+1]): the B operand of QK;
 //! - logits `st[j*r32 + r]` (f32, transposed as the `TileMicro` softmax wants them);
 //! - values transposed `vt[x*ldv + j]` (bf16): the A operand of PV;
@@ -70,14 +70,64 @@ impl Amx {
         unsafe { residual(x.as_mut_ptr(), x.len()) }
     }
 
-    /// Weight pairs `pt[j2*ldt + r]` = (p[2*j2][r], p[2*j2+1][r]) rounded to bf16, from the
-    /// transposed weights `st[j*ldt + r]`, for `j2 < n32/2` (keys `n..n32` are 0) and
-    /// `r < ldt`. `ldt` is a multiple of 16, `n32` of 32 (a whole PV k-step).
-    pub(crate) fn pair_rows(self, st: &[f32], ldt: usize, n: usize, n32: usize, pt: &mut [u32]) {
-        assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32);
-        assert!(st.len() >= n * ldt && pt.len() >= n32 / 2 * ldt);
+    /// Weight pairs `pt[b*plane + j2*ldt + r]` = (p[2*j2][r], p[2*j2+1][r]) cut into `parts`
+    /// bf16 parts (part `b` the rounding of what parts `0..b` leave, as [`Amx::round`] and
+    /// [`Amx::residual`] cut a value), from the transposed weights `st[j*ldt + r]`, for
+    /// `j2 < n32/2` (keys `n..n32` are 0) and `r < ldt`. One pass over the weights: the
+    /// residuals stay in registers. `ldt` is a multiple of 16, `n32` of 32 (a whole PV k-step).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pair_rows(
+        self,
+        st: &[f32],
+        ldt: usize,
+        n: usize,
+        n32: usize,
+        parts: usize,
+        pt: &mut [u32],
+        plane: usize,
+    ) {
+        assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32 && parts >= 1);
+        assert!(st.len() >= n * ldt && plane >= n32 / 2 * ldt);
+        assert!(pt.len() >= (parts - 1) * plane + n32 / 2 * ldt);
         // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access.
-        unsafe { pair_rows(st.as_ptr(), ldt, n, n32, pt.as_mut_ptr()) }
+        unsafe { pair_rows(st.as_ptr(), ldt, n, n32, parts, pt.as_mut_ptr(), plane) }
+    }
+
+    /// Rows `r0..r0 + 16` of the query pairs of QK, cut into `parts` bf16 parts (as
+    /// [`Amx::pair_rows`] cuts weights): `qt[b*plane + x2*ld + r0 + i]` = part `b` of
+    /// (q_i[2*x2], q_i[2*x2+1]) for `x2 < d.div_ceil(2)` (an odd `d` pairs the last element
+    /// with 0), `q_i` = `rows[i]` (`d` long; rows past `rows.len()` are zeros). One pass over
+    /// the rows, transposed in registers into whole 16-row pair lines.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pair_cols(
+        self,
+        rows: &[&[f32]],
+        d: usize,
+        parts: usize,
+        qt: &mut [u32],
+        ld: usize,
+        plane: usize,
+        r0: usize,
+    ) {
+        let n2 = d.div_ceil(2);
+        assert!(rows.len() <= 16 && rows.iter().all(|q| q.len() >= d));
+        assert!(parts >= 1 && r0 + 16 <= ld && plane >= n2 * ld);
+        assert!(n2 == 0 || qt.len() >= (parts - 1) * plane + (n2 - 1) * ld + r0 + 16);
+        let mut p = [std::ptr::null::<f32>(); 16];
+        for (p, q) in p.iter_mut().zip(rows) {
+            *p = q.as_ptr();
+        }
+        // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access (the first
+        // `rows.len()` pointers address `d` elements each, the rest are not read).
+        unsafe { pair_cols(&p, rows.len(), d, parts, qt.as_mut_ptr(), ld, plane, r0) }
+    }
+
+    /// `x[i*c.len() + r] *= c[r]`: the rows of `x` scaled by `c` element-wise (the softmax
+    /// step's correction of a transposed accumulator).
+    pub(crate) fn mul_rows(self, x: &mut [f32], c: &[f32]) {
+        assert!(c.len().is_multiple_of(16) && x.len().is_multiple_of(c.len().max(1)));
+        // SAFETY: `self` proves AVX-512F; whole 16-lane vectors inside both slices.
+        unsafe { mul_rows(x.as_mut_ptr(), x.len(), c.as_ptr(), c.len()) }
     }
 }
 
@@ -96,37 +146,48 @@ impl Drop for Tiles {
 }
 
 impl Tiles {
-    /// QK on tiles: `st[j*r32 + r] = sum_x kp[j*dp + x] * q[r][x]` for `j < n32`, `r < r32`,
-    /// with `qt` the query pairs (`dp/2` rows of `r32`). Sums run over `x` in order, in f32.
+    /// QK on tiles for a sum of products: `st[j*r32 + r] = sum_t sum_x kp_t[j*ldk + x] *
+    /// q_t[r][x]` for `j < n32`, `r < r32`, `x < dp`, each `(kp_t, qt_t)` of `terms` a keys
+    /// panel (`n32` rows of stride `ldk`) and its query pairs (`dp/2` rows of `r32`). Terms
+    /// are summed in order, `x` in order, in f32, each 32x32 block of `st` in tiles across
+    /// them. Query columns are the outer loop: a 32-column query panel stays in L1 while the
+    /// keys stream past it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn qk_t(
         &self,
-        kp: &[u16],
+        terms: &[(&[u16], &[u32])],
+        ldk: usize,
         dp: usize,
         n32: usize,
-        qt: &[u32],
         r32: usize,
         st: &mut [f32],
     ) {
         assert!(
             dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32)
         );
-        assert!(kp.len() >= n32 * dp && qt.len() >= dp / 2 * r32 && st.len() >= n32 * r32);
-        for jb in (0..n32).step_by(32) {
-            for rb in (0..r32).step_by(32) {
-                // SAFETY: the 32 key rows jb.. of kp (dp each), query-pair rows 0..dp/2 at
-                // columns rb..rb+32, and logit rows jb..jb+32 at columns rb..rb+32 are inside
-                // the slices (asserted above); `self` proves the tile configuration.
+        assert!(ldk >= dp && st.len() >= n32 * r32);
+        for (kp, qt) in terms {
+            assert!(kp.len() >= n32.saturating_sub(1) * ldk + dp && qt.len() >= dp / 2 * r32);
+        }
+        for rb in (0..r32).step_by(32) {
+            for jb in (0..n32).step_by(32) {
+                let c = st[jb * r32 + rb..].as_mut_ptr() as *mut u8;
+                // Logit rows jb..jb+32 at columns rb..rb+32, key rows jb..jb+32 (dp each,
+                // stride ldk) and query-pair rows 0..dp/2 at columns rb..rb+32 of every term
+                // are inside the slices (asserted above).
+                // SAFETY: all addresses in bounds (above); `self` proves the tile config.
                 unsafe {
-                    block(
-                        kp.as_ptr().add(jb * dp) as *const u8,
-                        dp * 2,
-                        qt.as_ptr().add(rb) as *const u8,
-                        r32 * 4,
-                        st.as_mut_ptr().add(jb * r32 + rb) as *mut u8,
-                        r32 * 4,
-                        dp / 32,
-                        false,
-                    )
+                    c_zero();
+                    for (kp, qt) in terms {
+                        k_loop(
+                            kp.as_ptr().add(jb * ldk) as *const u8,
+                            ldk * 2,
+                            qt.as_ptr().add(rb) as *const u8,
+                            r32 * 4,
+                            dp / 32,
+                        );
+                    }
+                    c_store(c, r32 * 4);
                 }
             }
         }
@@ -207,37 +268,6 @@ impl TileCfg {
     }
 }
 
-/// One 32x32 f32 block `C += A * B` (`load_c` false: `C = A * B`): A is 32 rows of bf16
-/// (stride `lda` bytes, rows 16..32 at `a + 16*lda`), read 32 elements (64 bytes) per k-step;
-/// B is pair rows (stride `ldb` bytes), 16 per k-step, columns 0..16 at `b` and 16..32 at
-/// `b + 64`; C rows have stride `ldc` bytes.
-///
-/// # Safety
-/// As [`c_load`], [`k_loop`] and [`c_store`].
-#[allow(clippy::too_many_arguments)]
-#[inline]
-unsafe fn block(
-    a: *const u8,
-    lda: usize,
-    b: *const u8,
-    ldb: usize,
-    c: *mut u8,
-    ldc: usize,
-    ksteps: usize,
-    load_c: bool,
-) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        if load_c {
-            c_load(c, ldc);
-        } else {
-            c_zero();
-        }
-        k_loop(a, lda, b, ldb, ksteps);
-        c_store(c, ldc);
-    }
-}
-
 /// Loads the 32x32 f32 block at `c` (rows of stride `ldc` bytes) into tiles 0-3.
 ///
 /// # Safety
@@ -280,7 +310,10 @@ unsafe fn c_zero() {
     }
 }
 
-/// Adds `A * B` over `ksteps` k-steps to the block in tiles 0-3 (operands as in [`block`]).
+/// Adds `A * B` over `ksteps` k-steps to the 32x32 f32 block in tiles 0-3: A is 32 rows of
+/// bf16 (stride `lda` bytes, rows 16..32 at `a + 16*lda`), read 32 elements (64 bytes) per
+/// k-step; B is pair rows (stride `ldb` bytes), 16 per k-step, columns 0..16 at `b` and
+/// 16..32 at `b + 64`.
 ///
 /// # Safety
 /// The tile configuration of [`Amx::tiles`] is loaded on this thread, `ksteps >= 1`, and every
@@ -294,11 +327,11 @@ unsafe fn k_loop(a: *const u8, lda: usize, b: *const u8, ldb: usize, ksteps: usi
         asm!(
             "2:",
             "tileloadd tmm4, [{a} + {lda}]",
-            "tileloadd tmm5, [{a2} + {lda}]",
             "tileloadd tmm6, [{b} + {ldb}]",
-            "tileloadd tmm7, [{b} + {ldb} + 64]",
             "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {ldb} + 64]",
             "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a2} + {lda}]",
             "tdpbf16ps tmm2, tmm5, tmm6",
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a}, 64",
@@ -414,9 +447,18 @@ unsafe fn round(src: *const f32, dst: *mut u16, n: usize) {
     }
 }
 
+/// What is left of `v` after its bf16 rounding `h` (`v - h`, 0 where `h` is infinite): the
+/// one residual step of [`Amx::residual`], [`Amx::pair_rows`] and [`Amx::pair_cols`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn rest(v: __m512, h: __m256i) -> __m512 {
+    let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+    let inf_part =
+        _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(hf), _mm512_set1_ps(f32::INFINITY));
+    _mm512_mask_mov_ps(_mm512_sub_ps(v, hf), inf_part, _mm512_setzero_ps())
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn residual(x: *mut f32, n: usize) {
-    let inf = _mm512_set1_ps(f32::INFINITY);
     let mut i = 0;
     while i < n {
         let k = (n - i).min(16);
@@ -425,17 +467,22 @@ unsafe fn residual(x: *mut f32, n: usize) {
         unsafe {
             let v = _mm512_maskz_loadu_ps(mask, x.add(i));
             let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-            let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
-            let inf_part = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(hf), inf);
-            let r = _mm512_mask_mov_ps(_mm512_sub_ps(v, hf), inf_part, _mm512_setzero_ps());
-            _mm512_mask_storeu_ps(x.add(i), mask, r);
+            _mm512_mask_storeu_ps(x.add(i), mask, rest(v, h));
         }
         i += k;
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pair_rows(st: *const f32, ldt: usize, n: usize, n32: usize, pt: *mut u32) {
+unsafe fn pair_rows(
+    st: *const f32,
+    ldt: usize,
+    n: usize,
+    n32: usize,
+    parts: usize,
+    pt: *mut u32,
+    plane: usize,
+) {
     // Interleaves the 16 low (even key) and 16 high (odd key) bf16 of `cvtne2ps`.
     let idx = _mm512_set_epi16(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
@@ -445,22 +492,129 @@ unsafe fn pair_rows(st: *const f32, ldt: usize, n: usize, n32: usize, pt: *mut u
     for j2 in 0..n32 / 2 {
         let (j0, j1) = (2 * j2, 2 * j2 + 1);
         for r in (0..ldt).step_by(16) {
-            // SAFETY: weight rows j < n (else zeros) and pair row j2 < n32/2, lanes r..r+16
-            // <= ldt, as the caller asserted.
+            // SAFETY: weight rows j < n (else zeros), and pair row j2 < n32/2 of parts
+            // b < parts, lanes r..r+16 <= ldt, as the caller asserted.
             unsafe {
-                let e = if j0 < n {
+                let mut e = if j0 < n {
                     _mm512_loadu_ps(st.add(j0 * ldt + r))
                 } else {
                     z
                 };
-                let o = if j1 < n {
+                let mut o = if j1 < n {
                     _mm512_loadu_ps(st.add(j1 * ldt + r))
                 } else {
                     z
                 };
-                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(o, e));
-                let p = _mm512_permutexvar_epi16(idx, h);
-                _mm512_storeu_si512(pt.add(j2 * ldt + r) as *mut _, p);
+                for b in 0..parts {
+                    // Rounds as `cvtneps` does (the same conversion, two registers at once).
+                    let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(o, e));
+                    let p = _mm512_permutexvar_epi16(idx, h);
+                    _mm512_storeu_si512(pt.add(b * plane + j2 * ldt + r) as *mut _, p);
+                    if b + 1 < parts {
+                        e = rest(e, _mm512_castsi512_si256(h));
+                        o = rest(o, _mm512_extracti64x4_epi64::<1>(h));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn mul_rows(x: *mut f32, n: usize, c: *const f32, w: usize) {
+    for i in (0..n).step_by(w) {
+        for r in (0..w).step_by(16) {
+            // SAFETY: i + r + 16 <= n and r + 16 <= w, as the caller asserted.
+            unsafe {
+                let v = _mm512_loadu_ps(x.add(i + r));
+                _mm512_storeu_ps(x.add(i + r), _mm512_mul_ps(v, _mm512_loadu_ps(c.add(r))));
+            }
+        }
+    }
+}
+
+/// Transposes 16 rows of 16 u32 (row `i` in `r[i]`) into 16 columns (column `j` in `r[j]`).
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: &mut [__m512i; 16]) {
+    // Within 128-bit lanes: pairs of rows, then groups of four rows (column 4L + k of rows
+    // 4g..4g+4 in lane L of `c[4g + k]`).
+    let mut c = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+        let (a0, b0) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+        let (a1, b1) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+        c[4 * g] = _mm512_unpacklo_epi64(a0, a1);
+        c[4 * g + 1] = _mm512_unpackhi_epi64(a0, a1);
+        c[4 * g + 2] = _mm512_unpacklo_epi64(b0, b1);
+        c[4 * g + 3] = _mm512_unpackhi_epi64(b0, b1);
+    }
+    // Across lanes: column 4L + k gathers lane L of c[k], c[4 + k], c[8 + k], c[12 + k].
+    for k in 0..4 {
+        let e0 = _mm512_shuffle_i32x4::<0x88>(c[k], c[4 + k]);
+        let e1 = _mm512_shuffle_i32x4::<0xDD>(c[k], c[4 + k]);
+        let f0 = _mm512_shuffle_i32x4::<0x88>(c[8 + k], c[12 + k]);
+        let f1 = _mm512_shuffle_i32x4::<0xDD>(c[8 + k], c[12 + k]);
+        r[k] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
+        r[4 + k] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
+        r[8 + k] = _mm512_shuffle_i32x4::<0xDD>(e0, f0);
+        r[12 + k] = _mm512_shuffle_i32x4::<0xDD>(e1, f1);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn pair_cols(
+    rows: &[*const f32; 16],
+    nr: usize,
+    d: usize,
+    parts: usize,
+    qt: *mut u32,
+    ld: usize,
+    plane: usize,
+    r0: usize,
+) {
+    let n2 = d.div_ceil(2);
+    let mask = |x: usize| -> __mmask16 {
+        let k = d.saturating_sub(x).min(16);
+        if k == 16 {
+            !0
+        } else {
+            (1u16 << k) - 1
+        }
+    };
+    let z = _mm512_setzero_ps();
+    // 32 elements (16 pairs) of every row at a time.
+    for x in (0..d).step_by(32) {
+        let (ml, mh) = (mask(x), mask(x + 16));
+        let mut lo = [z; 16];
+        let mut hi = [z; 16];
+        for i in 0..nr {
+            // SAFETY: elements x..x+32 of row i < nr, masked to d, as the caller asserted.
+            unsafe {
+                lo[i] = _mm512_maskz_loadu_ps(ml, rows[i].add(x));
+                hi[i] = _mm512_maskz_loadu_ps(mh, rows[i].add(x + 16));
+            }
+        }
+        for b in 0..parts {
+            let mut t = [_mm512_setzero_si512(); 16];
+            for i in 0..16 {
+                // Pairs of row i in order: `cvtne2ps` puts `lo`'s 16 bf16 below `hi`'s.
+                // SAFETY: the bf16 vector is 64 bytes, as __m512i.
+                t[i] = unsafe {
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi[i], lo[i]))
+                };
+                if b + 1 < parts {
+                    lo[i] = rest(lo[i], _mm512_castsi512_si256(t[i]));
+                    hi[i] = rest(hi[i], _mm512_extracti64x4_epi64::<1>(t[i]));
+                }
+            }
+            transpose16(&mut t);
+            for (j, &col) in t.iter().enumerate().take(n2 - x / 2) {
+                // SAFETY: pair row x/2 + j < n2 of part b < parts, columns r0..r0+16, as the
+                // caller asserted.
+                unsafe {
+                    _mm512_storeu_si512(qt.add(b * plane + (x / 2 + j) * ld + r0) as *mut _, col)
+                };
             }
         }
     }
@@ -568,30 +722,36 @@ mod tests {
         }
     }
 
-    /// Q rows x keys, through the same packing the prefill items use.
-    fn amx_qk(a: Amx, q: &[f32], rows: usize, k: &[f32], n: usize, d: usize) -> Vec<f32> {
+    /// Q rows x keys, through the same packing the prefill items use, summed `reps` times (a
+    /// sum of that many equal terms, the block staying in tiles across them).
+    fn amx_qk(
+        a: Amx,
+        q: &[f32],
+        rows: usize,
+        k: &[f32],
+        n: usize,
+        d: usize,
+        reps: usize,
+    ) -> Vec<f32> {
         let (dp, r32, n32) = (
             d.div_ceil(32) * 32,
             rows.div_ceil(32) * 32,
             n.div_ceil(32) * 32,
         );
-        let mut qb = vec![0u16; r32 * dp];
-        let mut kp = vec![0u16; n32 * dp];
-        for r in 0..rows {
-            a.round(&q[r * d..(r + 1) * d], &mut qb[r * dp..]);
-        }
+        // Keys at a stride wider than dp, as in a panel of key parts.
+        let ldk = dp + 32;
+        let mut kp = vec![0u16; n32 * ldk];
         for j in 0..n {
-            a.round(&k[j * d..(j + 1) * d], &mut kp[j * dp..]);
+            a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
         }
         let mut qt = vec![0u32; dp / 2 * r32];
-        for r in 0..r32 {
-            for x2 in 0..dp / 2 {
-                qt[x2 * r32 + r] =
-                    qb[r * dp + 2 * x2] as u32 | (qb[r * dp + 2 * x2 + 1] as u32) << 16;
-            }
+        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
+        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
+            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
         }
         let mut st = vec![f32::NAN; n32 * r32];
-        a.tiles().qk_t(&kp, dp, n32, &qt, r32, &mut st);
+        let terms = vec![(&kp[..], &qt[..]); reps];
+        a.tiles().qk_t(&terms, ldk, dp, n32, r32, &mut st);
         st
     }
 
@@ -605,7 +765,9 @@ mod tests {
                     let q = rng.v(rows * d).iter().map(|x| x * 3.0).collect::<Vec<_>>();
                     let k = rng.v(n * d);
                     let r32 = rows.div_ceil(32) * 32;
-                    let got = amx_qk(a, &q, rows, &k, n, d);
+                    // Odd n: a sum of two terms.
+                    let reps = 1 + n % 2;
+                    let got = amx_qk(a, &q, rows, &k, n, d, reps);
                     let mut want = vec![0f32; n * r32];
                     qk_t_bf16(&q, rows, &k, n, d, &mut want, r32);
                     let mut mag = vec![0f32; n * r32];
@@ -613,16 +775,103 @@ mod tests {
                     for j in 0..n {
                         for r in 0..rows {
                             let i = j * r32 + r;
-                            let tol = order_bound(d, mag[i]);
+                            let (w, m) = (want[i] * reps as f32, mag[i] * reps as f32);
+                            let tol = order_bound(reps * d, m);
                             assert!(
-                                (got[i] - want[i]).abs() <= tol,
+                                (got[i] - w).abs() <= tol,
                                 "D={d} rows={rows} n={n}: st[{j}][{r}] = {:e}, twin {:e}",
                                 got[i],
-                                want[i]
+                                w
                             );
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The fused cuts of weights (`pair_rows`) and query rows (`pair_cols`) into three parts
+    /// give exactly the twin's parts (`split_bf16`), in the pair layouts.
+    #[test]
+    fn fused_cuts_match_the_scalar_twin() {
+        let Some(a) = amx() else { return };
+        let mut rng = Rng(13);
+        let bf = |b: u32| b as u16;
+        for (n, ldt) in [(1usize, 16usize), (17, 32), (32, 64), (45, 48)] {
+            let n32 = n.div_ceil(32) * 32;
+            let mut st: Vec<f32> = rng.v(n * ldt).iter().map(|x| x.abs() * 3.0).collect();
+            st[0] = f32::INFINITY;
+            let last = st.len() - 1;
+            st[ldt.min(last)] = 1e-39;
+            let plane = n32 / 2 * ldt + 16;
+            let mut pt = vec![0xDEAD_BEEFu32; 3 * plane];
+            a.pair_rows(&st, ldt, n, n32, 3, &mut pt, plane);
+            for j in 0..n32 {
+                for r in 0..ldt {
+                    let want = if j < n {
+                        split_bf16(st[j * ldt + r])
+                    } else {
+                        [0; 3]
+                    };
+                    for (b, &w) in want.iter().enumerate() {
+                        let pair = pt[b * plane + j / 2 * ldt + r];
+                        let got = bf(if j % 2 == 0 {
+                            pair & 0xFFFF
+                        } else {
+                            pair >> 16
+                        });
+                        assert_eq!(got, w, "weight {j} row {r} part {b} (n={n}, ldt={ldt})");
+                    }
+                }
+            }
+        }
+        for d in [1usize, 7, 16, 33, 48, 128] {
+            // Groups of rows at r0: 16, a partial 5, 1; columns 48..64 never written.
+            let (ld, groups) = (64, [(0usize, 16usize), (16, 5), (32, 1)]);
+            let q: Vec<f32> = rng.v(22 * d).iter().map(|x| x * 5.0).collect();
+            let row = |c: usize| -> Option<usize> {
+                let (r0, nr) = groups.iter().find(|g| (g.0..g.0 + 16).contains(&c))?;
+                (c - r0 < *nr).then(|| {
+                    groups
+                        .iter()
+                        .take_while(|g| g.0 < *r0)
+                        .map(|g| g.1)
+                        .sum::<usize>()
+                        + c
+                        - r0
+                })
+            };
+            let n2 = d.div_ceil(2);
+            let plane = n2 * ld + 3;
+            let mut qt = vec![0xDEAD_BEEFu32; 3 * plane];
+            for (b, x2, c) in
+                (0..3).flat_map(|b| (0..n2).flat_map(move |x2| (0..48).map(move |c| (b, x2, c))))
+            {
+                qt[b * plane + x2 * ld + c] = 0x1234_5678;
+            }
+            let mut next = 0;
+            for &(r0, nr) in &groups {
+                let rows: Vec<&[f32]> = (next..next + nr).map(|r| &q[r * d..(r + 1) * d]).collect();
+                a.pair_cols(&rows, d, 3, &mut qt, ld, plane, r0);
+                next += nr;
+            }
+            for (i, &p) in qt.iter().enumerate() {
+                let (b, x2, c) = (i / plane, i % plane / ld, i % plane % ld);
+                let want = if i % plane >= n2 * ld || c >= 48 {
+                    0xDEAD_BEEF
+                } else if let Some(r) = row(c) {
+                    let part = |x: usize| {
+                        if x < d {
+                            split_bf16(q[r * d + x])[b] as u32
+                        } else {
+                            0
+                        }
+                    };
+                    part(2 * x2) | part(2 * x2 + 1) << 16
+                } else {
+                    0
+                };
+                assert_eq!(p, want, "D={d}: part {b}, pair {x2}, column {c}");
             }
         }
     }
@@ -655,7 +904,7 @@ mod tests {
                         a.round(&col, &mut vt[x * ldv..]);
                     }
                     let mut pt = vec![0u32; n32 / 2 * r32];
-                    a.pair_rows(&p, r32, n, n32, &mut pt);
+                    a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
                     // Odd n: a sum of two terms (the block stays in tiles across them).
                     let reps = 1 + n % 2;
                     let terms = vec![(&vt[..], &pt[..]); reps];
