@@ -313,7 +313,8 @@ fn conformance_never_skips_openvino_silently() {
 /// extension are found from another working directory.
 #[test]
 fn conformance_outside_the_repository_finds_openvino() {
-    let ext = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/libpaged_attention_openvino.so");
+    let ext =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/libpaged_attention_openvino.so");
     if !ext.exists() {
         eprintln!("{} not built: this test is not run", ext.display());
         return;
