@@ -19,9 +19,14 @@ use crate::op::SeqPlan;
 use std::any::TypeId;
 use std::cell::RefCell;
 
-/// Rows per `pv_t` call (a multiple of the kernels' 6-row blocks; `qk_t` calls take
-/// `TileMicro::QK_ROWS`); prefetches go between the calls.
+/// Rows per `pv_t` call of kernels that do not prefetch (a multiple of the kernels' 6-row
+/// blocks; `qk_t` calls take `TileMicro::QK_ROWS`): their prefetches go between the calls.
 const PV_ROWS: usize = 12;
+
+/// Part `i` of `parts` near-equal parts of `x`.
+fn slice_part<T>(x: &[T], i: usize, parts: usize) -> &[T] {
+    &x[x.len() * i / parts..x.len() * (i + 1) / parts]
+}
 
 /// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
 #[derive(Default)]
@@ -367,9 +372,10 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         )
     };
     // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: this
-    // tile's V block is requested a slice after each QK call (one slice, the whole block, when
-    // one call covers the tile's rows, as AVX-512's 64-row calls do for 64-row tiles), and the
-    // next tile's K block a slice at a time between the PV row blocks.
+    // tile's V block is requested during the QK calls and the next tile's K block during the
+    // PV calls, by the kernels themselves a line every few inner steps where they can
+    // (`TileMicro::PREFETCHES`: a whole block requested at once stalls on the line fill
+    // buffers), else a slice after each call.
     let mut next = tiles(lo, hi, bs);
     next.next();
     for (j0, j1) in tiles(lo, hi, bs) {
@@ -389,13 +395,17 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 kf
             }
         };
-        let parts = rows8.div_ceil(M::QK_ROWS);
-        for (i, r) in (0..rows8).step_by(M::QK_ROWS).enumerate() {
-            let rr = M::QK_ROWS.min(rows8 - r);
-            m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
-            prefetch_part(vp, i, parts);
+        let qkr = M::QK_ROWS;
+        let parts = rows8.div_ceil(qkr);
+        for (i, r) in (0..rows8).step_by(qkr).enumerate() {
+            let rr = qkr.min(rows8 - r);
+            let pf = slice_part(vp, i, parts);
+            let s = &mut st[r..];
+            m.qk_t(&qt[r..], rows8, rr, kx, n, d, s, rows8, plan.scale, pf);
+            if !M::PREFETCHES {
+                prefetch_part(pf, 0, 1);
+            }
         }
-        m.scale_logits(&mut st[..n * rows8], plan.scale);
         mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
         if let Some(sw) = sw {
             stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
@@ -412,11 +422,17 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         };
         let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
         if finite_outside(vx, n, d, (a - j0, b - j0)) {
-            let parts = rows.div_ceil(PV_ROWS);
-            for (i, r) in (0..rows).step_by(PV_ROWS).enumerate() {
-                let rr = PV_ROWS.min(rows - r);
-                m.pv_t(&st[r..], rows8, rr, vx, n, d, &cb[r..], &mut acc[r * d..]);
-                prefetch_part(kn, i, parts);
+            // Kernels that prefetch take all rows in one call (their requests spread over it).
+            let pvr = if M::PREFETCHES { rows } else { PV_ROWS };
+            let parts = rows.div_ceil(pvr);
+            for (i, r) in (0..rows).step_by(pvr).enumerate() {
+                let rr = pvr.min(rows - r);
+                let pf = slice_part(kn, i, parts);
+                let (p, a) = (&st[r..], &mut acc[r * d..]);
+                m.pv_t(p, rows8, rr, vx, n, d, &cb[r..], a, pf);
+                if !M::PREFETCHES {
+                    prefetch_part(pf, 0, 1);
+                }
             }
         } else {
             // A non-finite value some row is masked for: each row over its own keys.
@@ -425,7 +441,8 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
                 let (a, b) = (a - j0, b - j0);
                 if a < b {
                     let (p, v) = (&st[a * rows8 + r..], &vx[a * d..b * d]);
-                    m.pv_t(p, rows8, 1, v, b - a, d, &cb[r..], &mut acc[r * d..]);
+                    let (cr, ar) = (&cb[r..], &mut acc[r * d..]);
+                    m.pv_t(p, rows8, 1, v, b - a, d, cr, ar, &kn[..0]);
                 }
             }
         }

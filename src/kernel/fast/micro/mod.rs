@@ -223,10 +223,17 @@ pub(crate) trait TileMicro: Micro {
     /// Rows per `qk_t` call in a prefill tile (a multiple of 16): as many as the kernel's
     /// register block covers, so each key element it broadcasts feeds that many rows.
     const QK_ROWS: usize = 16;
+    /// Whether `qk_t` and `pv_t` start loading their `pf` slices themselves, a line every few
+    /// inner steps (so the requests never queue up behind each other); when not, the driver
+    /// asks for `pf` in parts between calls.
+    const PREFETCHES: bool = false;
 
-    /// `st[j*ldt + r] = sum_x qt[x*ldq + r] * k[j*d + x]` for `r < rows8`, `j < n`.
+    /// `st[j*ldt + r] = cap(scale * sum_x qt[x*ldq + r] * k[j*d + x])` for `r < rows8`,
+    /// `j < n`: logits as the softmax takes them (as [`Micro::scale_logits`] would leave them,
+    /// bit for bit; the scale and cap ride on the store, no extra pass over the tile).
+    /// `pf`: lines to start loading meanwhile (see `PREFETCHES`; a hint, never read).
     #[allow(clippy::too_many_arguments)]
-    fn qk_t(
+    fn qk_t<C>(
         self,
         qt: &[f32],
         ldq: usize,
@@ -236,6 +243,8 @@ pub(crate) trait TileMicro: Micro {
         d: usize,
         st: &mut [f32],
         ldt: usize,
+        scale: f32,
+        pf: &[C],
     );
     /// One online-softmax step over logits `st[j*ldt + r]` (`j < n`), lane-wise over rows: the
     /// state `OnlineSoftmax { max: m[r], sum: l[r] }` takes `step = update(max_j st)`, `st`
@@ -255,9 +264,9 @@ pub(crate) trait TileMicro: Micro {
     /// `dst[x*ldd + r] = src[r*d + x]` for `r < rows8`, `x < d` (`src` holds `rows8` rows).
     fn transpose(self, src: &[f32], rows: usize, d: usize, dst: &mut [f32], ldd: usize);
     /// `acc[r*d + x] = acc[r*d + x]*c[r] + sum_j pt[j*ldp + r] * v[j*d + x]` for `r < rows`,
-    /// `x < d` (keys summed in order).
+    /// `x < d` (keys summed in order). `pf` as in `qk_t`.
     #[allow(clippy::too_many_arguments)]
-    fn pv_t(
+    fn pv_t<C>(
         self,
         pt: &[f32],
         ldp: usize,
@@ -267,5 +276,6 @@ pub(crate) trait TileMicro: Micro {
         d: usize,
         c: &[f32],
         acc: &mut [f32],
+        pf: &[C],
     );
 }

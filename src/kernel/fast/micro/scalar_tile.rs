@@ -2,10 +2,10 @@
 
 use super::scalar::Scalar;
 use super::TileMicro;
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 
 impl TileMicro for Scalar {
-    fn qk_t(
+    fn qk_t<C>(
         self,
         qt: &[f32],
         ldq: usize,
@@ -15,6 +15,8 @@ impl TileMicro for Scalar {
         d: usize,
         st: &mut [f32],
         ldt: usize,
+        scale: f32,
+        _pf: &[C],
     ) {
         for j in 0..n {
             let kj = &k[j * d..(j + 1) * d];
@@ -23,7 +25,7 @@ impl TileMicro for Scalar {
                 for (x, &kv) in kj.iter().enumerate() {
                     dot += qt[x * ldq + r] * kv;
                 }
-                st[j * ldt + r] = dot;
+                st[j * ldt + r] = (dot * scale).cap();
             }
         }
     }
@@ -66,7 +68,7 @@ impl TileMicro for Scalar {
         }
     }
 
-    fn pv_t(
+    fn pv_t<C>(
         self,
         pt: &[f32],
         ldp: usize,
@@ -76,6 +78,7 @@ impl TileMicro for Scalar {
         d: usize,
         c: &[f32],
         acc: &mut [f32],
+        _pf: &[C],
     ) {
         for r in 0..rows {
             let a = &mut acc[r * d..(r + 1) * d];

@@ -307,15 +307,37 @@ fn tile<M: TileMicro>(m: M, tier: &str) {
                 }
                 let k = rng.vec(n * d, 1.0);
                 let mut st = vec![f32::NAN; n * ld];
-                m.qk_t(&qt, ld, rows, &k, n, d, &mut st, ld);
+                // A scale that is not a power of two, so a kernel that skipped it or applied
+                // it twice cannot pass.
+                let scale = 0.37f32;
+                m.qk_t(&qt, ld, rows, &k, n, d, &mut st, ld, scale, &k);
                 for j in 0..n {
                     for r in 0..rows {
                         let t = (0..d).map(|x| qt[x * ld + r] as f64 * k[j * d + x] as f64);
                         let (want, mag) = t.fold((0.0, 0.0), |(a, b), t| (a + t, b + t.abs()));
-                        let tol = (d as f64 + 2.0) * EPS * mag;
+                        let (want, mag) = (want * scale as f64, mag * scale as f64);
+                        let tol = (d as f64 + 3.0) * EPS * mag;
                         close(&format!("{what} qk_t"), st[j * ld + r], want, tol);
                     }
                     untouched(&format!("{what} qk_t"), &st[j * ld + rows8..(j + 1) * ld]);
+                }
+                // The cap: a scale that overflows the larger logits must leave f32::MAX there
+                // (-inf stays: it is a masked key's), as `scale_logits` does.
+                let mut sc = st.clone();
+                m.qk_t::<f32>(&qt, ld, rows, &k, n, d, &mut sc, ld, f32::MAX, &[]);
+                for j in 0..n {
+                    for r in 0..rows {
+                        let t = (0..d).map(|x| qt[x * ld + r] as f64 * k[j * d + x] as f64);
+                        let want = t.sum::<f64>();
+                        let got = sc[j * ld + r];
+                        if want > 1.01 {
+                            assert_eq!(got, f32::MAX, "{what} qk_t cap");
+                        } else if want < -1.01 {
+                            assert_eq!(got, f32::NEG_INFINITY, "{what} qk_t cap");
+                        } else if want.abs() < 0.99 {
+                            assert!(got.is_finite(), "{what} qk_t cap: {got}");
+                        }
+                    }
                 }
 
                 // softmax_t on fresh logits with masked keys, some rows fresh (-inf).
@@ -388,7 +410,7 @@ fn tile<M: TileMicro>(m: M, tier: &str) {
                 let acc0 = rng.vec(rows * d, 1.0);
                 let mut acc = acc0.clone();
                 acc.extend([f32::NAN; 17]);
-                m.pv_t(&st, ld, rows, &v, n, d, &c, &mut acc[..rows * d]);
+                m.pv_t(&st, ld, rows, &v, n, d, &c, &mut acc[..rows * d], &v);
                 untouched(&format!("{what} pv_t"), &acc[rows * d..]);
                 for r in 0..rows {
                     for x in 0..d {

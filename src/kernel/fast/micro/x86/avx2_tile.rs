@@ -11,10 +11,10 @@ use std::arch::x86_64::*;
 
 use super::avx2::{exp8_nonpos, Avx2, F32x8};
 use super::{bounds, TileMicro};
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 
 impl TileMicro for Avx2 {
-    fn qk_t(
+    fn qk_t<C>(
         self,
         qt: &[f32],
         ldq: usize,
@@ -24,6 +24,8 @@ impl TileMicro for Avx2 {
         d: usize,
         st: &mut [f32],
         ldt: usize,
+        scale: f32,
+        _pf: &[C],
     ) {
         bounds::qk_t(qt.len(), ldq, rows, k.len(), n, d, st.len(), ldt);
         let rows8 = rows.div_ceil(8) * 8;
@@ -38,6 +40,7 @@ impl TileMicro for Avx2 {
                 d,
                 st.as_mut_ptr(),
                 ldt,
+                scale,
             )
         }
     }
@@ -75,7 +78,7 @@ impl TileMicro for Avx2 {
         unsafe { transpose(src.as_ptr(), rows8, d, dst.as_mut_ptr(), ldd) }
     }
 
-    fn pv_t(
+    fn pv_t<C>(
         self,
         pt: &[f32],
         ldp: usize,
@@ -85,6 +88,7 @@ impl TileMicro for Avx2 {
         d: usize,
         c: &[f32],
         acc: &mut [f32],
+        _pf: &[C],
     ) {
         bounds::pv_t(pt.len(), ldp, rows, v.len(), n, d, c.len(), acc.len());
         // SAFETY: `self` proves the features; `bounds::pv_t` bounds every access.
@@ -114,6 +118,7 @@ unsafe fn qk_t(
     d: usize,
     st: *mut f32,
     ldt: usize,
+    scale: f32,
 ) {
     let mut r = 0;
     while r < rows8 {
@@ -132,12 +137,12 @@ unsafe fn qk_t(
                 macro_rules! go {
                     ($rv:literal) => {
                         match kk {
-                            6 => qk_t_block::<$rv, 6>(qp, ldq, kp, d, sp, ldt),
-                            5 => qk_t_block::<$rv, 5>(qp, ldq, kp, d, sp, ldt),
-                            4 => qk_t_block::<$rv, 4>(qp, ldq, kp, d, sp, ldt),
-                            3 => qk_t_block::<$rv, 3>(qp, ldq, kp, d, sp, ldt),
-                            2 => qk_t_block::<$rv, 2>(qp, ldq, kp, d, sp, ldt),
-                            _ => qk_t_block::<$rv, 1>(qp, ldq, kp, d, sp, ldt),
+                            6 => qk_t_block::<$rv, 6>(qp, ldq, kp, d, sp, ldt, scale),
+                            5 => qk_t_block::<$rv, 5>(qp, ldq, kp, d, sp, ldt, scale),
+                            4 => qk_t_block::<$rv, 4>(qp, ldq, kp, d, sp, ldt, scale),
+                            3 => qk_t_block::<$rv, 3>(qp, ldq, kp, d, sp, ldt, scale),
+                            2 => qk_t_block::<$rv, 2>(qp, ldq, kp, d, sp, ldt, scale),
+                            _ => qk_t_block::<$rv, 1>(qp, ldq, kp, d, sp, ldt, scale),
                         }
                     };
                 }
@@ -153,10 +158,11 @@ unsafe fn qk_t(
     }
 }
 
-/// `8*RV` rows x `K` keys of `st` (stride `ldt`) from the query panel (stride `ldq`) and `K`
-/// key rows (stride `d`).
+/// `8*RV` rows x `K` keys of `st` (stride `ldt`, scaled and capped) from the query panel
+/// (stride `ldq`) and `K` key rows (stride `d`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn qk_t_block<const RV: usize, const K: usize>(
     qt: *const f32,
     ldq: usize,
@@ -164,8 +170,10 @@ unsafe fn qk_t_block<const RV: usize, const K: usize>(
     d: usize,
     st: *mut f32,
     ldt: usize,
+    scale: f32,
 ) {
     let z = _mm256_setzero_ps();
+    let sc = _mm256_set1_ps(scale);
     let mut a = [[z; RV]; K];
     for x in 0..d {
         let mut qv = [z; RV];
@@ -183,8 +191,9 @@ unsafe fn qk_t_block<const RV: usize, const K: usize>(
     }
     for (kk, ak) in a.iter().enumerate() {
         for (i, v) in ak.iter().enumerate() {
+            let v = F32x8(_mm256_mul_ps(*v, sc)).cap();
             // SAFETY: entry (key kk, rows 8i..8i+8) of the caller's st block.
-            unsafe { _mm256_storeu_ps(st.add(kk * ldt + 8 * i), *v) };
+            unsafe { _mm256_storeu_ps(st.add(kk * ldt + 8 * i), v.0) };
         }
     }
 }

@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 use super::avx512::{exp16_nonpos, pv_cols, tail, Avx512, F32x16, ALL};
 use super::prefetch::Pf;
 use super::{bounds, TileMicro};
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 
 /// Row vectors per `qk_t` block at most.
 const QK_VECS: usize = 4;
@@ -32,8 +32,9 @@ impl TileMicro for Avx512 {
     // Four row vectors x 6 keys: each broadcast feeds four FMAs and each panel load six, the
     // fewest loads per FMA 24 accumulators allow.
     const QK_ROWS: usize = 64;
+    const PREFETCHES: bool = true;
 
-    fn qk_t(
+    fn qk_t<C>(
         self,
         qt: &[f32],
         ldq: usize,
@@ -43,9 +44,14 @@ impl TileMicro for Avx512 {
         d: usize,
         st: &mut [f32],
         ldt: usize,
+        scale: f32,
+        pf: &[C],
     ) {
         bounds::qk_t(qt.len(), ldq, rows, k.len(), n, d, st.len(), ldt);
         let rows8 = rows.div_ceil(8) * 8;
+        // One tick per two panel rows of each block (blocks of 64 rows x 6 keys at most):
+        // about a line per 24 FMAs, which the line fill buffers keep up with.
+        let mut pf = Pf::new(pf, rows8.div_ceil(64) * n.div_ceil(6) * d.div_ceil(2));
         // SAFETY: `self` proves the features; `bounds::qk_t` bounds every access.
         unsafe {
             qk_t(
@@ -57,6 +63,8 @@ impl TileMicro for Avx512 {
                 d,
                 st.as_mut_ptr(),
                 ldt,
+                scale,
+                &mut pf,
             )
         }
     }
@@ -99,7 +107,7 @@ impl TileMicro for Avx512 {
         self.avx2.transpose(src, rows, d, dst, ldd)
     }
 
-    fn pv_t(
+    fn pv_t<C>(
         self,
         pt: &[f32],
         ldp: usize,
@@ -109,8 +117,11 @@ impl TileMicro for Avx512 {
         d: usize,
         c: &[f32],
         acc: &mut [f32],
+        pf: &[C],
     ) {
         bounds::pv_t(pt.len(), ldp, rows, v.len(), n, d, c.len(), acc.len());
+        // One tick per key of each block (6 rows x 64 columns at most).
+        let mut pf = Pf::new(pf, rows.div_ceil(PV_ROWS) * d.div_ceil(64) * n);
         let mut r = 0;
         while r < rows {
             // Balanced blocks: 8 rows go 4 + 4, not 6 + 2.
@@ -128,7 +139,7 @@ impl TileMicro for Avx512 {
                     d,
                     c.as_ptr().add(r),
                     acc.as_mut_ptr().add(r * d),
-                    &mut Pf::none(),
+                    &mut pf,
                 )
             };
             r += rr;
@@ -147,6 +158,8 @@ unsafe fn qk_t(
     d: usize,
     st: *mut f32,
     ldt: usize,
+    scale: f32,
+    pf: &mut Pf,
 ) {
     let mut r = 0;
     while r < rows8 {
@@ -167,8 +180,8 @@ unsafe fn qk_t(
                 macro_rules! go {
                     ($rv:literal, $ds:literal; $($k:literal)*) => {
                         match kk {
-                            $($k => qk_t_block::<$rv, $k, $ds>(qp, ldq, kp, d, sp, ldt, last),)*
-                            _ => qk_t_block::<$rv, 1, 0>(qp, ldq, kp, d, sp, ldt, last),
+                            $($k => qk_t_block::<$rv, $k, $ds>(qp, ldq, kp, d, sp, ldt, scale, last, pf),)*
+                            _ => qk_t_block::<$rv, 1, 0>(qp, ldq, kp, d, sp, ldt, scale, last, pf),
                         }
                     };
                 }
@@ -190,10 +203,12 @@ unsafe fn qk_t(
     }
 }
 
-/// `16*RV` rows (the last vector masked by `last`) x `K` keys of `st` (stride `ldt`) from the
-/// query panel (stride `ldq`) and `K` key rows (stride `d`, which equals `DS` unless `DS` is 0).
+/// `16*RV` rows (the last vector masked by `last`) x `K` keys of `st` (stride `ldt`, scaled
+/// and capped) from the query panel (stride `ldq`) and `K` key rows (stride `d`, which equals
+/// `DS` unless `DS` is 0).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn qk_t_block<const RV: usize, const K: usize, const DS: usize>(
     qt: *const f32,
     ldq: usize,
@@ -201,11 +216,14 @@ unsafe fn qk_t_block<const RV: usize, const K: usize, const DS: usize>(
     d: usize,
     st: *mut f32,
     ldt: usize,
+    scale: f32,
     last: __mmask16,
+    pf: &mut Pf,
 ) {
     debug_assert!(DS == 0 || DS == d);
     let d = if DS == 0 { d } else { DS };
     let z = _mm512_setzero_ps();
+    let sc = _mm512_set1_ps(scale);
     let mask = |i: usize| if i + 1 == RV { last } else { ALL };
     let mut a = [[z; RV]; K];
     for x in 0..d {
@@ -221,11 +239,15 @@ unsafe fn qk_t_block<const RV: usize, const K: usize, const DS: usize>(
                 ak[i] = _mm512_fmadd_ps(qv[i], b, ak[i]);
             }
         }
+        if x % 2 == 1 {
+            pf.tick();
+        }
     }
     for (kk, ak) in a.iter().enumerate() {
         for (i, v) in ak.iter().enumerate() {
+            let v = F32x16(_mm512_mul_ps(*v, sc)).cap();
             // SAFETY: entry (key kk, the masked rows 16i..) of the caller's st block.
-            unsafe { _mm512_mask_storeu_ps(st.add(kk * ldt + 16 * i), mask(i), *v) };
+            unsafe { _mm512_mask_storeu_ps(st.add(kk * ldt + 16 * i), mask(i), v.0) };
         }
     }
 }
