@@ -15,7 +15,7 @@ use super::shared::SharedMut;
 use super::tile::{finite_outside, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
-use crate::op::SeqPlan;
+use crate::op::{Plan, SeqPlan};
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -329,11 +329,10 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     sc: &mut Scratch,
 ) {
     let plan = ctx.plan;
-    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let d = plan.d;
     let ir = ItemRows::new(ctx, it);
-    let (si, t0, nt, rows, pos0, lo, hi) = (ir.si, ir.t0, ir.nt, ir.rows, ir.pos0, ir.lo, ir.hi);
-    let sp = &plan.seqs[si];
-    let rows8 = rows.div_ceil(8) * 8;
+    let sp = &plan.seqs[ir.si];
+    let rows8 = ir.rows.div_ceil(8) * 8;
     let Scratch {
         qr,
         qt,
@@ -345,32 +344,203 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         l: lb,
         c: cb,
     } = sc;
+    let qt = query_panel(m, plan, ctx.query, sp, kvh, (ir.t0, ir.nt), qr, qt);
+    let mut state = RowState::new(ir.rows, d, acc, mb, lb, cb);
+    let src = CacheTiles {
+        m,
+        ctx,
+        sp,
+        kvh,
+        wide: wide.and_then(|w| w.rows(ir.si, kvh, sp.ctx() * d)),
+    };
+    let span = (ir.pos0, ir.nt, ir.lo, ir.hi);
+    attend(
+        m,
+        plan,
+        &src,
+        kvh,
+        span,
+        qt,
+        &mut state,
+        (st, kf, vf),
+        |st, j0, n| {
+            if let Some(sw) = sw {
+                stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
+            }
+        },
+    );
+    let RowState {
+        acc, m: mb, l: lb, ..
+    } = state;
+    write_rows(ctx, &ir, kvh, acc, d, mb, lb, pw, out);
+}
+
+/// The query panel of a prefill item: rows `t*G + g` (tokens `t0..t0+nt` of `sp`, the query
+/// heads of KV head `kvh`) widened to f32 and transposed to `[D][rows8]` (rows8 = rows rounded
+/// up to 8; padding rows 0). Not scaled: the logits are.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn query_panel<'q, M: TileMicro, Q: Float>(
+    m: M,
+    plan: &Plan,
+    query: &[Q],
+    sp: &SeqPlan,
+    kvh: usize,
+    (t0, nt): (usize, usize),
+    qr: &mut Vec<f32>,
+    qt: &'q mut Vec<f32>,
+) -> &'q [f32] {
+    let (h, d, g) = (plan.h, plan.d, plan.g);
+    let rows = nt * g;
+    let rows8 = rows.div_ceil(8) * 8;
     let qt = aligned(qt, d * rows8);
-    let acc = aligned(acc, rows * d);
-    let st = aligned(st, bs * rows8);
-    let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
-    // Query panel [D][rows8] (not scaled: the logits are); padding rows are 0: loaded
-    // row-major, then transposed.
     let qr = aligned(qr, rows8 * d);
     for ti in 0..nt {
-        let src = &ctx.query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+        let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
         m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
     }
     qr[rows * d..].fill(0.0);
     m.transpose(qr, rows, d, qt, rows8);
-    acc.fill(0.0);
-    mb.fill(f32::NEG_INFINITY);
-    lb.fill(0.0);
-    // Widened rows are contiguous per head (the hardware prefetcher follows them): the
-    // software prefetches below are for scattered cache blocks only.
-    let wide = wide.and_then(|w| w.rows(si, kvh, sp.ctx() * d));
-    let tile_at = |j0: usize, j1: usize| {
-        let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
-        (
-            &ctx.kc[off..off + (j1 - j0) * d],
-            &ctx.vc[off..off + (j1 - j0) * d],
-        )
-    };
+    qt
+}
+
+/// The running state of a prefill item's rows: accumulators `[rows][D]` and the lane-wise
+/// softmax state (`m`, `l`, and `c`, the last step's rescale factors).
+pub(super) struct RowState<'a> {
+    pub acc: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub l: &'a mut [f32],
+    pub c: &'a mut [f32],
+    rows: usize,
+}
+
+impl<'a> RowState<'a> {
+    /// Fresh state for `rows` rows, in the given per-thread buffers.
+    pub fn new(
+        rows: usize,
+        d: usize,
+        acc: &'a mut Vec<f32>,
+        m: &'a mut Vec<f32>,
+        l: &'a mut Vec<f32>,
+        c: &'a mut Vec<f32>,
+    ) -> RowState<'a> {
+        let rows8 = rows.div_ceil(8) * 8;
+        let acc = aligned(acc, rows * d);
+        let (m, l, c) = (aligned(m, rows8), aligned(l, rows8), aligned(c, rows8));
+        acc.fill(0.0);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        RowState { acc, m, l, c, rows }
+    }
+}
+
+/// Where a prefill item's key and value tiles come from (a cache read in place, the call's
+/// widened copies, u8 blocks dequantized tile by tile) and what to start loading meanwhile.
+pub(super) trait TileSource {
+    /// Element type of the prefetch hints.
+    type Pf;
+    /// The f32 keys `j0..j1` (`[n][D]`, inside one cache block); `buf` (`n*D` floats) holds
+    /// them when they are not f32 in memory.
+    fn keys<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32];
+    /// The f32 values `j0..j1`, as `keys`.
+    fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32];
+    /// What to load while tile `j0..j1`'s logits are computed (its values), if anything.
+    fn values_ahead(&self, j0: usize, j1: usize) -> &[Self::Pf];
+    /// What to load while tile `j0..j1`'s values are summed (the keys of the next tile).
+    fn keys_ahead(&self, next: Option<(usize, usize)>) -> &[Self::Pf];
+}
+
+/// A float cache's tiles: the call's widened copies of the head when there are, else the cache
+/// read in place (f32) or widened tile by tile.
+struct CacheTiles<'c, 'a, M, Q, C> {
+    m: M,
+    ctx: &'c Ctx<'a, Q, C>,
+    sp: &'c SeqPlan,
+    kvh: usize,
+    wide: Option<(&'c [f32], &'c [f32])>,
+}
+
+impl<M: TileMicro, Q, C: Float> CacheTiles<'_, '_, M, Q, C> {
+    fn tile(&self, j0: usize, j1: usize) -> (&[C], &[C]) {
+        let (plan, d) = (self.ctx.plan, self.ctx.plan.d);
+        let off = seq_row(plan, self.ctx.block_indices, self.sp, self.kvh, j0);
+        let n = (j1 - j0) * d;
+        (&self.ctx.kc[off..off + n], &self.ctx.vc[off..off + n])
+    }
+
+    fn rows<'s>(&'s self, x: &'s [C], buf: &'s mut [f32]) -> &'s [f32] {
+        match as_f32(x) {
+            Some(x) => x,
+            None => {
+                let buf = &mut buf[..x.len()];
+                self.m.widen(x, buf);
+                buf
+            }
+        }
+    }
+}
+
+impl<M: TileMicro, Q, C: Float> TileSource for CacheTiles<'_, '_, M, Q, C> {
+    type Pf = C;
+    fn keys<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
+        let d = self.ctx.plan.d;
+        match self.wide {
+            Some((k, _)) => &k[j0 * d..j1 * d],
+            None => self.rows(self.tile(j0, j1).0, buf),
+        }
+    }
+    fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
+        let d = self.ctx.plan.d;
+        match self.wide {
+            Some((_, v)) => &v[j0 * d..j1 * d],
+            None => self.rows(self.tile(j0, j1).1, buf),
+        }
+    }
+    // Widened rows are contiguous per head (the hardware prefetcher follows them): hints are
+    // for scattered cache blocks only.
+    fn values_ahead(&self, j0: usize, j1: usize) -> &[C] {
+        match self.wide {
+            Some(_) => &[],
+            None => self.tile(j0, j1).1,
+        }
+    }
+    fn keys_ahead(&self, next: Option<(usize, usize)>) -> &[C] {
+        match (self.wide, next) {
+            (None, Some((a, b))) => self.tile(a, b).0,
+            _ => &[],
+        }
+    }
+}
+
+/// One prefill item's attention over keys `lo..hi`, one cache block per tile: `qk_t` fills the
+/// transposed logits against the query panel `qt`, masks are applied, `on_logits(st, j0, n)`
+/// sees them (the score rows' stash), `softmax_t` takes the online-softmax step for all rows,
+/// and `pv_t` folds the rescale factor and the weighted values into the accumulators.
+/// `(pos0, nt, lo, hi)`: the item's first position, token count and key range; `bufs`: the
+/// logit tile and the key/value staging buffers (per thread).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend<M: TileMicro, S: TileSource>(
+    m: M,
+    plan: &Plan,
+    src: &S,
+    kvh: usize,
+    (pos0, nt, lo, hi): (usize, usize, usize, usize),
+    qt: &[f32],
+    state: &mut RowState<'_>,
+    (st, kf, vf): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
+    mut on_logits: impl FnMut(&[f32], usize, usize),
+) {
+    let (d, g, bs) = (plan.d, plan.g, plan.bs);
+    let rows = state.rows;
+    let rows8 = rows.div_ceil(8) * 8;
+    let st = aligned(st, bs * rows8);
+    let (kf, vf) = (aligned(kf, bs * d), aligned(vf, bs * d));
+    let RowState {
+        acc,
+        m: mb,
+        l: lb,
+        c: cb,
+        ..
+    } = state;
     // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: this
     // tile's V block is requested during the QK calls and the next tile's K block during the
     // PV calls, by the kernels themselves a line every few inner steps where they can
@@ -380,21 +550,9 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     next.next();
     for (j0, j1) in tiles(lo, hi, bs) {
         let n = j1 - j0;
-        let (kt, vt) = tile_at(j0, j1);
-        let kn = match (wide, next.next()) {
-            (None, Some((a, b))) => tile_at(a, b).0,
-            _ => &[][..],
-        };
-        let vp = if wide.is_none() { vt } else { &[][..] };
-        let kx: &[f32] = match (wide, as_f32(kt)) {
-            (Some((wk, _)), _) => &wk[j0 * d..j1 * d],
-            (None, Some(k)) => k,
-            (None, None) => {
-                let kf = aligned(kf, n * d);
-                m.widen(kt, kf);
-                kf
-            }
-        };
+        let kn = src.keys_ahead(next.next());
+        let vp = src.values_ahead(j0, j1);
+        let kx = src.keys(j0, j1, kf);
         let qkr = M::QK_ROWS;
         let parts = rows8.div_ceil(qkr);
         for (i, r) in (0..rows8).step_by(qkr).enumerate() {
@@ -407,19 +565,9 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             }
         }
         mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
-        if let Some(sw) = sw {
-            stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
-        }
+        on_logits(st, j0, n);
         m.softmax_t(st, rows8, rows, n, mb, lb, cb);
-        let vx: &[f32] = match (wide, as_f32(vt)) {
-            (Some((_, wv)), _) => &wv[j0 * d..j1 * d],
-            (None, Some(v)) => v,
-            (None, None) => {
-                let vf = aligned(vf, n * d);
-                m.widen(vt, vf);
-                vf
-            }
-        };
+        let vx = src.values(j0, j1, vf);
         let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
         if finite_outside(vx, n, d, (a - j0, b - j0)) {
             // Kernels that prefetch take all rows in one call (their requests spread over it).
@@ -447,5 +595,4 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             }
         }
     }
-    write_rows(ctx, &ir, kvh, acc, d, mb, lb, pw, out);
 }

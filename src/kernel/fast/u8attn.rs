@@ -25,14 +25,14 @@
 //! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::prefill::aligned;
+use super::prefill::{aligned, attend, query_panel, RowState, TileSource};
 use super::shared::SharedMut;
-use super::tile::{finite_outside, mask_tile_strided, prefetch_part};
+use super::tile::prefetch_part;
 use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::kernel::bind::Bound;
-use crate::kernel::layout::{block_of, seen_by_all, tiles, visible, visible_span, window_start};
+use crate::kernel::layout::{block_of, tiles, visible, window_start};
 use crate::kernel::quant::{
     self, read_f32, CacheRows, InsertScratch, KeyQuant, U8Layout, PARAM_BYTES,
 };
@@ -360,8 +360,8 @@ struct PrefillScratch {
     m: Vec<f32>,
     l: Vec<f32>,
     c: Vec<f32>,
-    sc: Vec<f32>,
-    zp: Vec<f32>,
+    /// Per-channel key scales and zero points (see `U8Tiles`).
+    params: (Vec<f32>, Vec<f32>),
     kept: Vec<f32>,
 }
 
@@ -419,11 +419,73 @@ fn dequant_token_rows<M: U8Micro>(
     }
 }
 
+/// A u8 cache's tiles for the shared prefill loop (`fast::prefill::attend`): each key or value
+/// block is dequantized into the loop's f32 staging tile when it is reached (never more of the
+/// cache), with the same arithmetic as `kernel::quant` (the reference's values exactly); the
+/// hints are the next block's key slab and this block's value rows.
+struct U8Tiles<'a, 'c, M, Q> {
+    m: M,
+    plan: &'c Plan,
+    l: &'c U8Layout,
+    b: &'c Inputs<'a, Q>,
+    sp: &'c SeqPlan,
+    kvh: usize,
+    /// Per-channel key scales and zero points of the block being dequantized.
+    params: RefCell<(Vec<f32>, Vec<f32>)>,
+}
+
+impl<M: U8Micro, Q> U8Tiles<'_, '_, M, Q> {
+    fn block(&self, j0: usize) -> usize {
+        block_of(self.b.block_indices, self.sp.block_begin, self.plan.bs, j0)
+    }
+}
+
+impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
+    type Pf = u8;
+    fn keys<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
+        let (plan, d) = (self.plan, self.plan.d);
+        let n = j1 - j0;
+        let out = &mut buf[..n * d];
+        let (sc, zp) = &mut *self.params.borrow_mut();
+        let (sc, zp) = (aligned(sc, d), aligned(zp, d));
+        let slots = (j0 % plan.bs, n);
+        dequant_keys(
+            self.m,
+            plan,
+            self.l,
+            self.b.kc,
+            self.block(j0),
+            self.kvh,
+            slots,
+            (sc, zp),
+            out,
+        );
+        out
+    }
+    fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
+        let (d, n) = (self.plan.d, j1 - j0);
+        let out = &mut buf[..n * d];
+        let rows = self.values_ahead(j0, j1);
+        dequant_token_rows(self.m, rows, self.l.value_row(), d, self.l.value_group, out);
+        out
+    }
+    fn values_ahead(&self, j0: usize, j1: usize) -> &[u8] {
+        let (plan, vrow) = (self.plan, self.l.value_row());
+        let base = ((self.block(j0) * plan.hkv + self.kvh) * plan.bs + j0 % plan.bs) * vrow;
+        &self.b.vc[base..base + (j1 - j0) * vrow]
+    }
+    fn keys_ahead(&self, next: Option<(usize, usize)>) -> &[u8] {
+        let Some((a, _)) = next else { return &[] };
+        let slab = self.l.key_slab();
+        let at = (self.block(a) * self.plan.hkv + self.kvh) * slab;
+        &self.b.kc[at..at + slab]
+    }
+}
+
 /// One prefill item: query tokens `i0..i1` of sequence `sp`, KV head `kvh`, over all their
-/// visible keys. Each key block is dequantized once into an f32 tile (never more of the cache)
-/// and run through the f32 prefill loops (`TileMicro`: transposed logits, lane-wise softmax),
-/// as `fast::prefill` runs f32 caches. Writes the rows' outputs; adds the final softmax weights
-/// of its score rows into `part` (when it has score rows).
+/// visible keys, through the f32 prefill loop (`fast::prefill::attend`: transposed logits,
+/// lane-wise softmax) on u8 tiles dequantized block by block. Writes the rows' outputs; adds
+/// the final softmax weights of its score rows into `part` (when it has score rows).
 #[allow(clippy::too_many_arguments)]
 fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     m: M,
@@ -437,7 +499,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     out: &SharedMut<'_, Q>,
     part: Option<&mut [f32]>,
 ) {
-    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let (h, d, g) = (plan.h, plan.d, plan.g);
     let nt = i1 - i0;
     let rows = nt * g;
     let rows8 = rows.div_ceil(8) * 8;
@@ -453,27 +515,11 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
         m: mb,
         l: lb,
         c: cb,
-        sc: ksc,
-        zp: kzp,
+        params,
         kept,
     } = sc;
-    let qt = aligned(qt, d * rows8);
-    let acc = aligned(acc, rows * d);
-    let st = aligned(st, bs * rows8);
-    let (mb, lb, cb) = (aligned(mb, rows8), aligned(lb, rows8), aligned(cb, rows8));
-    let (kf, vf) = (aligned(kf, bs * d), aligned(vf, bs * d));
-    let (ksc, kzp) = (aligned(ksc, d), aligned(kzp, d));
-    // Query panel [D][rows8], padding rows 0 (logits are scaled, not the query).
-    let qr = aligned(qr, rows8 * d);
-    for ti in 0..nt {
-        let src = &b.query[((sp.begin + i0 + ti) * h + kvh * g) * d..][..g * d];
-        m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
-    }
-    qr[rows * d..].fill(0.0);
-    m.transpose(qr, rows, d, qt, rows8);
-    acc.fill(0.0);
-    mb.fill(f32::NEG_INFINITY);
-    lb.fill(0.0);
+    let qt = query_panel(m, plan, b.query, sp, kvh, (i0, nt), qr, qt);
+    let mut state = RowState::new(rows, d, acc, mb, lb, cb);
     // Score rows are a suffix of the rows (token-major): their logits are kept row-major.
     let first_scored = (sp.n - sp.score_tokens).max(i0).min(i1);
     let r_sc = (first_scored - i0) * g;
@@ -482,54 +528,40 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
         kept.clear();
         kept.resize((rows - r_sc) * span, f32::NEG_INFINITY);
     }
-    let vrow = l.value_row();
-    for (j0, j1) in tiles(lo, hi, bs) {
-        let n = j1 - j0;
-        let block = block_of(b.block_indices, sp.block_begin, bs, j0);
-        let kx = &mut kf[..n * d];
-        let slots = (j0 % bs, n);
-        dequant_keys(m, plan, l, b.kc, block, kvh, slots, (ksc, kzp), kx);
-        for r in (0..rows8).step_by(M::QK_ROWS) {
-            let rr = M::QK_ROWS.min(rows8 - r);
-            m.qk_t(&qt[r..], rows8, rr, kx, n, d, &mut st[r..], rows8);
-        }
-        m.scale_logits(&mut st[..n * rows8], plan.scale);
-        mask_tile_strided(plan, st, (1, rows8), rows, n, kvh, pos0, j0);
-        if part.is_some() {
-            for r in r_sc..rows {
-                let dst = &mut kept[(r - r_sc) * span + j0 - lo..][..n];
-                for (jj, o) in dst.iter_mut().enumerate() {
-                    *o = st[jj * rows8 + r];
+    let src = U8Tiles {
+        m,
+        plan,
+        l,
+        b,
+        sp,
+        kvh,
+        params: RefCell::new(std::mem::take(params)),
+    };
+    let keep = part.is_some();
+    attend(
+        m,
+        plan,
+        &src,
+        kvh,
+        (pos0, nt, lo, hi),
+        qt,
+        &mut state,
+        (st, kf, vf),
+        |st, j0, n| {
+            if keep {
+                for r in r_sc..rows {
+                    let dst = &mut kept[(r - r_sc) * span + j0 - lo..][..n];
+                    for (jj, o) in dst.iter_mut().enumerate() {
+                        *o = st[jj * rows8 + r];
+                    }
                 }
             }
-        }
-        m.softmax_t(st, rows8, rows, n, mb, lb, cb);
-        let vx = &mut vf[..n * d];
-        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
-        dequant_token_rows(
-            m,
-            &b.vc[vbase..vbase + n * vrow],
-            vrow,
-            d,
-            l.value_group,
-            vx,
-        );
-        let vx = &*vx;
-        let (a, e) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
-        if finite_outside(vx, n, d, (a - j0, e - j0)) {
-            m.pv_t(st, rows8, rows, vx, n, d, cb, acc);
-        } else {
-            // A non-finite value some row is masked for: each row over its own keys.
-            for r in 0..rows {
-                let (a, e) = visible_span(plan, pos0 + r / g, j0, j1);
-                let (a, e) = (a - j0, e - j0);
-                if a < e {
-                    let (p, v) = (&st[a * rows8 + r..], &vx[a * d..e * d]);
-                    m.pv_t(p, rows8, 1, v, e - a, d, &cb[r..], &mut acc[r * d..]);
-                }
-            }
-        }
-    }
+        },
+    );
+    *params = src.params.into_inner();
+    let RowState {
+        acc, m: mb, l: lb, ..
+    } = state;
     for r in 0..rows {
         let (ti, gi) = (r / g, r % g);
         let at = ((sp.begin + i0 + ti) * h + kvh * g + gi) * d;
