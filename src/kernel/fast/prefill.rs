@@ -28,18 +28,19 @@ fn slice_part<T>(x: &[T], i: usize, parts: usize) -> &[T] {
     &x[x.len() * i / parts..x.len() * (i + 1) / parts]
 }
 
-/// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
+/// Per-thread buffers of prefill items, grown on demand (no allocation per tile); also the
+/// core of u8 prefill items' buffers.
 #[derive(Default)]
-struct Scratch {
-    qr: Vec<f32>,
-    qt: Vec<f32>,
-    acc: Vec<f32>,
-    st: Vec<f32>,
-    kf: Vec<f32>,
-    vf: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-    c: Vec<f32>,
+pub(super) struct Scratch {
+    pub qr: Vec<f32>,
+    pub qt: Vec<f32>,
+    pub acc: Vec<f32>,
+    pub st: Vec<f32>,
+    pub kf: Vec<f32>,
+    pub vf: Vec<f32>,
+    pub m: Vec<f32>,
+    pub l: Vec<f32>,
+    pub c: Vec<f32>,
 }
 
 thread_local! {

@@ -25,7 +25,7 @@
 //! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::prefill::{aligned, attend, query_panel, RowState, TileSource};
+use super::prefill::{self, aligned, attend, query_panel, RowState, TileSource};
 use super::shared::SharedMut;
 use super::tile::prefetch_part;
 use crate::alloc::try_vec;
@@ -348,18 +348,11 @@ const PREFILL_MIN_ROWS: usize = 16;
 /// Query rows of a prefill item (about, as the f32 prefill tiles: a multiple of G).
 const PREFILL_ROWS: usize = 64;
 
-/// Per-thread buffers of prefill items, grown on demand.
+/// Per-thread buffers of prefill items, grown on demand: the float prefill items' buffers,
+/// plus the block's key parameters and the score rows' logits.
 #[derive(Default)]
 struct PrefillScratch {
-    qr: Vec<f32>,
-    qt: Vec<f32>,
-    acc: Vec<f32>,
-    st: Vec<f32>,
-    kf: Vec<f32>,
-    vf: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-    c: Vec<f32>,
+    tile: prefill::Scratch,
     /// Per-channel key scales and zero points (see `U8Tiles`).
     params: (Vec<f32>, Vec<f32>),
     kept: Vec<f32>,
@@ -506,15 +499,18 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     let pos0 = sp.past + i0;
     let (lo, hi) = (window_start(plan, pos0), sp.ctx().min(pos0 + nt));
     let PrefillScratch {
-        qr,
-        qt,
-        acc,
-        st,
-        kf,
-        vf,
-        m: mb,
-        l: lb,
-        c: cb,
+        tile:
+            prefill::Scratch {
+                qr,
+                qt,
+                acc,
+                st,
+                kf,
+                vf,
+                m: mb,
+                l: lb,
+                c: cb,
+            },
         params,
         kept,
     } = sc;
