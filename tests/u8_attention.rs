@@ -23,6 +23,7 @@ fn run_case<Q: Float>(c: &Case, l: &U8Layout) -> (f64, f64, f64) {
     quant::run_reference_u8(
         &plan,
         l,
+        None,
         &typed::<Q>(&c.query),
         &typed::<Q>(&c.key),
         &typed::<Q>(&c.value),
@@ -123,6 +124,7 @@ fn wrong_cache_size_is_an_error() {
     let err = quant::run_reference_u8(
         &plan,
         &l,
+        None,
         &q,
         &q[..0],
         &q[..0],
