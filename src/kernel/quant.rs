@@ -341,6 +341,26 @@ pub struct KeyRotation<'a> {
     pub lut: &'a [f32],
 }
 
+impl KeyRotation<'_> {
+    /// Whether the inputs fit caches of `nb` blocks of `bs` slots and head size `d` (what
+    /// validation established for the op's own calls).
+    fn fits(&self, nb: usize, bs: usize, d: usize) -> bool {
+        let rows = self.lut.len().checked_div(d).unwrap_or(0);
+        d.is_multiple_of(2)
+            && self.lut.len() == rows * d
+            && (self.delta_cols == 1 || self.delta_cols == bs)
+            && Some(self.deltas.len()) == self.blocks.len().checked_mul(self.delta_cols)
+            && self
+                .blocks
+                .iter()
+                .all(|&b| (0..nb as i64).contains(&(b as i64)))
+            && self
+                .deltas
+                .iter()
+                .all(|&r| (0..rows as i64).contains(&(r as i64)))
+    }
+}
+
 /// How many leading slots of each rotated block (`rot.blocks[r]`) hold keys before this call's
 /// insertion: `past - k * BS` (at most BS) for the k-th block a sequence reaches, the most over
 /// the sequences that reach it; BS for a block no sequence of the call reaches (it may belong to
@@ -531,7 +551,9 @@ pub fn run_reference_u8<Q: Float>(
     output: &mut [Q],
     scores: &mut [Q],
 ) -> Result<()> {
-    if plan.rotation.is_some() != rotation.is_some() {
+    if plan.rotation.is_some() != rotation.is_some()
+        || rotation.is_some_and(|r| !r.fits(plan.nb, plan.bs, plan.d))
+    {
         return Err(PaError::InvalidArgument {
             detail: "the rotation inputs do not match the plan".into(),
         });

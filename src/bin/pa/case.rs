@@ -347,7 +347,7 @@ fn u8_key_rows(
     shape: &[usize],
 ) -> Option<(Vec<usize>, Vec<bool>)> {
     let [nb, hkv, bs] = *mshape else { return None };
-    if shape.len() != 4 || shape[..2] != [nb, hkv] || shape[2] != bs + 8 {
+    if bs == 0 || shape.len() != 4 || shape[..2] != [nb, hkv] || shape[2] != bs + 8 {
         return None;
     }
     let mut rows = Vec::with_capacity(nb * hkv * (bs + 8));

@@ -1,6 +1,6 @@
 //! Steps 1-4 over u8 caches in OpenVINO's layout: rotation and insertion quantize with
-//! `kernel::quant` (the byte-checked code, one task per KV head), then attention and scores read the cache bytes,
-//! never widening a cache.
+//! `kernel::quant` (the byte-checked code, one task per KV head), then attention and scores read
+//! the cache bytes, never widening a cache.
 //!
 //! Work items are (sequence, KV head, query tokens), cut from the plan alone (results do not
 //! depend on the thread count):
@@ -617,8 +617,8 @@ struct HeadRows<'a, 'b>(&'a SharedMut<'b, u8>);
 impl CacheRows for HeadRows<'_, '_> {
     fn rows(&mut self, at: usize, len: usize) -> &mut [u8] {
         // SAFETY: a HeadRows is used by one KV head's task only, and every byte rotation and
-        // insertion write for a head lies in that head's (block, head) slabs or rows, which no other
-        // head's task touches; `&mut self` keeps one slice of it alive at a time.
+        // insertion write for a head lies in that head's (block, head) slabs or rows, which no
+        // other head's task touches; `&mut self` keeps one slice of it alive at a time.
         unsafe { self.0.part(at, len) }
     }
 }
