@@ -105,7 +105,7 @@ typedef int32_t pa_status;
  * key cache's row count says the key mode; each cache's last dim says its group size. New tokens
  * are quantized on insertion (a by-channel block that grows is re-quantized as a whole, as
  * OpenVINO does); attention reads the caches dequantized ((q - zp) * scale). Rotation of a u8
- * key cache is refused (PA_STATUS_VALUE). */
+ * key cache dequantizes each rotated block's keys, rotates them and quantizes them again. */
 #define PA_ELEM_U8 4
 
 /* A concrete tensor: dense, row-major, `dims[0..rank]` in memory order.

@@ -184,7 +184,60 @@ CASES = [
       "f16 model whose query Parameter is f32 -> Convert(f16) (round to nearest even).",
       dict(H=4, Hkv=2, D=32, BS=32, seqs=[(0, 6), (9, 2)], dtype="f16", q_dtype="f32"),
       convert={0: "f32"}),
+    # ---- u8 caches in OpenVINO's CPU-plugin layout (default: keys by channel, values by token)
+    C("u8_decode", ["u8", "decode"],
+      "u8 caches, three sequences decoding one token each; the past was quantized by the built-in op.",
+      dict(BASE, seqs=[(40, 1), (70, 1), (5, 1)], score_window=[1, 1, 1]), u8=True),
+    C("u8_prefill", ["u8", "prefill"],
+      "u8 caches, one 45-token prompt over two blocks (a by-channel key block filled in one call).",
+      dict(BASE, seqs=[(0, 45)], score_window=[45]), u8=True),
+    C("u8_mixed", ["u8", "mixed"],
+      "u8 caches, a prefill chunk growing a partly filled key block, a fresh prompt and a decode.",
+      dict(BASE, seqs=[(40, 7), (0, 9), (33, 1)], score_window=[7, 9, 1]), u8=True),
 ]
+
+
+def u8_truth(call, H, Hkv, D, NB):
+    """u8 cases: the past tokens quantized into fresh caches by OpenVINO's built-in op (a prefill
+    of each sequence's past), then the call itself through the built-in op on those caches
+    (KV_CACHE_PRECISION=u8, f32 hint, 1 thread; tools/ov_u8_cache.py). Returns (kc_before,
+    vc_before, output, scores, kc_after, vc_after, float64 cross-check)."""
+    import ov_u8_cache as u8
+    past = call["past_lens"].astype(np.int64)
+    sb, bi, bib = call["subsequence_begins"], call["block_indices"], call["block_indices_begins"]
+    kshape, vshape = u8.cache_shapes(NB, Hkv, D)
+    kc0, vc0 = np.zeros(kshape, np.uint8), np.zeros(vshape, np.uint8)
+    cfg = u8.u8_config()
+    BS = u8.BS
+    rows_k, rows_v, psb, pbi, pbib = [], [], [0], [], [0]
+    for s in range(len(past)):
+        if past[s] == 0:
+            continue
+        for pos in range(int(past[s])):
+            blk = bi[bib[s] + pos // BS]
+            rows_k.append(call["key_cache"][blk, :, pos % BS, :].reshape(-1))
+            rows_v.append(call["value_cache"][blk, :, pos % BS, :].reshape(-1))
+        pbi.extend(bi[bib[s]:bib[s + 1]].tolist())
+        psb.append(psb[-1] + int(past[s]))
+        pbib.append(len(pbi))
+    if rows_k:
+        _, kc0, vc0 = u8.run_u8(D, np.array(rows_k, np.float32), np.array(rows_v, np.float32),
+                                kc0, vc0, np.zeros(len(psb) - 1, np.int32), psb, pbi, pbib, cfg)
+    (out, scores), kc1, vc1 = u8.run_u8(D, call["key"], call["value"], kc0, vc0, past, sb, bi, bib,
+                                        cfg, query=call["query"], H=H, with_scores=True)
+    # float64 attention over the caches OpenVINO left, dequantized: its attention must match
+    ref = u8.attention_over_dequantized(call["query"], call["key"].shape, kc1, vc1, past, sb, bi,
+                                        bib, call["score_aggregation_window"])
+    # and its insertion must give the bytes of the numpy model of the conventions (differing
+    # bytes in the slots a token reached; 0 expected)
+    km, vm = u8.insert_model(call["key"], call["value"], kc0, vc0, past, sb, bi, bib)
+    held = u8.token_mask(kc1.shape, past, sb, bi, bib)
+    kheld = u8.key_row_mask(held)
+    cross = {"output": float(np.abs(out - ref[0]).max()),
+             "scores": float(np.abs(scores - ref[1]).max()),
+             "cache_key": float((km != kc1)[kheld].sum()),
+             "cache_value": float((vm != vc1)[held].sum())}
+    return kc0, vc0, out, scores, kc1, vc1, cross
 
 
 # ============================================================================ building a case
@@ -252,15 +305,23 @@ def build_case(spec):
     if spec.get("empty_saw"):
         src[15] = np.zeros([0], np.int32)
 
+    u8_cache = bool(spec.get("u8"))
+    if u8_cache:
+        kc0, vc0, *u8_res = u8_truth(call, H, Hkv, D, NB)
+        src[3], src[4] = kc0, vc0
+
     int_inputs = {5, 6, 7, 8, 10, 12, 13, 15}
+    u8_inputs = {3, 4} if spec.get("u8") else set()
 
     def src_et(i):
         if i in int_inputs:
             return "i32"
+        if i in u8_inputs:
+            return "u8"
         return conv.get(i, dtype)
 
     def op_et(i):
-        return "i32" if i in int_inputs else dtype
+        return "i32" if i in int_inputs else "u8" if i in u8_inputs else dtype
 
     # effective values seen by the op (after Convert), in float64/int
     eff = {}
@@ -268,6 +329,8 @@ def build_case(spec):
         v = src[i]
         if i in int_inputs:
             eff[i] = np.asarray(v, np.int32)
+        elif i in u8_inputs:
+            eff[i] = np.asarray(v, np.uint8)
         else:
             v = np.asarray(v, np.float64)
             eff[i] = round_to(round_to(v, src_et(i)), op_et(i))
@@ -277,10 +340,20 @@ def build_case(spec):
     has_alibi = eff.get(11) is not None and eff[11].size > 0
     has_window = eff.get(10) is not None and int(np.asarray(eff[10]).reshape(-1)[0]) > 0
     ov_ok = dtype == "f32" and BS == 32 and not (has_alibi and has_window)
-    ref = paged_attention_ref(*args, cache_dtype=dtype)
     notes = []
     crosscheck = None
-    if ov_ok:
+    if u8_cache:
+        out, scores, kc_after, vc_after, crosscheck = u8_res
+        truth = (out, scores, kc_after, vc_after)
+        source = "openvino-builtin"
+        notes.append("u8 caches: the built-in op with KV_CACHE_PRECISION=u8 (tools/ov_u8_cache.py), "
+                     "past tokens quantized by it; cache bytes compared exactly")
+        if max(crosscheck["output"], crosscheck["scores"]) > 2e-6 or \
+                crosscheck["cache_key"] or crosscheck["cache_value"]:
+            raise SystemExit(f"{name}: OpenVINO and float64 over its dequantized caches disagree: "
+                             f"{crosscheck}")
+    elif ov_ok:
+        ref = paged_attention_ref(*args, cache_dtype=dtype)
         from ov_builtin import run_builtin
         f32args = [None if a is None else (a.astype(np.float32) if a.dtype.kind == "f" else a)
                    for a in args]
@@ -303,7 +376,7 @@ def build_case(spec):
                 max(crosscheck["cache_key"], crosscheck["cache_value"]) > 1e-6:
             raise SystemExit(f"{name}: OpenVINO and the float64 reference disagree: {crosscheck}")
     else:
-        truth = ref
+        truth = paged_attention_ref(*args, cache_dtype=dtype)
         source = "float64-reference"
         why = []
         if dtype != "f32":
@@ -332,7 +405,7 @@ def build_case(spec):
             k = max(1.0, math.sqrt(D / 64.0))
             t_out = 2e-6 * k * max(1.0, mx(out))
             t_sc = 2e-6 * k * max(1.0, mx(scores))
-        t_kc = 1e-6 * max(1.0, mx(kc_after[mask])) if rotated else 0.0
+        t_kc = 1e-6 * max(1.0, mx(kc_after[mask])) if rotated and not u8_cache else 0.0
     else:
         t_out = max(1e-2, 2 * u * mx(out))
         t_sc = max(1e-2, 2 * u * mx(scores))
@@ -351,6 +424,8 @@ def build_case(spec):
             dims = SEED_PORT_DIMS[i]
         elif i in const:
             dims = list(np.shape(v))
+        elif i in u8_inputs:
+            dims = [-1] + list(np.shape(v))[1:]  # the u8 layout's own rows and bytes
         else:
             dims = pa_port_dims(i, np.shape(v), H, Hkv, D, BS)
         if i in const:
@@ -360,7 +435,7 @@ def build_case(spec):
             prod = b.parameter(nm, et_s, dims, layer_id=ids.get(nm))
             kind = "Parameter"
             fname = f"in_{i}_{nm}.npy"
-            in_files[fname] = encode(v, et_s)
+            in_files[fname] = _encode(v, et_s)
         if et_s != et_o:
             prod = b.convert(f"{nm}_convert", prod, et_o)
         srcs.append(prod)
@@ -379,12 +454,17 @@ def build_case(spec):
         b.edges = [(a * 7 + 3, p, c * 7 + 3, q) for a, p, c, q in b.edges]
         order = list(np.random.default_rng(seed + 1).permutation(len(b.layers)))
 
-    cache_et = dtype
+    cache_et = "u8" if u8_cache else dtype
     files = dict(in_files)
     files["out_0_output.npy"] = np.asarray(out, np.float32)
     files["out_1_scores.npy"] = np.asarray(scores, np.float32)
-    files["cache_key.npy"] = encode(np.asarray(kc_after, np.float64).astype(np.float32), cache_et)
-    files["cache_value.npy"] = encode(np.asarray(vc_after, np.float64).astype(np.float32), cache_et)
+    if u8_cache:
+        files["cache_key.npy"] = _encode(kc_after, "u8")
+        files["cache_value.npy"] = _encode(vc_after, "u8")
+    else:
+        files["cache_key.npy"] = encode(np.asarray(kc_after, np.float64).astype(np.float32), cache_et)
+        files["cache_value.npy"] = encode(np.asarray(vc_after, np.float64).astype(np.float32),
+                                          cache_et)
     files["cache_mask.npy"] = mask
 
     B = len(ck["seqs"])
@@ -423,7 +503,14 @@ def _r(x):
 
 
 def _npy_kind(et):
-    return {"f32": "float32", "f16": "float16", "bf16": "uint16 (bf16 bits)"}[et]
+    return {"f32": "float32", "f16": "float16", "bf16": "uint16 (bf16 bits)", "u8": "uint8"}[et]
+
+
+def _encode(arr, et):
+    """`encode`, plus u8 (cache bytes as they are)."""
+    if et == "u8":
+        return np.require(np.asarray(arr), dtype=np.uint8, requirements="C")
+    return encode(arr, et)
 
 
 # the seed example's port dims, verbatim
@@ -465,11 +552,11 @@ and check the files with `python -m pytest tools/test_models.py` (XML structure,
 
 | file | content |
 |---|---|
-| `model.xml`, `model.bin` | OpenVINO IR v11. Layers: `Parameter`, `Const` (data in `model.bin`), `Convert` (opset1, `destination_type`), one `PagedAttention` (`version="ie_internal_opset"`, input ports `0..n-1`, output ports `n` (output) and `n+1` (scores), n = 16, 15, 12 or 9), two `Result`s (`output`, `scores`). Precisions `FP32`, `FP16`, `BF16`, `I32`. Caches are always `Parameter`s feeding the op directly. |
+| `model.xml`, `model.bin` | OpenVINO IR v11. Layers: `Parameter`, `Const` (data in `model.bin`), `Convert` (opset1, `destination_type`), one `PagedAttention` (`version="ie_internal_opset"`, input ports `0..n-1`, output ports `n` (output) and `n+1` (scores), n = 16, 15, 12 or 9), two `Result`s (`output`, `scores`). Precisions `FP32`, `FP16`, `BF16`, `I32`, `U8` (u8 caches). Caches are always `Parameter`s feeding the op directly. |
 | `in_<i>_<name>.npy` | value of every `Parameter`, named by the index `i` of the PagedAttention input it feeds (through a `Convert` when there is one) and the SPEC input name, in the Parameter's own element type. `Const` inputs have no file. |
 | `out_0_output.npy` | expected output 0, `[T, H*D]`, always **float32** (whatever the model type) |
 | `out_1_scores.npy` | expected output 1, `[sum(past_lens)+T]`, always **float32** |
-| `cache_key.npy`, `cache_value.npy` | expected caches after the call, `[NB, Hkv, BS, D]`, in the cache element type (exact values) |
+| `cache_key.npy`, `cache_value.npy` | expected caches after the call, `[NB, Hkv, BS, D]`, in the cache element type (exact values); u8 caches in their own layout (below) |
 | `cache_mask.npy` | bool `[NB, Hkv, BS]`: cache slots that are compared (broadcast over D) |
 | `case.json` | name, description, features, truth source, tolerances, shapes, inputs (layer kind, element type, Convert), notes |
 
@@ -515,6 +602,18 @@ Absolute tolerances (`case.json` `tolerance`), with `m` = max |expected| of that
 - caches: `0` (exact) unless keys were rotated; then the key cache gets `1e-6 * max(1, m)` (f32: 1-2
   ulp of the rotation arithmetic) or `2u * m` (f16/bf16: one ulp at the top binade). The value cache
   is never rotated: always exact.
+
+### u8 caches (cases `u8_*`, feature `u8`)
+The caches are u8 Parameters in OpenVINO's CPU-plugin layout (docs/contract.md, "u8 caches"; the
+default: keys by channel `[NB, Hkv, BS + 8, D]`, values by token `[NB, Hkv, BS, D + 8]`); their
+`.npy` files (inputs and expected caches) are `uint8` bytes in that shape. `cache_mask.npy` is still
+`[NB, Hkv, BS]`: for the key cache a token row is compared as its slot, the block's 8 rows of
+per-channel scales and zero points when any slot of the block is. Truth is the built-in op with
+`KV_CACHE_PRECISION=u8` (f32 hint, 1 thread, `tools/ov_u8_cache.py`), which also quantized the past
+tokens into the input caches (a prefill of each sequence's past). Cache bytes are compared exactly
+(tolerance 0). At generation, its outputs are checked against float64 attention over its caches
+dequantized (within 2e-6, in the table), and its cache bytes against the numpy model of the
+conventions (`crosscheck`'s `cache_key` / `cache_value`: differing bytes, 0).
 
 """
 

@@ -23,6 +23,7 @@ fn run_case<Q: Float>(c: &Case, l: &U8Layout) -> (f64, f64, f64) {
     quant::run_reference_u8(
         &plan,
         l,
+        None,
         &typed::<Q>(&c.query),
         &typed::<Q>(&c.key),
         &typed::<Q>(&c.value),
@@ -123,6 +124,7 @@ fn wrong_cache_size_is_an_error() {
     let err = quant::run_reference_u8(
         &plan,
         &l,
+        None,
         &q,
         &q[..0],
         &q[..0],
@@ -134,4 +136,87 @@ fn wrong_cache_size_is_an_error() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("key_cache"), "{err}");
+}
+
+/// Rotation inputs that do not fit the call (a block, a delta or a LUT width out of range, or
+/// given without the plan's rotation) are an error from the public entry point, not a panic, and
+/// leave the caches as they were.
+#[test]
+fn rotation_inputs_that_do_not_fit_are_an_error() {
+    let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
+    let f = Features {
+        rotation: Some(true),
+        ..Features::default()
+    };
+    let c = gen_case(4, &geo, &f);
+    let plan = c.to_call().validate().unwrap();
+    let l = U8Layout {
+        hkv: 2,
+        d: 64,
+        bs: 32,
+        key: KeyQuant::ByChannel,
+        value_group: 0,
+    };
+    let (kc0, vc0) = u8_caches_with_past(&c, &l);
+    let r = c.rotation.as_ref().unwrap();
+    let cols = r.cols(c.bs);
+    let lut: Vec<f32> = r.lut.iter().map(|&x| x as f32).collect();
+    let q = typed::<f32>(&c.query);
+    let (k, v) = (typed::<f32>(&c.key), typed::<f32>(&c.value));
+    let run = |rot: Option<&quant::KeyRotation>, plan: &paged_attention::Plan| {
+        let (mut kc, mut vc) = (kc0.clone(), vc0.clone());
+        let mut out = vec![0f32; c.t() * c.h * c.d];
+        let mut scores = vec![0f32; c.scores_len()];
+        let res = quant::run_reference_u8(
+            plan,
+            &l,
+            rot,
+            &q,
+            &k,
+            &v,
+            &c.block_indices,
+            &mut kc,
+            &mut vc,
+            &mut out,
+            &mut scores,
+        );
+        (res, kc == kc0 && vc == vc0)
+    };
+    let mut bad_block = r.blocks.clone();
+    bad_block[0] = c.nb as i32;
+    let mut bad_delta = r.deltas.clone();
+    bad_delta[0] = r.m as i32;
+    let good = quant::KeyRotation {
+        blocks: &r.blocks,
+        deltas: &r.deltas,
+        delta_cols: cols,
+        lut: &lut,
+    };
+    let cases = [
+        quant::KeyRotation {
+            blocks: &bad_block,
+            ..good
+        },
+        quant::KeyRotation {
+            deltas: &bad_delta,
+            ..good
+        },
+        quant::KeyRotation {
+            lut: &lut[..lut.len() - 1],
+            ..good
+        },
+    ];
+    for rot in &cases {
+        let (res, unchanged) = run(Some(rot), &plan);
+        let err = res.expect_err("rotation inputs that do not fit");
+        assert!(err.to_string().contains("rotation"), "{err}");
+        assert!(unchanged, "a refused call wrote the caches");
+    }
+    let mut no_rot = c.clone();
+    no_rot.rotation = None;
+    let (res, _) = run(Some(&good), &no_rot.to_call().validate().unwrap());
+    assert!(res.is_err(), "rotation inputs the plan does not have");
+    let (res, unchanged) = run(Some(&good), &plan);
+    res.expect("the call's own rotation inputs");
+    assert!(!unchanged, "the call wrote its tokens and rotated keys");
 }

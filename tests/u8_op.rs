@@ -1,8 +1,9 @@
 //! u8 caches as a cache type of the op itself (`execute`, `execute_reference`, validation, shape
 //! inference): the layout is read from the shapes, insertion writes exactly the bytes of the
 //! byte-checked quantizer (`kernel::quant::insert_u8`, held to OpenVINO's bytes by
-//! tests/u8_cache.rs), outputs match the float64 reference over the dequantized caches, and wrong
-//! shapes are refused with messages that say what a u8 cache must look like.
+//! tests/u8_cache.rs), outputs match the float64 reference over the dequantized caches, rotation
+//! of a u8 key cache stays within one quantization step of float64, and wrong shapes are refused
+//! with messages that say what a u8 cache must look like.
 
 mod common;
 
@@ -181,16 +182,172 @@ fn mixed_cache_types_and_u8_inputs_are_refused() {
     rejects(call, &["query", "f32, f16 or bf16"]);
 }
 
+/// The quantization step (scale) of each channel of the key at (block, head, slot) of a u8 key
+/// cache of `l`: the block's per-channel scales by channel, the row's group scales by token.
+fn key_steps(l: &U8Layout, kc: &[u8], block: usize, head: usize, slot: usize) -> Vec<f64> {
+    let dims = l.key_cache_dims(block + 1).unwrap();
+    let slab = &kc[(block * l.hkv + head) * dims[2] * dims[3]..][..dims[2] * dims[3]];
+    let f = |b: &[u8], i: usize| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()) as f64;
+    match l.key {
+        KeyQuant::ByChannel => (0..l.d).map(|j| f(slab, j)).collect(),
+        KeyQuant::ByToken { group } => {
+            let g = if group == 0 { l.d } else { group };
+            let row = &slab[slot * dims[3]..][..dims[3]];
+            (0..l.d).map(|j| f(&row[j / g * (g + 8)..], 0)).collect()
+        }
+    }
+}
+
+/// Rotation of a u8 key cache, every layout variant, both runners, on seeded random calls
+/// (rotated blocks holding cached tokens, partly filled blocks that then grow, blocks no sequence
+/// reaches, every `rotation_deltas` form, f32 and f16 LUTs):
+/// - each rotated key, dequantized after the call, is within one quantization step (its
+///   channel's or group's final scale) of the float64 rotation of the key dequantized before the
+///   call (one rounding by the rotation's re-quantization, at most half a step, plus at most half
+///   a step when insertion later grows the block), and each new key within one step of itself
+///   (so new keys are not rotated: rotation comes before insertion);
+/// - outputs and scores match float64 attention over the dequantized caches after the call
+///   (rotation removed: the caches already hold the rotated keys);
+/// - the fast kernels write the same cache bytes as the scalar twin.
+///
+/// The rotations are large (many rotated keys move by several steps), so a call that skipped or
+/// misapplied the rotation fails the first check.
 #[test]
-fn rotation_of_a_u8_key_cache_is_refused() {
+fn rotation_of_a_u8_key_cache_is_within_one_step_of_float64() {
+    let (mut rotated_rows, mut moved, mut grown) = (0usize, 0usize, 0usize);
+    let mut inserted_rows = 0usize;
+    for (key, value_group) in LAYOUTS {
+        for (qt, hkv, g, d) in [
+            (ElemType::F32, 2, 2, 64),
+            (ElemType::F32, 1, 4, 32),
+            (ElemType::BF16, 2, 1, 128),
+            (ElemType::F32, 1, 3, 40),
+        ] {
+            if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                continue;
+            }
+            if let KeyQuant::ByToken { group } = key {
+                if group > d || !d.is_multiple_of(group.max(1)) {
+                    continue;
+                }
+            }
+            let tol = if qt == ElemType::F32 { 2e-5 } else { 1e-2 };
+            let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 16);
+            geo.max_past = 70;
+            geo.max_new = 20;
+            for seed in 0..6 {
+                let f = Features {
+                    rotation: Some(true),
+                    ..Features::default()
+                };
+                let c = gen_case(1300 + seed, &geo, &f);
+                let l = layout_for(&c, key, value_group);
+                let before = u8_call(&c, &l);
+                let (kc0, vc0) = (
+                    before.inputs[idx::KEY_CACHE].data.u8s(),
+                    before.inputs[idx::VALUE_CACHE].data.u8s(),
+                );
+                // float64 rotation of the keys the cache held before the call, then insertion
+                // of the call's new keys
+                let mut held = dequantized_case(&c, &l, kc0, vc0);
+                (held.key, held.value) = (c.key.clone(), c.value.clone());
+                let want = reference(&held);
+                let mut twin: Option<common::call::Call> = None;
+                for runner in RUNNERS {
+                    let mut call = before.clone();
+                    call.run(runner).expect("rotation on a u8 cache runs");
+                    let kc = call.inputs[idx::KEY_CACHE].data.u8s();
+                    let vc = call.inputs[idx::VALUE_CACHE].data.u8s();
+                    let mut row = vec![0f32; d];
+                    let mut old = vec![0f32; d];
+                    for (i, rule) in want.rows.iter().enumerate() {
+                        use common::ref64::RowRule::{Inserted, Rotated};
+                        if *rule != Rotated && *rule != Inserted {
+                            continue;
+                        }
+                        let (block, head, slot) = (i / (hkv * c.bs), i / c.bs % hkv, i % c.bs);
+                        quant::key_row(&l, kc, block, head, slot, &mut row);
+                        quant::key_row(&l, kc0, block, head, slot, &mut old);
+                        let steps = key_steps(&l, kc, block, head, slot);
+                        let w = &want.key_cache[i * d..][..d];
+                        for j in 0..d {
+                            let err = (row[j] as f64 - w[j]).abs();
+                            // the bound, plus f32 arithmetic on values of this size
+                            let bound = steps[j] + 1e-6 * (1.0 + w[j].abs());
+                            assert!(
+                                err <= bound,
+                                "{runner:?} {l:?} seed {seed}: block {block} head {head} \
+                                 slot {slot} channel {j}: {} vs float64 {}, step {}\n{}",
+                                row[j],
+                                w[j],
+                                steps[j],
+                                c.describe()
+                            );
+                        }
+                        if *rule == Inserted {
+                            inserted_rows += 1;
+                            continue;
+                        }
+                        if (0..d).any(|j| (old[j] as f64 - w[j]).abs() > 2.0 * steps[j]) {
+                            moved += 1;
+                        }
+                        let block_grows = (0..c.bs).any(|s| {
+                            want.rows[(block * hkv + head) * c.bs + s]
+                                == common::ref64::RowRule::Inserted
+                        });
+                        grown += block_grows as usize;
+                        rotated_rows += 1;
+                    }
+                    let mut after = dequantized_case(&c, &l, kc, vc);
+                    after.rotation = None;
+                    let exp = reference(&after);
+                    let eo = rel_err(&call.outputs[0].data.to_f64(), &exp.output);
+                    let es = rel_err(&call.outputs[1].data.to_f64(), &exp.scores);
+                    assert!(
+                        eo <= tol && es <= tol,
+                        "{runner:?} {l:?} seed {seed}: output {eo:e} scores {es:e} > {tol:e}\n{}",
+                        c.describe()
+                    );
+                    match &twin {
+                        None => twin = Some(call),
+                        Some(t) => {
+                            for i in [idx::KEY_CACHE, idx::VALUE_CACHE] {
+                                assert_eq!(call.inputs[i], t.inputs[i], "{l:?}: cache {i} bytes");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(rotated_rows >= 500, "{rotated_rows} rotated rows checked");
+    assert!(
+        moved * 2 >= rotated_rows,
+        "{moved} of {rotated_rows} moved by the rotation"
+    );
+    assert!(
+        grown >= 10,
+        "{grown} rotated rows in blocks that grew after rotation"
+    );
+    assert!(
+        inserted_rows >= 500,
+        "{inserted_rows} inserted rows checked"
+    );
+}
+
+/// A u8 call with rotation inputs validates (it used to be refused) and keeps them in its plan.
+#[test]
+fn rotation_inputs_on_u8_caches_validate() {
     let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
     let f = Features {
         rotation: Some(true),
         ..Features::default()
     };
     let c = gen_case(9, &geo, &f);
-    let call = u8_call(&c, &layout_for(&c, KeyQuant::ByChannel, 0));
-    rejects(call, &["rotation of a u8 key cache"]);
+    let mut call = u8_call(&c, &layout_for(&c, KeyQuant::ByChannel, 0));
+    let plan = call.validate().expect("rotation on u8 caches validates");
+    let r = c.rotation.as_ref().unwrap().blocks.len();
+    assert_eq!(plan.rotation.map(|p| p.r), Some(r));
 }
 
 fn partial(elem: ElemType, dims: &[i64]) -> PartialInput {

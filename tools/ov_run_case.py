@@ -34,7 +34,8 @@ def load_input(path, element_type):
     Parameter rejects.)"""
     a = np.load(path)
     ov_type, np_type = {"f32": (ov.Type.f32, np.float32), "f16": (ov.Type.f16, np.float16),
-                        "bf16": (ov.Type.bf16, np.uint16), "i32": (ov.Type.i32, np.int32)}[element_type]
+                        "bf16": (ov.Type.bf16, np.uint16), "i32": (ov.Type.i32, np.int32),
+                        "u8": (ov.Type.u8, np.uint8)}[element_type]
     a = np.array(a, dtype=np_type, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
     t = ov.Tensor(ov_type, list(a.shape))
     if a.size:

@@ -62,9 +62,10 @@ def plugin_shapes(Hkv, D, cfg):
 
 
 def run_u8(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
-           block_indices_begins, cfg, query=None, H=None):
-    """One call of the built-in op on u8 caches ``kc``/``vc`` (copied, not modified). Returns
-    (output, key_cache_after, value_cache_after)."""
+           block_indices_begins, cfg, query=None, H=None, with_scores=False):
+    """One call of the built-in op on u8 caches ``kc``/``vc`` (copied, not modified), scores over
+    each sequence's new tokens. Returns (output, key_cache_after, value_cache_after), or
+    ((output, scores), ...) with ``with_scores``."""
     Hkv = kc.shape[1]
     H = H or Hkv
     T = key.shape[0]
@@ -82,8 +83,8 @@ def run_u8(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
              np.array(int((past + n).max()), np.int32), np.ascontiguousarray(n, np.int32),
              np.zeros([0], np.int32), np.zeros([0, 1], np.int32), np.zeros([0, D], F32)]
     model = build_model(H, Hkv, D, ov.Type.dynamic)
-    out, _ = infer(model, feeds, cfg)
-    return out, kc, vc
+    out, scores = infer(model, feeds, cfg)
+    return ((out, scores) if with_scores else out), kc, vc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +241,40 @@ def insert_model(key, value, kc, vc, past_lens, sb, bi, bib, key_group=0, value_
                 kc[blk, h, 8:8 + hi] = q
             p += hi - lo
     return kc, vc
+
+
+def attention_over_dequantized(query, key_shape, kc, vc, past_lens, sb, bi, bib, score_window):
+    """Float64 attention (tools/pa_ref.py) over u8 caches of the default layout after a call,
+    dequantized: the call's new keys and values are read back from their slots, so the reference
+    re-inserts exactly what the caches hold. Returns (output, scores)."""
+    from pa_ref import paged_attention_ref
+    NB, Hkv, _, D = kc.shape
+    kd = np.zeros((NB, Hkv, BS, D), np.float64)
+    vd = np.zeros((NB, Hkv, BS, D), np.float64)
+    for b in range(NB):
+        for h in range(Hkv):
+            scale, zp, rows = channel_block_params(kc[b, h])
+            kd[b, h] = dequant(rows, scale, zp)
+            for t in range(BS):
+                vd[b, h, t] = read_token_row(vc[b, h, t], D, 0)
+    key = np.zeros(key_shape, np.float64)
+    value = np.zeros(key_shape, np.float64)
+    for s in range(len(past_lens)):
+        for i in range(int(sb[s + 1] - sb[s])):
+            pos = int(past_lens[s]) + i
+            blk = bi[bib[s] + pos // BS]
+            key[sb[s] + i] = kd[blk, :, pos % BS].reshape(-1)
+            value[sb[s] + i] = vd[blk, :, pos % BS].reshape(-1)
+    out, scores, _, _ = paged_attention_ref(
+        np.asarray(query, np.float64), key, value, kd, vd, past_lens, sb, bi, bib,
+        None, None, None, None, None, None, score_window)
+    return out, scores
+
+
+def key_row_mask(held):
+    """Rows of a by-channel key cache ``[NB, Hkv, BS + 8]`` from a slot mask ``[NB, Hkv, BS]``:
+    a token row as its slot, the 8 parameter rows when any slot of the block is set."""
+    return np.concatenate([np.repeat(held.any(2, keepdims=True), 8, 2), held], 2)
 
 
 def token_mask(kc_shape, past_lens, sb, bi, bib):

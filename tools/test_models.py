@@ -31,9 +31,10 @@ MODELS = os.path.join(HERE, "..", "models")
 
 from pa_ref import bf16_bits_to_f32, paged_attention_ref, round_to  # noqa: E402
 
-PREC = {"FP32": "f32", "FP16": "f16", "BF16": "bf16", "I32": "i32"}
-ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
-NPY_DTYPE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32}
+PREC = {"FP32": "f32", "FP16": "f16", "BF16": "bf16", "I32": "i32", "U8": "u8"}
+ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u8": 1}
+NPY_DTYPE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32,
+             "u8": np.uint8}
 NAMES = ["query", "key", "value", "key_cache", "value_cache", "past_lens", "subsequence_begins",
          "block_indices", "block_indices_begins", "scale", "sliding_window", "alibi_slopes",
          "rotated_block_indices", "rotation_deltas", "rotation_trig_lut", "score_aggregation_window"]
@@ -171,6 +172,8 @@ def _to_f64(arr, et):
         return bf16_bits_to_f32(arr).astype(np.float64)
     if et == "i32":
         return np.asarray(arr, np.int32)
+    if et == "u8":
+        return np.asarray(arr, np.uint8)  # u8 cache bytes, kept as bytes
     return np.asarray(arr, np.float64)
 
 
@@ -222,15 +225,18 @@ def test_files(graph):
     npys = {f for f in os.listdir(g.dir) if f.startswith("in_")}
     assert len(npys) == len(params), (sorted(npys), len(params))
     T, HD = vals[0].shape
-    NB, Hkv, BS, D = vals[3].shape
+    NB, Hkv = vals[3].shape[:2]
+    BS = m["shapes"]["BS"]
     past = vals[5]
     out = np.load(os.path.join(g.dir, "out_0_output.npy"))
     sc = np.load(os.path.join(g.dir, "out_1_scores.npy"))
     assert out.dtype == np.float32 and out.shape == (T, HD)
     assert sc.dtype == np.float32 and sc.shape == (int(past.sum()) + T,)
-    for c in ("cache_key.npy", "cache_value.npy"):
+    for c, given in (("cache_key.npy", vals[3]), ("cache_value.npy", vals[4])):
         a = np.load(os.path.join(g.dir, c))
-        assert a.shape == (NB, Hkv, BS, D)
+        if m["cache_dtype"] != "u8":
+            assert given.shape == (NB, Hkv, BS, m["shapes"]["D"])
+        assert a.shape == given.shape  # u8: the layout's own rows and bytes
         assert a.dtype == NPY_DTYPE[m["cache_dtype"]]
     mask = np.load(os.path.join(g.dir, "cache_mask.npy"))
     assert mask.dtype == np.bool_ and mask.shape == (NB, Hkv, BS)
@@ -241,6 +247,8 @@ def test_expected_matches_reference(graph):
     g = graph
     m = g.meta
     vals = evaluate_inputs(g)
+    if m["cache_dtype"] == "u8":
+        return check_u8_case(g, vals)
     args = vals + [None] * (16 - len(vals))
     out, sc, kc, vc = paged_attention_ref(*args, cache_dtype=m["cache_dtype"])
     tol = m["tolerance"]
@@ -258,6 +266,29 @@ def test_expected_matches_reference(graph):
     assert np.abs(vc - e_vc)[mask].max(initial=0) <= tol["cache_value"]
     # the expected caches differ from the inputs where tokens were inserted (the test can fail)
     assert not np.array_equal(e_kc, vals[3]) or vals[0].shape[0] == 0
+
+
+def check_u8_case(g, vals):
+    """u8 caches: the expected caches hold, in every compared slot, the bytes the numpy model of
+    OpenVINO's quantization (tools/ov_u8_cache.py) writes into the input caches, and the expected
+    outputs are float64 attention over the expected caches dequantized."""
+    import ov_u8_cache as u8
+    tol = g.meta["tolerance"]
+    q, k, v, kc0, vc0, past, sb, bi, bib = vals[:9]
+    e_kc = np.load(os.path.join(g.dir, "cache_key.npy"))
+    e_vc = np.load(os.path.join(g.dir, "cache_value.npy"))
+    mask = np.load(os.path.join(g.dir, "cache_mask.npy"))
+    km, vm = u8.insert_model(k.astype(np.float32), v.astype(np.float32), kc0, vc0, past, sb, bi, bib)
+    assert np.array_equal(km[u8.key_row_mask(mask)], e_kc[u8.key_row_mask(mask)])
+    assert np.array_equal(vm[mask], e_vc[mask])
+    out, sc = u8.attention_over_dequantized(q, k.shape, e_kc, e_vc, past, sb, bi, bib,
+                                            vals[15] if len(vals) > 15 else None)
+    e_out = np.load(os.path.join(g.dir, "out_0_output.npy")).astype(np.float64)
+    e_sc = np.load(os.path.join(g.dir, "out_1_scores.npy")).astype(np.float64)
+    assert np.abs(out - e_out).max(initial=0) <= tol["output"]
+    assert np.abs(sc - e_sc).max(initial=0) <= tol["scores"]
+    # the call wrote its new tokens (the test can fail)
+    assert not np.array_equal(e_kc, kc0) and not np.array_equal(e_vc, vc0)
 
 
 def test_openvino_parses_surrounding_ir(graph, tmp_path):

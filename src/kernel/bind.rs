@@ -22,6 +22,18 @@ pub(crate) struct BoundRotation<'a> {
     pub lut: Cow<'a, [f32]>,
 }
 
+impl BoundRotation<'_> {
+    /// The inputs as u8 key rotation takes them.
+    pub fn keys(&self) -> crate::kernel::quant::KeyRotation<'_> {
+        crate::kernel::quant::KeyRotation {
+            blocks: self.blocks,
+            deltas: self.deltas,
+            delta_cols: self.delta_cols,
+            lut: &self.lut,
+        }
+    }
+}
+
 /// An element type a cache may have: a [`Float`], or u8 (quantized bytes).
 pub(crate) trait CacheElem: Copy + Send + Sync + 'static {
     /// The elements if they are of this type.

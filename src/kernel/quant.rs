@@ -1,7 +1,8 @@
 //! u8 KV caches in the byte layout of OpenVINO 2026.4.1's CPU plugin: the layouts, quantization of
-//! new tokens on insertion (including the by-channel key block's re-quantization when it grows)
-//! and dequantization of one cached row. docs/contract.md ("u8 caches") states the conventions;
-//! tests/u8_cache.rs holds this code to bytes written by OpenVINO's own op.
+//! new tokens on insertion (including the by-channel key block's re-quantization when it grows),
+//! rotation of cached keys (dequantize, rotate, re-quantize) and dequantization of one cached
+//! row. docs/contract.md ("u8 caches") states the conventions; tests/u8_cache.rs holds this code
+//! to bytes written by OpenVINO's own op.
 //!
 //! The arithmetic follows the plugin's AVX-512 build operation for operation (f32 throughout, a
 //! fused multiply-add, round half to even) for the leading multiple of 16 (by token) or 8 (by
@@ -331,6 +332,147 @@ fn insert_head<Q: Float>(
     }
 }
 
+/// The rotation inputs of a call (step 1), as u8 key rotation reads them: `rotated_block_indices`,
+/// `rotation_deltas` (`delta_cols` per block: 1 or BS) and `rotation_trig_lut` widened to f32.
+pub struct KeyRotation<'a> {
+    pub blocks: &'a [i32],
+    pub deltas: &'a [i32],
+    pub delta_cols: usize,
+    pub lut: &'a [f32],
+}
+
+impl KeyRotation<'_> {
+    /// Whether the inputs fit caches of `nb` blocks of `bs` slots and head size `d` (what
+    /// validation established for the op's own calls).
+    fn fits(&self, nb: usize, bs: usize, d: usize) -> bool {
+        let rows = self.lut.len().checked_div(d).unwrap_or(0);
+        d.is_multiple_of(2)
+            && self.lut.len() == rows * d
+            && (self.delta_cols == 1 || self.delta_cols == bs)
+            && Some(self.deltas.len()) == self.blocks.len().checked_mul(self.delta_cols)
+            && self
+                .blocks
+                .iter()
+                .all(|&b| (0..nb as i64).contains(&(b as i64)))
+            && self
+                .deltas
+                .iter()
+                .all(|&r| (0..rows as i64).contains(&(r as i64)))
+    }
+}
+
+/// How many leading slots of each rotated block (`rot.blocks[r]`) hold keys before this call's
+/// insertion: `past - k * BS` (at most BS) for the k-th block a sequence reaches, the most over
+/// the sequences that reach it; BS for a block no sequence of the call reaches (it may belong to
+/// one outside the batch). Only those slots are rotated: a by-channel block's range is taken over
+/// the keys it holds, not over stale bytes in its free slots (insertion does the same).
+pub fn rotated_fills(
+    bs: usize,
+    seqs: &[SeqPlan],
+    block_indices: &[i32],
+    rot: &KeyRotation,
+) -> Vec<usize> {
+    let mut held: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    let rotated: std::collections::HashSet<usize> =
+        rot.blocks.iter().map(|&b| b as usize).collect();
+    for sp in seqs {
+        for k in 0..(sp.past + sp.n).div_ceil(bs) {
+            let block = block_indices[sp.block_begin + k] as usize;
+            if rotated.contains(&block) {
+                let n = sp.past.saturating_sub(k * bs).min(bs);
+                let e = held.entry(block).or_insert(0);
+                *e = (*e).max(n);
+            }
+        }
+    }
+    rot.blocks
+        .iter()
+        .map(|&b| held.get(&(b as usize)).copied().unwrap_or(bs))
+        .collect()
+}
+
+/// Rotates one dequantized key row (D values, halves `x` and `y`) by a LUT row (cos in its first
+/// D/2 columns, sin in the last), in f32 as the float caches' rotation does.
+#[inline(always)]
+fn rope_row(row: &mut [f32], lut_row: &[f32]) {
+    let half = row.len() / 2;
+    let (cos, sin) = lut_row.split_at(half);
+    let (xs, ys) = row.split_at_mut(half);
+    for i in 0..half {
+        let (x, y) = (xs[i], ys[i]);
+        xs[i] = x * cos[i] - y * sin[i];
+        ys[i] = x * sin[i] + y * cos[i];
+    }
+}
+
+/// Step 1 (rotation) on a u8 key cache for KV head `head`: for each rotated block in list order
+/// (a block listed twice is rotated twice), its first `fills[r]` keys (see [`rotated_fills`])
+/// are dequantized, rotated in f32 by the LUT rows of their deltas and quantized again as
+/// insertion quantizes them: a by-channel block over the rotated keys' per-channel range, a
+/// by-token key row by row. Each rotation adds one rounding (at most half a step of the new
+/// parameters). The validated plan guarantees blocks, deltas and LUT rows are in range.
+pub(crate) fn rotate_u8_head(
+    layout: &U8Layout,
+    rot: &KeyRotation,
+    fills: &[usize],
+    head: usize,
+    key_cache: &mut (impl CacheRows + ?Sized),
+    buf: &mut InsertScratch,
+) {
+    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    let key_slab = layout.key_slab();
+    let buf = &mut buf.block;
+    for (r, (&block, &fill)) in rot.blocks.iter().zip(fills).enumerate() {
+        if fill == 0 {
+            continue;
+        }
+        let lut_row = |slot: usize| {
+            let col = if rot.delta_cols == 1 { 0 } else { slot };
+            let delta = rot.deltas[r * rot.delta_cols + col] as usize;
+            &rot.lut[delta * d..(delta + 1) * d]
+        };
+        let slab = key_cache.rows((block as usize * hkv + head) * key_slab, key_slab);
+        buf.clear();
+        buf.resize(fill * d, 0.0);
+        match layout.key {
+            KeyQuant::ByChannel => {
+                for (slot, row) in buf.chunks_exact_mut(d).enumerate() {
+                    dequantize_channel_row(slab, slot, row);
+                    rope_row(row, lut_row(slot));
+                }
+                quantize_channel_block(buf, d, slab);
+            }
+            KeyQuant::ByToken { group } => {
+                let kr = key_slab / bs;
+                for (slot, (row, bytes)) in buf
+                    .chunks_exact_mut(d)
+                    .zip(slab.chunks_exact_mut(kr))
+                    .enumerate()
+                {
+                    dequantize_token_row(bytes, group, row);
+                    rope_row(row, lut_row(slot));
+                    quantize_token_row(row, group, bytes);
+                }
+            }
+        }
+    }
+}
+
+/// [`rotate_u8_head`] for every KV head, one after another.
+pub fn rotate_u8(
+    layout: &U8Layout,
+    seqs: &[SeqPlan],
+    block_indices: &[i32],
+    rot: &KeyRotation,
+    key_cache: &mut [u8],
+) {
+    let fills = rotated_fills(layout.bs, seqs, block_indices, rot);
+    let mut buf = InsertScratch::default();
+    for head in 0..layout.hkv {
+        rotate_u8_head(layout, rot, &fills, head, key_cache, &mut buf);
+    }
+}
+
 /// Dequantizes the key of (block, head, slot) into `out` (D values).
 pub fn key_row(
     layout: &U8Layout,
@@ -391,14 +533,15 @@ fn dequantize_caches(
     Ok((k, v))
 }
 
-/// Steps 2-4 on u8 caches with the scalar reference kernels: quantizes the new tokens into the
-/// caches, then runs the reference attention and scores over the dequantized caches. `plan` is the
-/// call validated with the caches' logical shape `[NB, Hkv, BS, D]`; rotation is not supported
-/// yet.
+/// Steps 1-4 on u8 caches with the scalar reference kernels: rotates the listed key blocks
+/// (`rotation`, when the plan has rotation inputs), quantizes the new tokens into the caches, then
+/// runs the reference attention and scores over the dequantized caches. `plan` is the call
+/// validated with the caches' logical shape `[NB, Hkv, BS, D]`.
 #[allow(clippy::too_many_arguments)]
 pub fn run_reference_u8<Q: Float>(
     plan: &Plan,
     layout: &U8Layout,
+    rotation: Option<&KeyRotation>,
     query: &[Q],
     key: &[Q],
     value: &[Q],
@@ -408,9 +551,11 @@ pub fn run_reference_u8<Q: Float>(
     output: &mut [Q],
     scores: &mut [Q],
 ) -> Result<()> {
-    if plan.rotation.is_some() {
+    if plan.rotation.is_some() != rotation.is_some()
+        || rotation.is_some_and(|r| !r.fits(plan.nb, plan.bs, plan.d))
+    {
         return Err(PaError::InvalidArgument {
-            detail: "rotation of a u8 key cache is not implemented yet".into(),
+            detail: "the rotation inputs do not match the plan".into(),
         });
     }
     let expect = |what: &str, got: usize, want: Option<[usize; 4]>| match want {
@@ -430,6 +575,9 @@ pub fn run_reference_u8<Q: Float>(
         value_cache.len(),
         layout.value_cache_dims(plan.nb),
     )?;
+    if let Some(rot) = rotation {
+        rotate_u8(layout, &plan.seqs, block_indices, rot, key_cache);
+    }
     insert_u8(
         layout,
         &plan.seqs,

@@ -31,6 +31,7 @@ impl TypedOp for Reference {
         super::quant::run_reference_u8(
             plan,
             layout,
+            b.rotation.as_ref().map(|r| r.keys()).as_ref(),
             b.query,
             b.key,
             b.value,

@@ -336,13 +336,6 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         }
         _ => None,
     };
-    if u8.is_some() && rotation.is_some_and(|r| r.r > 0) {
-        return Err(PaError::value(
-            "rotated_block_indices",
-            "rotation of a u8 key cache is not supported",
-        ));
-    }
-
     Ok(Plan {
         t,
         b,

@@ -10,7 +10,8 @@ import openvino as ov
 import pytest
 
 from ir_writer import paged_attention_ir, pa_port_dims
-from ov_u8_cache import cache_shapes, run_u8, u8_config
+from ov_u8_cache import (attention_over_dequantized, cache_shapes, channel_block_params, dequant,
+                         read_token_row, run_u8, u8_config)
 from test_openvino_ext import Runner, core, max_err  # noqa: F401 (core is a fixture)
 
 H, HKV, D, BS, NB = 4, 2, 64, 32, 6
@@ -25,17 +26,20 @@ LAYOUTS = {
 }
 
 
-def compile_ours(core, tmp_path, kc, vc):
+def compile_ours(core, tmp_path, kc, vc, n_inputs=9):
+    """Our op on u8 caches shaped like ``kc``/``vc``; 15 inputs add scale, sliding_window,
+    alibi_slopes and the rotation inputs (deltas [R, 1])."""
     types = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32", np.dtype(np.uint8): "u8"}
     ports = []
-    for i in range(9):
+    for i in range(n_inputs):
         if i in (3, 4):
             ports.append(("u8", [-1] + list((kc, vc)[i - 3].shape[1:])))
         else:
-            et = "f32" if i < 3 else "i32"
-            ports.append((et, pa_port_dims(i, (), H, HKV, D, BS)))
+            et = "f32" if i < 3 or i in (9, 11, 14) else "i32"
+            shape = {13: (0, 1), 14: (0, D)}.get(i, ())
+            ports.append((et, pa_port_dims(i, shape, H, HKV, D, BS)))
     assert all(t in types.values() for t, _ in ports)
-    xml = paged_attention_ir(ports).write(tmp_path / "pa_u8.xml")
+    xml = paged_attention_ir(ports).write(tmp_path / f"pa_u8_{n_inputs}.xml")
     return core.compile_model(core.read_model(xml), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
@@ -69,3 +73,71 @@ def test_u8_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
         worst = max(worst, e)
     assert np.count_nonzero(kc) > 0 and np.count_nonzero(vc) > 0
     print(f"{name}: worst output distance to the built-in op {worst:.2e}")
+
+
+def key_rows(kc, block, head, key_by_token, key_group):
+    """Dequantized keys [BS, D] of (block, head) and the step (scale) of each element."""
+    if not key_by_token:
+        scale, zp, rows = channel_block_params(kc[block, head])
+        return dequant(rows, scale, zp).astype(np.float64), np.broadcast_to(scale, (BS, D))
+    g = key_group or D
+    keys = np.array([read_token_row(kc[block, head, t], D, key_group) for t in range(BS)])
+    steps = np.array([[kc[block, head, t, j // g * (g + 8):][:4].view(np.float32)[0]
+                       for j in range(D)] for t in range(BS)])
+    return keys.astype(np.float64), steps
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rotation_of_u8_keys_through_openvino(core, tmp_path, name):
+    """Rotation of a u8 key cache (the built-in op throws for it) through our extension: after a
+    prefill, a decode call rotates a full block of sequence A and the partly filled block of B;
+    every rotated key is within one quantization step of the float64 rotation of the key before
+    the call, the new tokens are not rotated, and (default layout) the output matches float64
+    attention over the dequantized caches."""
+    layout = LAYOUTS[name]
+    by_token, kg = layout.get("key_by_token", False), layout.get("key_group", 0)
+    ks, vs = cache_shapes(NB, HKV, D, **layout)
+    kc, vc = np.zeros(ks, np.uint8), np.zeros(vs, np.uint8)
+    prefill = Runner(compile_ours(core, tmp_path, kc, vc))
+    rotate = Runner(compile_ours(core, tmp_path, kc, vc, n_inputs=15))
+    rng = np.random.default_rng(7 + len(name))
+    bi = np.array(BLOCKS[0] + BLOCKS[1], np.int32)
+    bib = np.array([0, len(BLOCKS[0]), len(bi)], np.int32)
+    T = 45 + 10
+    kv = [rng.standard_normal((T, HKV * D)).astype(np.float32) for _ in range(2)]
+    q = rng.standard_normal((T, H * D)).astype(np.float32)
+    prefill([q, kv[0], kv[1], kc, vc, np.zeros(2, np.int32), np.array([0, 45, T], np.int32), bi, bib])
+    before = kc.copy()
+    # one token each; rotate A's first block (3, full) and B's block (5, 10 keys)
+    q = rng.standard_normal((2, H * D)).astype(np.float32)
+    k = rng.standard_normal((2, HKV * D)).astype(np.float32)
+    v = rng.standard_normal((2, HKV * D)).astype(np.float32)
+    past, sb = np.array([45, 10], np.int32), np.array([0, 1, 2], np.int32)
+    rbi, rd = np.array([3, 5], np.int32), np.array([[1], [2]], np.int32)
+    theta = np.outer([0, 9, 23], 10000.0 ** (-np.arange(D // 2) * 2.0 / D))
+    lut = np.concatenate([np.cos(theta), np.sin(theta)], 1).astype(np.float32)
+    out, _ = rotate([q, k, v, kc, vc, past, sb, bi, bib, np.array(0, np.float32),
+                     np.array(0, np.int32), np.zeros([0], np.float32), rbi, rd, lut])
+    moved = 0
+    for block, delta, held in ((3, 1, BS), (5, 2, 10)):
+        cos, sin = lut[delta, :D // 2].astype(np.float64), lut[delta, D // 2:].astype(np.float64)
+        for h in range(HKV):
+            old, _ = key_rows(before, block, h, by_token, kg)
+            new, steps = key_rows(kc, block, h, by_token, kg)
+            x, y = old[:, :D // 2], old[:, D // 2:]
+            want = np.concatenate([x * cos - y * sin, x * sin + y * cos], 1)
+            err = np.abs(new - want)[:held]
+            bound = steps[:held] + 1e-6 * (1 + np.abs(want[:held]))
+            assert (err <= bound).all(), f"{name} block {block} head {h}: {err.max():.3g}"
+            moved += int((np.abs(old - want)[:held] > 2 * steps[:held]).any(1).sum())
+    assert moved >= BS, f"{name}: only {moved} rotated keys moved by more than two steps"
+    # the new keys (A at 45: block 0 slot 13; B at 10: block 5 slot 10) are not rotated
+    for t, (block, slot) in enumerate(((0, 13), (5, 10))):
+        for h in range(HKV):
+            new, steps = key_rows(kc, block, h, by_token, kg)
+            e = np.abs(new[slot] - k[t, h * D:(h + 1) * D])
+            assert (e <= steps[slot] + 1e-6).all(), f"{name}: new key {t} head {h}"
+    if not layout:
+        want, _ = attention_over_dequantized(q, k.shape, kc, vc, past, sb, bi, bib,
+                                             np.array([1, 1], np.int32))
+        assert max_err(out, want) <= 2e-5

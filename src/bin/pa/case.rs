@@ -312,6 +312,11 @@ pub fn max_abs_err(
         }
         Some((mshape, bits)) => {
             let rank = expected.shape.len();
+            let rows = u8_key_rows(mshape, bits, &expected.shape);
+            let (mshape, bits) = match &rows {
+                Some((s, b)) => (s, b),
+                None => (mshape, bits),
+            };
             if rank == 0 || mshape[..] != expected.shape[..rank - 1] {
                 return Err(format!(
                     "cache_mask shape {mshape:?} does not match the cache shape {:?} without its last dimension",
@@ -330,6 +335,27 @@ pub fn max_abs_err(
         }
     }
     Ok(worst)
+}
+
+/// A u8 key cache quantized by channel is `[NB, Hkv, BS + 8, D]`: per (block, head), 8 rows of
+/// per-channel scales and zero points, then the BS token rows. Its row mask from the slot mask
+/// `[NB, Hkv, BS]`: a token row as its slot, the parameter rows when any slot of the block is
+/// compared. `None` for any other shape.
+fn u8_key_rows(
+    mshape: &[usize],
+    bits: &[bool],
+    shape: &[usize],
+) -> Option<(Vec<usize>, Vec<bool>)> {
+    let [nb, hkv, bs] = *mshape else { return None };
+    if bs == 0 || shape.len() != 4 || shape[..2] != [nb, hkv] || shape[2] != bs + 8 {
+        return None;
+    }
+    let mut rows = Vec::with_capacity(nb * hkv * (bs + 8));
+    for slots in bits.chunks(bs) {
+        rows.extend(std::iter::repeat_n(slots.iter().any(|&b| b), 8));
+        rows.extend_from_slice(slots);
+    }
+    Some((vec![nb, hkv, bs + 8], rows))
 }
 
 /// How to run cases through OpenVINO: the venv's Python, the helper script and our extension.
@@ -442,4 +468,41 @@ fn read_ov_result(dir: &Path) -> Result<Actual, String> {
         time: Duration::from_secs_f64(ms.max(0.0) / 1e3),
         note: info.note.filter(|s| !s.is_empty()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A by-channel u8 key cache `[1, 2, 2 + 8, 1]` under a slot mask `[1, 2, 2]` where head 0
+    /// holds slot 0 only and head 1 nothing: a changed parameter byte or held row of head 0
+    /// counts, a changed free row of head 0 or any byte of head 1 does not.
+    #[test]
+    fn u8_key_cache_parameter_rows_follow_their_block() {
+        let (mshape, bits) = (vec![1, 2, 2], vec![true, false, false, false]);
+        let shape = vec![1, 2, 10, 1];
+        let base = Values {
+            shape: shape.clone(),
+            data: vec![0.0; 20],
+        };
+        let err = |at: usize| {
+            let mut got = base.clone();
+            got.data[at] = 1.0;
+            max_abs_err(&got, &base, Some((&mshape, &bits))).unwrap()
+        };
+        assert_eq!(err(3), 1.0, "head 0 parameter row");
+        assert_eq!(err(8), 1.0, "head 0 slot 0");
+        assert_eq!(err(9), 0.0, "head 0 free slot 1");
+        assert_eq!(err(10 + 3), 0.0, "head 1 parameters (no slot held)");
+        let float = Values {
+            shape: vec![1, 2, 2, 1],
+            data: vec![0.0; 4],
+        };
+        assert_eq!(max_abs_err(&float, &float, Some((&mshape, &bits))), Ok(0.0));
+        let wrong = Values {
+            shape: vec![1, 2, 9, 1],
+            data: vec![0.0; 18],
+        };
+        assert!(max_abs_err(&wrong, &wrong, Some((&mshape, &bits))).is_err());
+    }
 }

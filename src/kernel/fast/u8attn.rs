@@ -1,6 +1,6 @@
-//! Steps 2-4 over u8 caches in OpenVINO's layout: insertion quantizes with `kernel::quant` (the
-//! byte-checked code, one task per KV head), then attention and scores read the cache bytes,
-//! never widening a cache.
+//! Steps 1-4 over u8 caches in OpenVINO's layout: rotation and insertion quantize with
+//! `kernel::quant` (the byte-checked code, one task per KV head), then attention and scores read
+//! the cache bytes, never widening a cache.
 //!
 //! Work items are (sequence, KV head, query tokens), cut from the plan alone (results do not
 //! depend on the thread count):
@@ -644,9 +644,9 @@ struct HeadRows<'a, 'b>(&'a SharedMut<'b, u8>);
 
 impl CacheRows for HeadRows<'_, '_> {
     fn rows(&mut self, at: usize, len: usize) -> &mut [u8] {
-        // SAFETY: a HeadRows is used by one KV head's task only, and every byte insertion
-        // writes for a head lies in that head's (block, head) slabs or rows, which no other
-        // head's task touches; `&mut self` keeps one slice of it alive at a time.
+        // SAFETY: a HeadRows is used by one KV head's task only, and every byte rotation and
+        // insertion write for a head lies in that head's (block, head) slabs or rows, which no
+        // other head's task touches; `&mut self` keeps one slice of it alive at a time.
         unsafe { self.0.part(at, len) }
     }
 }
@@ -662,10 +662,19 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     let (items, parts_len) = work_items(plan)?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
     {
+        let rot = b.rotation.as_ref().map(|r| r.keys());
+        let fills = match &rot {
+            Some(r) => quant::rotated_fills(plan.bs, &plan.seqs, b.block_indices, r),
+            None => Vec::new(),
+        };
         let (kc, vc) = (SharedMut::new(b.key_cache), SharedMut::new(b.value_cache));
         runner.for_each(plan.hkv, &|head| {
             let mut buf = InsertScratch::default();
             let (mut kr, mut vr) = (HeadRows(&kc), HeadRows(&vc));
+            // Rotation before insertion (SPEC order); both touch only this head's bytes.
+            if let Some(r) = &rot {
+                quant::rotate_u8_head(l, r, &fills, head, &mut kr, &mut buf);
+            }
             let new = (b.key, b.value);
             let (seqs, bi) = (&plan.seqs, b.block_indices);
             quant::insert_u8_head(l, seqs, bi, new, head, &mut kr, &mut vr, &mut buf);
