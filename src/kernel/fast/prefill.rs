@@ -43,6 +43,46 @@ pub(super) struct Scratch {
     pub c: Vec<f32>,
 }
 
+/// What a prefill item works in, from its thread's [`Scratch`]: the query panel, fresh row
+/// state, and the logit tile and key/value staging buffers `attend` takes.
+pub(super) struct ItemBufs<'s> {
+    pub qt: &'s [f32],
+    pub state: RowState<'s>,
+    pub tiles: (&'s mut Vec<f32>, &'s mut Vec<f32>, &'s mut Vec<f32>),
+}
+
+impl Scratch {
+    /// Starts an item: the query panel of tokens `t0..t0+nt` of `sp`, KV head `kvh`
+    /// ([`query_panel`]) and fresh state for its rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start<'s, M: TileMicro, Q: Float>(
+        &'s mut self,
+        m: M,
+        plan: &Plan,
+        query: &[Q],
+        sp: &SeqPlan,
+        kvh: usize,
+        (t0, nt): (usize, usize),
+    ) -> ItemBufs<'s> {
+        let Scratch {
+            qr,
+            qt,
+            acc,
+            st,
+            kf,
+            vf,
+            m: mb,
+            l: lb,
+            c: cb,
+        } = self;
+        ItemBufs {
+            qt: query_panel(m, plan, query, sp, kvh, (t0, nt), qr, qt),
+            state: RowState::new(nt * plan.g, plan.d, acc, mb, lb, cb),
+            tiles: (st, kf, vf),
+        }
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -334,19 +374,11 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let ir = ItemRows::new(ctx, it);
     let sp = &plan.seqs[ir.si];
     let rows8 = ir.rows.div_ceil(8) * 8;
-    let Scratch {
-        qr,
+    let ItemBufs {
         qt,
-        acc,
-        st,
-        kf,
-        vf,
-        m: mb,
-        l: lb,
-        c: cb,
-    } = sc;
-    let qt = query_panel(m, plan, ctx.query, sp, kvh, (ir.t0, ir.nt), qr, qt);
-    let mut state = RowState::new(ir.rows, d, acc, mb, lb, cb);
+        mut state,
+        tiles,
+    } = sc.start(m, plan, ctx.query, sp, kvh, (ir.t0, ir.nt));
     let src = CacheTiles {
         m,
         ctx,
@@ -363,7 +395,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         span,
         qt,
         &mut state,
-        (st, kf, vf),
+        tiles,
         |st, j0, n| {
             if let Some(sw) = sw {
                 stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);

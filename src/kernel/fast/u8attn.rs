@@ -25,7 +25,7 @@
 //! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::prefill::{self, aligned, attend, query_panel, RowState, TileSource};
+use super::prefill::{self, aligned, attend, ItemBufs, RowState, TileSource};
 use super::shared::SharedMut;
 use super::tile::prefetch_part;
 use crate::alloc::try_vec;
@@ -498,24 +498,12 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     let rows8 = rows.div_ceil(8) * 8;
     let pos0 = sp.past + i0;
     let (lo, hi) = (window_start(plan, pos0), sp.ctx().min(pos0 + nt));
-    let PrefillScratch {
-        tile:
-            prefill::Scratch {
-                qr,
-                qt,
-                acc,
-                st,
-                kf,
-                vf,
-                m: mb,
-                l: lb,
-                c: cb,
-            },
-        params,
-        kept,
-    } = sc;
-    let qt = query_panel(m, plan, b.query, sp, kvh, (i0, nt), qr, qt);
-    let mut state = RowState::new(rows, d, acc, mb, lb, cb);
+    let PrefillScratch { tile, params, kept } = sc;
+    let ItemBufs {
+        qt,
+        mut state,
+        tiles,
+    } = tile.start(m, plan, b.query, sp, kvh, (i0, nt));
     // Score rows are a suffix of the rows (token-major): their logits are kept row-major.
     let first_scored = (sp.n - sp.score_tokens).max(i0).min(i1);
     let r_sc = (first_scored - i0) * g;
@@ -542,7 +530,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
         (pos0, nt, lo, hi),
         qt,
         &mut state,
-        (st, kf, vf),
+        tiles,
         |st, j0, n| {
             if keep {
                 for r in r_sc..rows {
