@@ -111,12 +111,15 @@ def _tensors(arrays) -> tuple:
     return arrays, ts
 
 
-def validate(inputs) -> tuple:
-    """Checks a call without writing anything; returns the (output, scores) shapes it needs."""
-    _, ts = _tensors(inputs)
+def _validate(ts) -> tuple:
     shapes = (_Shape * 2)()
     _check(_load().pa_validate(ts, len(ts), shapes))
     return tuple(tuple(s.dims[i] for i in range(s.rank)) for s in shapes)
+
+
+def validate(inputs) -> tuple:
+    """Checks a call without writing anything; returns the (output, scores) shapes it needs."""
+    return _validate(_tensors(inputs)[1])
 
 
 def execute(inputs) -> tuple:
@@ -127,7 +130,7 @@ def execute(inputs) -> tuple:
     for i in (3, 4):
         if not arrays[i].flags.writeable:
             raise ValueError(f"input {i} (a cache) must be writable: it is written in place")
-    out_shapes = validate(arrays)
+    out_shapes = _validate(ts)
     dt = DTYPE[elem_of(arrays[0])]
     outs = [np.empty(s, dtype=dt) for s in out_shapes]
     os_ = (_Tensor * 2)()

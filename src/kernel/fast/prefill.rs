@@ -52,8 +52,10 @@ pub(super) struct ItemBufs<'s> {
 }
 
 impl Scratch {
-    /// Starts an item: the query panel of tokens `t0..t0+nt` of `sp`, KV head `kvh`
-    /// ([`query_panel`]) and fresh state for its rows.
+    /// Starts an item: the query panel of rows `t*G + g` (tokens `t0..t0+nt` of `sp`, the
+    /// query heads of KV head `kvh`) widened to f32 and transposed to `[D][rows8]` (rows8 =
+    /// rows rounded up to 8; padding rows 0; not scaled: the logits are), and fresh state for
+    /// its rows.
     #[allow(clippy::too_many_arguments)]
     pub fn start<'s, M: TileMicro, Q: Float>(
         &'s mut self,
@@ -75,9 +77,20 @@ impl Scratch {
             l: lb,
             c: cb,
         } = self;
+        let (h, d, g) = (plan.h, plan.d, plan.g);
+        let rows = nt * g;
+        let rows8 = rows.div_ceil(8) * 8;
+        let qt = aligned(qt, d * rows8);
+        let qr = aligned(qr, rows8 * d);
+        for ti in 0..nt {
+            let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+            m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
+        }
+        qr[rows * d..].fill(0.0);
+        m.transpose(qr, rows, d, qt, rows8);
         ItemBufs {
-            qt: query_panel(m, plan, query, sp, kvh, (t0, nt), qr, qt),
-            state: RowState::new(nt * plan.g, plan.d, acc, mb, lb, cb),
+            qt,
+            state: RowState::new(rows, d, acc, mb, lb, cb),
             tiles: (st, kf, vf),
         }
     }
@@ -406,34 +419,6 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         acc, m: mb, l: lb, ..
     } = state;
     write_rows(ctx, &ir, kvh, acc, d, mb, lb, pw, out);
-}
-
-/// The query panel of a prefill item: rows `t*G + g` (tokens `t0..t0+nt` of `sp`, the query
-/// heads of KV head `kvh`) widened to f32 and transposed to `[D][rows8]` (rows8 = rows rounded
-/// up to 8; padding rows 0). Not scaled: the logits are.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn query_panel<'q, M: TileMicro, Q: Float>(
-    m: M,
-    plan: &Plan,
-    query: &[Q],
-    sp: &SeqPlan,
-    kvh: usize,
-    (t0, nt): (usize, usize),
-    qr: &mut Vec<f32>,
-    qt: &'q mut Vec<f32>,
-) -> &'q [f32] {
-    let (h, d, g) = (plan.h, plan.d, plan.g);
-    let rows = nt * g;
-    let rows8 = rows.div_ceil(8) * 8;
-    let qt = aligned(qt, d * rows8);
-    let qr = aligned(qr, rows8 * d);
-    for ti in 0..nt {
-        let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
-        m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
-    }
-    qr[rows * d..].fill(0.0);
-    m.transpose(qr, rows, d, qt, rows8);
-    qt
 }
 
 /// The running state of a prefill item's rows: accumulators `[rows][D]` and the lane-wise
