@@ -1,6 +1,8 @@
 //! Quick probe of decode over u8 caches (not the benchmark of record, which is tools/bench.py
 //! --types u8): `cargo run --release --example u8_probe [reps]` prints min ms of decode 16 x 1024
 //! and 4 x 4096 (H 32, Hkv 8, D 128, block 32) on u8 caches in OpenVINO's default layout.
+//! `U8_PROBE_HOT=1` maps every sequence onto 4 physical blocks, so the cache stays in L2: the
+//! time of the loops alone, without memory stalls.
 
 use paged_attention::{execute, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
@@ -50,7 +52,11 @@ fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
         sb.push(sb[s] + n as i32);
         bib.push(bib[s] + nblocks[s] as i32);
     }
-    let bi: Vec<i32> = (0..nb as i32).rev().collect();
+    let hot = std::env::var_os("U8_PROBE_HOT").is_some();
+    let bi: Vec<i32> = (0..nb as i32)
+        .rev()
+        .map(|b| if hot { b % 4 } else { b })
+        .collect();
     let scores_len = seqs.iter().map(|s| s.0 + s.1).sum::<usize>();
     let (mut out, mut scores) = (vec![0f32; t * H * D], vec![0f32; scores_len]);
     let mut best = f64::MAX;

@@ -63,8 +63,11 @@ struct Scratch {
     acc: Vec<f32>,
     /// Value weights `[rows, keys]` of a block, times the group's scale.
     w: Vec<f32>,
-    /// Value zero points of a block's keys.
+    /// Value scales and zero points of a block's keys (one group).
+    vscale: Vec<f32>,
     vzp: Vec<f32>,
+    /// `bs` zeros: the zero points `pv` gets once the driver folded them.
+    zeros: Vec<f32>,
     /// Per-group logits `[rows, keys]` of by-token keys.
     t2: Vec<f32>,
     /// Zero points and scales of a block's keys (by token; zero points 0 by channel).
@@ -86,7 +89,9 @@ impl Scratch {
             s: vec![0.0; ROWS * plan.bs],
             acc: vec![0.0; ROWS * d],
             w: vec![0.0; ROWS * plan.bs],
+            vscale: vec![0.0; plan.bs],
             vzp: vec![0.0; plan.bs],
+            zeros: vec![0.0; plan.bs],
             t2: vec![0.0; ROWS * plan.bs],
             kzp: vec![0.0; plan.bs],
             kscale: vec![0.0; plan.bs],
@@ -157,24 +162,10 @@ fn block_logits<M: U8Micro + Micro>(
     match l.key {
         KeyQuant::ByChannel => {
             read_params(slab, d, (&mut sc.sc, &mut sc.zp));
-            for r in 0..nr {
-                let (q, qs) = (&sc.q[r * d..][..d], &mut sc.qs[r * d..][..d]);
-                for ((o, &x), &s) in qs.iter_mut().zip(q).zip(&sc.sc[..d]) {
-                    *o = x * s;
-                }
-            }
-            // The zero points' share of each row's logits, one SIMD dot product per row.
-            Micro::qk(
-                m,
-                &sc.qs[..nr * d],
-                nr,
-                &sc.zp[..d],
-                1,
-                d,
-                &mut sc.cst,
-                1,
-                1.0,
-            );
+            // The query times the block's scales, and the zero points' share of each row's
+            // logits.
+            let (sc_, zp) = (&sc.sc[..d], &sc.zp[..d]);
+            m.fold(&sc.q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
             sc.kzp[..n].fill(0.0);
             U8Micro::qk(m, &sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
@@ -313,15 +304,21 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             let g0 = gi * (vg + PARAM_BYTES);
             for t in 0..n {
                 let params = &vrows[t * vrow + g0..];
-                let scale = read_f32(params, 0);
+                sc.vscale[t] = read_f32(params, 0);
                 sc.vzp[t] = read_f32(params, 1);
-                for r in 0..nr {
-                    sc.w[r * n + t] = sc.s[r * bs + t] * scale;
-                }
             }
+            // Weights times the tokens' scales; the zero points' share of each row, taken
+            // off the group's columns once rather than off every value.
+            let (vs, vz) = (&sc.vscale[..n], &sc.vzp[..n]);
+            m.fold(&sc.s, bs, nr, vs, vz, &mut sc.w, n, &mut sc.cst);
             let v = &vrows[g0 + PARAM_BYTES..];
             let acc = &mut sc.acc[gi * vg..];
-            m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.vzp[..n], vg);
+            m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.zeros[..n], vg);
+            for (r, &c) in sc.cst[..nr].iter().enumerate() {
+                for a in &mut acc[r * d..][..vg] {
+                    *a -= c;
+                }
+            }
         }
         fetch(1, false);
     }

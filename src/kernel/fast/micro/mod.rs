@@ -111,6 +111,35 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
         zp: &[f32],
         len: usize,
     );
+    /// `out[r*ldo + c] = x[r*ldx + c] * scale[c]` and `cst[r] = sum_c out[r*ldo + c] * zp[c]`
+    /// for `r < rows`, `c < len = scale.len()`: folds per-element scales and zero points into
+    /// the other operand, so `sum_c x_c * scale_c * (u_c - zp_c)` becomes
+    /// `sum_c out_c * u_c - cst` (a query against by-channel keys, or softmax weights against
+    /// by-token values). The default is the scalar twin; `cst` sums in order.
+    #[allow(clippy::too_many_arguments)]
+    fn fold(
+        self,
+        x: &[f32],
+        ldx: usize,
+        rows: usize,
+        scale: &[f32],
+        zp: &[f32],
+        out: &mut [f32],
+        ldo: usize,
+        cst: &mut [f32],
+    ) {
+        let len = scale.len();
+        fold_bounds(x.len(), ldx, rows, len, zp.len(), out.len(), ldo, cst.len());
+        for r in 0..rows {
+            let o = &mut out[r * ldo..][..len];
+            let mut sum = 0f32;
+            for (((o, &x), &s), &z) in o.iter_mut().zip(&x[r * ldx..][..len]).zip(scale).zip(zp) {
+                *o = x * s;
+                sum += *o * z;
+            }
+            cst[r] = sum;
+        }
+    }
     /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
     /// `out[i] = (src[i] - zp[i]) * scale[i]`, rounded as `kernel::quant::dequant` (a
@@ -150,6 +179,27 @@ pub(crate) fn qk_bounds(
     rows_fit(q_len, ldq, rows, len);
     rows_fit(k_len, ldk, n, len);
     rows_fit(s_len, lds, rows, n);
+}
+
+/// Panics unless `fold` with these arguments stays inside its slices.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn fold_bounds(
+    x_len: usize,
+    ldx: usize,
+    rows: usize,
+    len: usize,
+    zp_len: usize,
+    out_len: usize,
+    ldo: usize,
+    cst_len: usize,
+) {
+    rows_fit(x_len, ldx, rows, len);
+    rows_fit(out_len, ldo, rows, len);
+    assert!(
+        zp_len >= len && cst_len >= rows,
+        "fold: zero points or constants too short"
+    );
 }
 
 /// Panics unless `pv` with these arguments stays inside its slices.

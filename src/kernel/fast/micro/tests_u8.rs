@@ -78,8 +78,8 @@ fn pv<M: U8Micro>(m: M, tier: &str) {
     let mut rng = Rng(0x9f3_0008);
     for rows in ROWS {
         for n in KEYS {
-            for len in LENS {
-                let what = format!("{tier} pv rows={rows} n={n} len={len}");
+            for (len, zero) in LENS.into_iter().flat_map(|l| [(l, true), (l, false)]) {
+                let what = format!("{tier} pv rows={rows} n={n} len={len} zp0={zero}");
                 let (lda, ldv) = (len + 3, len + 6);
                 let mut acc = vec![f32::NAN; rows * lda];
                 for r in 0..rows {
@@ -90,7 +90,7 @@ fn pv<M: U8Micro>(m: M, tier: &str) {
                 let before = acc.clone();
                 let w: Vec<f32> = (0..rows * n).map(|_| rng.f(1.0).abs()).collect();
                 let v = rng.bytes(n * ldv);
-                let zp = rng.zps(n, false);
+                let zp = rng.zps(n, zero);
                 m.pv(&mut acc, lda, rows, &w, &v, ldv, &zp, len);
                 for r in 0..rows {
                     for c in 0..len {
@@ -106,6 +106,44 @@ fn pv<M: U8Micro>(m: M, tier: &str) {
                     assert!(tail.iter().all(|v| v.is_nan()), "{what}: wrote past len");
                 }
             }
+        }
+    }
+}
+
+fn fold<M: U8Micro>(m: M, tier: &str) {
+    let mut rng = Rng(0xf01d_0008);
+    for rows in ROWS {
+        for len in LENS {
+            let what = format!("{tier} fold rows={rows} len={len}");
+            let (ldx, ldo) = (len + 2, len + 5);
+            let x: Vec<f32> = (0..rows * ldx).map(|_| rng.f(3.0)).collect();
+            let scale: Vec<f32> = (0..len).map(|_| rng.f(0.01).abs()).collect();
+            let zp = rng.zps(len, false);
+            let mut out = vec![f32::NAN; rows * ldo];
+            let mut cst = vec![f32::NAN; rows + 2];
+            m.fold(&x, ldx, rows, &scale, &zp, &mut out, ldo, &mut cst);
+            for r in 0..rows {
+                let mut want = 0f64;
+                let mut abs = 0f64;
+                for c in 0..len {
+                    // One rounding: the product is f32's, exactly as every tier forms it.
+                    let o = x[r * ldx + c] * scale[c];
+                    assert_eq!(
+                        out[r * ldo + c].to_bits(),
+                        o.to_bits(),
+                        "{what} out {r} {c}"
+                    );
+                    want += o as f64 * zp[c] as f64;
+                    abs += (o as f64 * zp[c] as f64).abs();
+                }
+                check(&what, cst[r], want, (len as f64 + 2.0) * EPS * abs);
+                let tail = &out[r * ldo + len..(r + 1) * ldo];
+                assert!(tail.iter().all(|v| v.is_nan()), "{what}: wrote past len");
+            }
+            assert!(
+                cst[rows..].iter().all(|v| v.is_nan()),
+                "{what}: cst past rows"
+            );
         }
     }
 }
@@ -165,6 +203,7 @@ fn elementwise<M: U8Micro>(m: M, tier: &str) {
 fn all<M: U8Micro>(m: M, tier: &str) {
     qk(m, tier);
     pv(m, tier);
+    fold(m, tier);
     elementwise(m, tier);
 }
 

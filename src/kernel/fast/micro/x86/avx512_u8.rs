@@ -4,8 +4,8 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{pv_bounds, qk_bounds, U8Micro};
-use super::avx512::{exp16, tail, Avx512};
+use super::super::{fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::avx512::{exp16, reduce16, tail, Avx512};
 
 impl U8Micro for Avx512 {
     fn qk(
@@ -48,6 +48,8 @@ impl U8Micro for Avx512 {
     ) {
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
+        let sub = !zp.iter().all(|&z| z == 0.0);
         let mut r = 0;
         while r < rows {
             let take = (rows - r).min(4);
@@ -56,14 +58,46 @@ impl U8Micro for Avx512 {
             // value rows (stride `ldv`) hold `len` bytes each.
             unsafe {
                 let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
-                match take {
-                    4 => pv_r::<4>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
-                    3 => pv_r::<3>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
-                    2 => pv_r::<2>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
-                    _ => pv_r::<1>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                let args = (a, lda, wp, n, v.as_ptr(), ldv, zp, len);
+                match (take, sub) {
+                    (4, true) => pv_r::<true, 4>(args),
+                    (3, true) => pv_r::<true, 3>(args),
+                    (2, true) => pv_r::<true, 2>(args),
+                    (_, true) => pv_r::<true, 1>(args),
+                    (4, false) => pv_r::<false, 4>(args),
+                    (3, false) => pv_r::<false, 3>(args),
+                    (2, false) => pv_r::<false, 2>(args),
+                    _ => pv_r::<false, 1>(args),
                 }
             }
             r += take;
+        }
+    }
+
+    fn fold(
+        self,
+        x: &[f32],
+        ldx: usize,
+        rows: usize,
+        scale: &[f32],
+        zp: &[f32],
+        out: &mut [f32],
+        ldo: usize,
+        cst: &mut [f32],
+    ) {
+        let len = scale.len();
+        fold_bounds(x.len(), ldx, rows, len, zp.len(), out.len(), ldo, cst.len());
+        for (r, c) in cst[..rows].iter_mut().enumerate() {
+            // SAFETY: `self` proves the features; `fold_bounds` checked that row `r` of `x` and
+            // `out` (at their strides) and `zp` hold `len` elements.
+            *c = unsafe {
+                fold_row(
+                    x.as_ptr().add(r * ldx),
+                    scale,
+                    zp.as_ptr(),
+                    out.as_mut_ptr().add(r * ldo),
+                )
+            };
         }
     }
 
@@ -88,6 +122,30 @@ impl U8Micro for Avx512 {
         // uniform parameters are read once, from the one element each points to.
         unsafe { dequant(src.as_ptr(), &zp, &scale, true, out) }
     }
+}
+
+/// One row of [`U8Micro::fold`]: `out = x * scale`, returns `sum(out * zp)`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn fold_row(x: *const f32, scale: &[f32], zp: *const f32, out: *mut f32) -> f32 {
+    let n = scale.len();
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let m = tail((n - i).min(16));
+        // SAFETY: lanes of `m` are `i..i + 16` clipped to `n`, inside `x`, `zp` and `out`
+        // (the caller's bounds) and `scale`.
+        unsafe {
+            let o = _mm512_mul_ps(
+                _mm512_maskz_loadu_ps(m, x.add(i)),
+                _mm512_maskz_loadu_ps(m, scale.as_ptr().add(i)),
+            );
+            _mm512_mask_storeu_ps(out.add(i), m, o);
+            sum = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(m, zp.add(i)), sum);
+        }
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
 }
 
 /// `out[i] = (src[i] - zp[i]) * scale[i]`, or with `zp[0]`, `scale[0]` for every `i` when
@@ -222,6 +280,21 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
         }
         c += 16;
     }
+    if R * K == 16 {
+        // One transposing tree for all 16 sums instead of 16 horizontal reductions.
+        let mut v = [_mm512_setzero_ps(); 16];
+        for (r, acc) in acc.iter().enumerate() {
+            v[r * K..][..K].copy_from_slice(acc);
+        }
+        let mut sums = [0f32; 16];
+        // SAFETY: `sums` holds 16 floats.
+        unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(&v)) };
+        for r in 0..R {
+            // SAFETY: the caller gives R rows of K writable logits at stride `lds`.
+            unsafe { std::ptr::copy_nonoverlapping(sums.as_ptr().add(r * K), s.add(r * lds), K) };
+        }
+        return;
+    }
     for (r, acc) in acc.iter().enumerate() {
         for (j, a) in acc.iter().enumerate() {
             // SAFETY: the caller gives R rows of K writable logits at stride `lds`.
@@ -230,42 +303,67 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
     }
 }
 
-/// R accumulator rows x 16 columns held in registers over all `n` keys, column chunk by chunk.
+/// R accumulator rows x 32 columns (two chunks of 16: 2R independent sums, enough to hide the
+/// FMA latency) held in registers over all `n` keys; `SUB`: whether the zero points are
+/// subtracted (they are all 0 when not).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn pv_r<const R: usize>(
-    acc: *mut f32,
-    lda: usize,
-    w: *const f32,
-    n: usize,
-    v: *const u8,
-    ldv: usize,
-    zp: &[f32],
-    len: usize,
+#[allow(clippy::type_complexity)]
+unsafe fn pv_r<const SUB: bool, const R: usize>(
+    (acc, lda, w, n, v, ldv, zp, len): (
+        *mut f32,
+        usize,
+        *const f32,
+        usize,
+        *const u8,
+        usize,
+        &[f32],
+        usize,
+    ),
 ) {
     let mut c = 0;
     while c < len {
-        let m = tail((len - c).min(16));
-        // SAFETY: lanes of `m` are columns `c..c + 16` clipped to `len`: inside every
-        // accumulator row and every value row; `w` holds R rows of `n` weights (the caller's
-        // bounds). Loads and stores of the accumulators are one per chunk, not per key.
+        // The second chunk's mask is empty past `len`: its lanes are neither read nor written.
+        let m = [
+            tail((len - c).min(16)),
+            tail((len - c).saturating_sub(16).min(16)),
+        ];
+        // SAFETY: lanes of `m[h]` are columns `c + 16h..c + 16h + 16` clipped to `len`: inside
+        // every accumulator row and every value row; `w` holds R rows of `n` weights (the
+        // caller's bounds). Loads and stores of the accumulators are one per chunk, not per key.
         unsafe {
-            let mut a = [_mm512_setzero_ps(); R];
+            let mut a = [[_mm512_setzero_ps(); 2]; R];
             for (r, a) in a.iter_mut().enumerate() {
-                *a = _mm512_maskz_loadu_ps(m, acc.add(r * lda + c));
+                for (h, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_maskz_loadu_ps(m[h], acc.add(r * lda + c + 16 * h));
+                }
             }
             for (t, &z) in zp.iter().enumerate() {
-                let vv = load_u8(v.add(t * ldv + c), m, _mm512_set1_ps(z));
+                let mut vv = [_mm512_setzero_ps(); 2];
+                for (h, vv) in vv.iter_mut().enumerate() {
+                    let p = v.add(t * ldv + c + 16 * h);
+                    *vv = if SUB {
+                        load_u8(p, m[h], _mm512_set1_ps(z))
+                    } else {
+                        let b = _mm_maskz_loadu_epi8(m[h], p as *const i8);
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+                    };
+                }
                 for (r, a) in a.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*w.add(r * n + t)), vv, *a);
+                    let wv = _mm512_set1_ps(*w.add(r * n + t));
+                    for (a, &vv) in a.iter_mut().zip(&vv) {
+                        *a = _mm512_fmadd_ps(wv, vv, *a);
+                    }
                 }
             }
             for (r, a) in a.iter().enumerate() {
-                _mm512_mask_storeu_ps(acc.add(r * lda + c), m, *a);
+                for (h, a) in a.iter().enumerate() {
+                    _mm512_mask_storeu_ps(acc.add(r * lda + c + 16 * h), m[h], *a);
+                }
             }
         }
-        c += 16;
+        c += 32;
     }
 }
 
