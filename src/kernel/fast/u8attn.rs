@@ -68,6 +68,8 @@ struct Scratch {
     vzp: Vec<f32>,
     /// `bs` zeros: the zero points `pv` gets once the driver folded them.
     zeros: Vec<f32>,
+    /// Per (row, value group): the zero points' share of the accumulators.
+    zsum: Vec<f32>,
     /// Per-group logits `[rows, keys]` of by-token keys.
     t2: Vec<f32>,
     /// Zero points and scales of a block's keys (by token; zero points 0 by channel).
@@ -92,6 +94,7 @@ impl Scratch {
             vscale: vec![0.0; plan.bs],
             vzp: vec![0.0; plan.bs],
             zeros: vec![0.0; plan.bs],
+            zsum: Vec::new(),
             t2: vec![0.0; ROWS * plan.bs],
             kzp: vec![0.0; plan.bs],
             kscale: vec![0.0; plan.bs],
@@ -255,8 +258,13 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     load_queries(plan, b.query, rows, sc);
     sc.acc[..nr * d].fill(0.0);
     let mut st = [OnlineSoftmax::EMPTY; ROWS];
-    let vrow = l.value_row();
     let vg = if l.value_group == 0 { d } else { l.value_group };
+    // The value zero points' share of each (row, value group): one number per group, rescaled
+    // with the accumulators and taken off the group's columns once, at the end.
+    let ngroups = d / vg;
+    sc.zsum.clear();
+    sc.zsum.resize(nr * ngroups, 0.0);
+    let vrow = l.value_row();
     let (lo, hi) = key_range(plan, rows);
     let keep = rows.iter().any(|r| r.scored);
     if keep {
@@ -294,6 +302,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             let step = st.update(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
             if step.rescale != 1.0 {
                 m.scale(&mut sc.acc[r * d..][..d], step.rescale);
+                m.scale(&mut sc.zsum[r * ngroups..][..ngroups], step.rescale);
             }
             st.add(m.exp_sum(s, step.sub));
         }
@@ -315,9 +324,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             let acc = &mut sc.acc[gi * vg..];
             m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.zeros[..n], vg);
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
-                for a in &mut acc[r * d..][..vg] {
-                    *a -= c;
-                }
+                sc.zsum[r * ngroups + gi] += c;
             }
         }
         fetch(1, false);
@@ -328,8 +335,11 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         // sequence's tokens and its KV head's query heads), so these parts never overlap.
         let o = unsafe { out.part(at * d, d) };
         let norm = st[r].norm();
-        for (o, &a) in o.iter_mut().zip(&sc.acc[r * d..][..d]) {
-            *o = Q::from_f32(a * norm);
+        let acc = sc.acc[r * d..][..d].chunks_exact(vg);
+        for ((o, a), &z) in o.chunks_exact_mut(vg).zip(acc).zip(&sc.zsum[r * ngroups..]) {
+            for (o, &a) in o.iter_mut().zip(a) {
+                *o = Q::from_f32((a - z) * norm);
+            }
         }
         if row.scored {
             // weight(x) = exp(x - max) * norm; masked keys (-inf) add 0.
