@@ -299,7 +299,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             if rows[r].scored {
                 sc.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(s);
             }
-            let step = st.update(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let step = st.update(U8Micro::max(m, s));
             if step.rescale != 1.0 {
                 m.scale(&mut sc.acc[r * d..][..d], step.rescale);
                 m.scale(&mut sc.zsum[r * ngroups..][..ngroups], step.rescale);

@@ -140,6 +140,11 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
             cst[r] = sum;
         }
     }
+    /// The largest of `s` (`-inf` for none; NaN ignored, as `f32::max` does). The default is
+    /// the scalar twin.
+    fn max(self, s: &[f32]) -> f32 {
+        s.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
     /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
     /// `out[i] = (src[i] - zp[i]) * scale[i]`, rounded as `kernel::quant::dequant` (a

@@ -184,6 +184,17 @@ fn elementwise<M: U8Micro>(m: M, tier: &str) {
                 }
             })
             .collect();
+        let want_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(m.max(&s).to_bits(), want_max.to_bits(), "{what} max");
+        let mut with_nan = s.clone();
+        with_nan[len / 2] = f32::NAN;
+        let want_max = with_nan.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(
+            m.max(&with_nan).to_bits(),
+            want_max.to_bits(),
+            "{what} max, NaN"
+        );
+        assert_eq!(m.max(&s[..0]), f32::NEG_INFINITY, "{what} max of none");
         let sub = 5.0f32;
         let want: Vec<f64> = s.iter().map(|&x| ((x - sub) as f64).exp()).collect();
         let sum = m.exp_sum(&mut s, sub);

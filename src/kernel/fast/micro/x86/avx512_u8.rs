@@ -101,6 +101,11 @@ impl U8Micro for Avx512 {
         }
     }
 
+    fn max(self, s: &[f32]) -> f32 {
+        // SAFETY: `self` proves the features; the loop reads only lanes of `s`.
+        unsafe { max(s) }
+    }
+
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
         // SAFETY: `self` proves the features; the loop reads and writes only lanes of `s`.
         unsafe { exp_sum(s, sub) }
@@ -365,6 +370,25 @@ unsafe fn pv_r<const SUB: bool, const R: usize>(
         }
         c += 32;
     }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn max(s: &[f32]) -> f32 {
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < s.len() {
+        let m = tail((s.len() - i).min(16));
+        // SAFETY: lanes of `m` are `i..i + 16` clipped to `s.len()`. `vmaxps` returns its
+        // second operand when either is NaN, so a NaN logit never replaces the running max
+        // (`f32::max`'s rule).
+        unsafe {
+            let x = _mm512_mask_loadu_ps(mx, m, s.as_ptr().add(i));
+            mx = _mm512_max_ps(x, mx);
+        }
+        i += 16;
+    }
+    _mm512_reduce_max_ps(mx)
 }
 
 #[inline]
