@@ -87,18 +87,9 @@ impl U8Micro for Avx512 {
     ) {
         let len = scale.len();
         fold_bounds(x.len(), ldx, rows, len, zp.len(), out.len(), ldo, cst.len());
-        for (r, c) in cst[..rows].iter_mut().enumerate() {
-            // SAFETY: `self` proves the features; `fold_bounds` checked that row `r` of `x` and
-            // `out` (at their strides) and `zp` hold `len` elements.
-            *c = unsafe {
-                fold_row(
-                    x.as_ptr().add(r * ldx),
-                    scale,
-                    zp.as_ptr(),
-                    out.as_mut_ptr().add(r * ldo),
-                )
-            };
-        }
+        // SAFETY: `self` proves the features; `fold_bounds` checked that rows `..rows` of `x`
+        // and `out` (at their strides), `zp` and `cst` hold what the loop touches.
+        unsafe { fold_rows((x.as_ptr(), ldx), scale, zp.as_ptr(), (out.as_mut_ptr(), ldo), &mut cst[..rows]) };
     }
 
     fn max(self, s: &[f32]) -> f32 {
@@ -129,28 +120,36 @@ impl U8Micro for Avx512 {
     }
 }
 
-/// One row of [`U8Micro::fold`]: `out = x * scale`, returns `sum(out * zp)`.
+/// [`U8Micro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn fold_row(x: *const f32, scale: &[f32], zp: *const f32, out: *mut f32) -> f32 {
+unsafe fn fold_rows(
+    (x, ldx): (*const f32, usize),
+    scale: &[f32],
+    zp: *const f32,
+    (out, ldo): (*mut f32, usize),
+    cst: &mut [f32],
+) {
     let n = scale.len();
-    let mut sum = _mm512_setzero_ps();
-    let mut i = 0;
-    while i < n {
-        let m = tail((n - i).min(16));
-        // SAFETY: lanes of `m` are `i..i + 16` clipped to `n`, inside `x`, `zp` and `out`
-        // (the caller's bounds) and `scale`.
-        unsafe {
-            let o = _mm512_mul_ps(
-                _mm512_maskz_loadu_ps(m, x.add(i)),
-                _mm512_maskz_loadu_ps(m, scale.as_ptr().add(i)),
-            );
-            _mm512_mask_storeu_ps(out.add(i), m, o);
-            sum = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(m, zp.add(i)), sum);
+    for (r, c) in cst.iter_mut().enumerate() {
+        let mut sum = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let m = tail((n - i).min(16));
+            // SAFETY: lanes of `m` are `i..i + 16` clipped to `n`, inside row `r` of `x` and
+            // `out`, and `zp` (the caller's bounds) and `scale`.
+            unsafe {
+                let o = _mm512_mul_ps(
+                    _mm512_maskz_loadu_ps(m, x.add(r * ldx + i)),
+                    _mm512_maskz_loadu_ps(m, scale.as_ptr().add(i)),
+                );
+                _mm512_mask_storeu_ps(out.add(r * ldo + i), m, o);
+                sum = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(m, zp.add(i)), sum);
+            }
+            i += 16;
         }
-        i += 16;
+        *c = _mm512_reduce_add_ps(sum);
     }
-    _mm512_reduce_add_ps(sum)
 }
 
 /// `out[i] = (src[i] - zp[i]) * scale[i]`, or with `zp[0]`, `scale[0]` for every `i` when
