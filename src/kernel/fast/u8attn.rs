@@ -56,11 +56,9 @@ struct RowRef {
 
 /// Per-item scratch.
 struct Scratch {
-    q: Vec<f32>,
     qs: Vec<f32>,
     cst: Vec<f32>,
     s: Vec<f32>,
-    acc: Vec<f32>,
     /// Value weights `[rows, keys]` of a block, times the group's scale.
     w: Vec<f32>,
     /// Value scales and zero points of a block's keys (one group).
@@ -68,15 +66,11 @@ struct Scratch {
     vzp: Vec<f32>,
     /// `bs` zeros: the zero points `pv` gets once the driver folded them.
     zeros: Vec<f32>,
-    /// Per (row, value group): the zero points' share of the accumulators.
-    zsum: Vec<f32>,
     /// Per-group logits `[rows, keys]` of by-token keys.
     t2: Vec<f32>,
     /// Zero points and scales of a block's keys (by token; zero points 0 by channel).
     kzp: Vec<f32>,
     kscale: Vec<f32>,
-    /// Logits of the tile's score rows over its key range.
-    kept: Vec<f32>,
     sc: Vec<f32>,
     zp: Vec<f32>,
 }
@@ -85,20 +79,16 @@ impl Scratch {
     fn new(plan: &Plan) -> Scratch {
         let d = plan.d;
         Scratch {
-            q: vec![0.0; ROWS * d],
             qs: vec![0.0; ROWS * d],
             cst: vec![0.0; ROWS],
             s: vec![0.0; ROWS * plan.bs],
-            acc: vec![0.0; ROWS * d],
             w: vec![0.0; ROWS * plan.bs],
             vscale: vec![0.0; plan.bs],
             vzp: vec![0.0; plan.bs],
             zeros: vec![0.0; plan.bs],
-            zsum: Vec::new(),
             t2: vec![0.0; ROWS * plan.bs],
             kzp: vec![0.0; plan.bs],
             kscale: vec![0.0; plan.bs],
-            kept: Vec::new(),
             sc: vec![0.0; d],
             zp: vec![0.0; d],
         }
@@ -132,12 +122,26 @@ fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<R
         .collect()
 }
 
-/// Loads the tile's query rows, scaled by the softmax scale, into `sc.q`.
-fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], sc: &mut Scratch) {
+/// One KV head's part of a decode tile: its rows and their state across the key blocks.
+struct HeadState {
+    rows: Vec<RowRef>,
+    /// The rows' queries, scaled by the softmax scale.
+    q: Vec<f32>,
+    acc: Vec<f32>,
+    st: [OnlineSoftmax; ROWS],
+    /// Per (row, value group): the value zero points' share of the accumulators, rescaled with
+    /// them and taken off the group's columns once, at the end.
+    zsum: Vec<f32>,
+    /// Logits of the score rows over the tile's key range.
+    kept: Vec<f32>,
+}
+
+/// Loads the tile's query rows, scaled by the softmax scale, into `q`.
+fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f32]) {
     let (d, h) = (plan.d, plan.h);
     for (r, row) in rows.iter().enumerate() {
         let src = &query[(row.token * h + row.head) * d..][..d];
-        for (o, x) in sc.q[r * d..][..d].iter_mut().zip(src) {
+        for (o, x) in q[r * d..][..d].iter_mut().zip(src) {
             *o = x.to_f32() * plan.scale;
         }
     }
@@ -154,7 +158,7 @@ fn block_logits<M: U8Micro + Micro>(
     block: usize,
     kvh: usize,
     (j0, j1): (usize, usize),
-    rows: &[RowRef],
+    (rows, q): (&[RowRef], &[f32]),
     sc: &mut Scratch,
 ) {
     let (d, bs, nr) = (plan.d, plan.bs, rows.len());
@@ -168,7 +172,7 @@ fn block_logits<M: U8Micro + Micro>(
             // The query times the block's scales, and the zero points' share of each row's
             // logits.
             let (sc_, zp) = (&sc.sc[..d], &sc.zp[..d]);
-            m.fold(&sc.q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
+            m.fold(q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
             sc.kzp[..n].fill(0.0);
             U8Micro::qk(m, &sc.qs, d, nr, data, d, &sc.kzp[..n], d, &mut sc.s, bs);
@@ -194,7 +198,7 @@ fn block_logits<M: U8Micro + Micro>(
                 let k = &rows_bytes[g0 + PARAM_BYTES..];
                 U8Micro::qk(
                     m,
-                    &sc.q[gi * g..],
+                    &q[gi * g..],
                     d,
                     nr,
                     k,
@@ -239,8 +243,16 @@ fn key_range(plan: &Plan, rows: &[RowRef]) -> (usize, usize) {
     (lo, hi)
 }
 
-/// Attention of one tile of rows (all of one sequence and KV head): writes their outputs and
-/// softmax states.
+/// Attention of one tile of rows over a run of KV heads `kvh0..` (one [`HeadState`] each, the
+/// same tokens of one sequence): writes their outputs and adds the score rows' weights into
+/// `parts` (`ctx` per head, when the tile has score rows).
+///
+/// The steps go block by block and, within a block, KV head by KV head: the cache's storage
+/// order, so one step's bytes follow the last's and the hardware prefetcher streams whole
+/// blocks. Blocks themselves are scattered, so the next step's key slab and value rows are
+/// also requested half at a time between this step's phases (all at once, the requests fill
+/// the miss queues and the loads being computed on wait). Each head's arithmetic is the same
+/// whatever run it is part of, so results do not depend on how heads are grouped.
 #[allow(clippy::too_many_arguments)]
 fn attend_tile<M: U8Micro + Micro, Q: Float>(
     m: M,
@@ -248,68 +260,68 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     l: &U8Layout,
     b: &Inputs<'_, Q>,
     sp: &SeqPlan,
-    kvh: usize,
-    rows: &[RowRef],
+    kvh0: usize,
+    heads: &mut [HeadState],
     sc: &mut Scratch,
     out: &SharedMut<'_, Q>,
-    part: &mut [f32],
+    parts: &mut [f32],
 ) {
-    let (d, bs, nr) = (plan.d, plan.bs, rows.len());
-    load_queries(plan, b.query, rows, sc);
-    sc.acc[..nr * d].fill(0.0);
-    let mut st = [OnlineSoftmax::EMPTY; ROWS];
+    let (d, bs) = (plan.d, plan.bs);
     let vg = if l.value_group == 0 { d } else { l.value_group };
-    // The value zero points' share of each (row, value group): one number per group, rescaled
-    // with the accumulators and taken off the group's columns once, at the end.
     let ngroups = d / vg;
-    sc.zsum.clear();
-    sc.zsum.resize(nr * ngroups, 0.0);
     let vrow = l.value_row();
-    let (lo, hi) = key_range(plan, rows);
-    let keep = rows.iter().any(|r| r.scored);
-    if keep {
-        sc.kept.clear();
-        sc.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
+    let (lo, hi) = key_range(plan, &heads[0].rows);
+    for h in heads.iter_mut() {
+        let nr = h.rows.len();
+        load_queries(plan, b.query, &h.rows, &mut h.q);
+        h.acc[..nr * d].fill(0.0);
+        h.st = [OnlineSoftmax::EMPTY; ROWS];
+        h.zsum.clear();
+        h.zsum.resize(nr * ngroups, 0.0);
+        if h.rows.iter().any(|r| r.scored) {
+            h.kept.clear();
+            h.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
+        }
     }
-    // Cache blocks are scattered, so the hardware prefetcher cannot guess the next one: its
-    // key slab and value rows are requested half at a time between this block's steps (all at
-    // once, the requests fill the miss queues and the loads being computed on wait).
-    let block_bytes = |(j0, j1): (usize, usize)| {
+    let step_bytes = |((j0, j1), i): ((usize, usize), usize)| {
         let block = block_of(b.block_indices, sp.block_begin, bs, j0);
-        let slab = l.key_slab();
-        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
-        let k = &b.kc[(block * plan.hkv + kvh) * slab..][..slab];
+        let (slab, at) = (l.key_slab(), block * plan.hkv + kvh0 + i);
+        let vbase = (at * bs + j0 % bs) * vrow;
+        let k = &b.kc[at * slab..][..slab];
         (block, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
     };
-    let mut next = tiles(lo, hi, bs).skip(1);
-    for (j0, j1) in tiles(lo, hi, bs) {
-        let (block, _, _) = block_bytes((j0, j1));
-        let ahead = next.next().map(block_bytes);
-        let fetch = |half: usize, key: bool| match ahead {
+    let nh = heads.len();
+    let steps = || tiles(lo, hi, bs).flat_map(move |t| (0..nh).map(move |i| (t, i)));
+    let mut ahead = steps().skip(1);
+    for ((j0, j1), i) in steps() {
+        let (block, _, vrows) = step_bytes(((j0, j1), i));
+        let next = ahead.next().map(step_bytes);
+        let fetch = |half: usize, key: bool| match next {
             Some((_, k, _)) if key => prefetch_part(k, half, 2),
             Some((_, _, v)) if !key => prefetch_part(v, half, 2),
             _ => {}
         };
+        let h = &mut heads[i];
+        let nr = h.rows.len();
         fetch(0, true);
-        block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), rows, sc);
+        let (rows, q) = (&h.rows[..], &h.q[..]);
+        block_logits(m, plan, l, b.kc, block, kvh0 + i, (j0, j1), (rows, q), sc);
         fetch(0, false);
         let n = j1 - j0;
-        for (r, st) in st.iter_mut().enumerate().take(nr) {
+        for (r, st) in h.st.iter_mut().enumerate().take(nr) {
             let s = &mut sc.s[r * bs..][..n];
-            if rows[r].scored {
-                sc.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(s);
+            if h.rows[r].scored {
+                h.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(s);
             }
             let step = st.update(U8Micro::max(m, s));
             if step.rescale != 1.0 {
-                m.scale(&mut sc.acc[r * d..][..d], step.rescale);
-                m.scale(&mut sc.zsum[r * ngroups..][..ngroups], step.rescale);
+                m.scale(&mut h.acc[r * d..][..d], step.rescale);
+                m.scale(&mut h.zsum[r * ngroups..][..ngroups], step.rescale);
             }
             st.add(m.exp_sum(s, step.sub));
         }
         fetch(1, true);
-        let vbase = ((block * plan.hkv + kvh) * bs + j0 % bs) * vrow;
-        let vrows = &b.vc[vbase..vbase + n * vrow];
-        for gi in 0..d / vg {
+        for gi in 0..ngroups {
             let g0 = gi * (vg + PARAM_BYTES);
             for t in 0..n {
                 let params = &vrows[t * vrow + g0..];
@@ -321,30 +333,34 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             let (vs, vz) = (&sc.vscale[..n], &sc.vzp[..n]);
             m.fold(&sc.s, bs, nr, vs, vz, &mut sc.w, n, &mut sc.cst);
             let v = &vrows[g0 + PARAM_BYTES..];
-            let acc = &mut sc.acc[gi * vg..];
+            let acc = &mut h.acc[gi * vg..];
             m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.zeros[..n], vg);
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
-                sc.zsum[r * ngroups + gi] += c;
+                h.zsum[r * ngroups + gi] += c;
             }
         }
         fetch(1, false);
     }
-    for (r, row) in rows.iter().enumerate() {
-        let at = row.token * plan.h + row.head;
-        // SAFETY: (token, head) pairs are distinct across rows of all items (an item owns its
-        // sequence's tokens and its KV head's query heads), so these parts never overlap.
-        let o = unsafe { out.part(at * d, d) };
-        let norm = st[r].norm();
-        let acc = sc.acc[r * d..][..d].chunks_exact(vg);
-        for ((o, a), &z) in o.chunks_exact_mut(vg).zip(acc).zip(&sc.zsum[r * ngroups..]) {
-            for (o, &a) in o.iter_mut().zip(a) {
-                *o = Q::from_f32((a - z) * norm);
+    let ctx = sp.ctx();
+    for (i, h) in heads.iter().enumerate() {
+        for (r, row) in h.rows.iter().enumerate() {
+            let at = row.token * plan.h + row.head;
+            // SAFETY: (token, head) pairs are distinct across rows of all items (an item owns
+            // its sequence's tokens and its KV heads' query heads), so these parts never overlap.
+            let o = unsafe { out.part(at * d, d) };
+            let norm = h.st[r].norm();
+            let acc = h.acc[r * d..][..d].chunks_exact(vg);
+            for ((o, a), &z) in o.chunks_exact_mut(vg).zip(acc).zip(&h.zsum[r * ngroups..]) {
+                for (o, &a) in o.iter_mut().zip(a) {
+                    *o = Q::from_f32((a - z) * norm);
+                }
             }
-        }
-        if row.scored {
-            // weight(x) = exp(x - max) * norm; masked keys (-inf) add 0.
-            let kept = &sc.kept[r * (hi - lo)..][..hi - lo];
-            m.add_exp_scaled(&mut part[lo..hi], kept, st[r].max, norm);
+            if row.scored {
+                // weight(x) = exp(x - max) * norm; masked keys (-inf) add 0.
+                let kept = &h.kept[r * (hi - lo)..][..hi - lo];
+                let part = &mut parts[i * ctx..][..ctx];
+                m.add_exp_scaled(&mut part[lo..hi], kept, h.st[r].max, norm);
+            }
         }
     }
 }
@@ -577,21 +593,25 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     }
 }
 
-/// One work item: tokens `i0..i1` of sequence `seq`, KV head `kvh`.
+/// One work item: tokens `i0..i1` of sequence `seq`, KV heads `kvh..kvh + nkvh` (one KV head
+/// for prefill items).
 struct Work {
     seq: usize,
     kvh: usize,
+    nkvh: usize,
     i0: usize,
     i1: usize,
     prefill: bool,
-    /// Offset of the item's partial scores (`ctx` floats) when it has score rows.
+    /// Offset of the item's partial scores (`ctx` floats per KV head) when it has score rows.
     part: Option<usize>,
 }
 
 /// The call's work items, sequence by sequence, KV head by KV head, in token order (the order
-/// partial scores are summed in), and the length of the partial-score buffer. The cut depends
-/// only on the plan, so results do not depend on the thread count.
-fn work_items(plan: &Plan) -> Result<(Vec<Work>, usize)> {
+/// partial scores are summed in), and the length of the partial-score buffer. A decode-like
+/// sequence is one item per run of `decode_heads` KV heads (a run streams its blocks in
+/// storage order); results do not depend on that grouping (each KV head's arithmetic and
+/// partial scores are its own), the rest of the cut depends only on the plan.
+fn work_items(plan: &Plan, decode_heads: usize) -> Result<(Vec<Work>, usize)> {
     let mut items = Vec::new();
     let mut parts = 0usize;
     let too_big = || PaError::OutOfMemory {
@@ -605,16 +625,24 @@ fn work_items(plan: &Plan) -> Result<(Vec<Work>, usize)> {
         } else {
             sp.n.max(1)
         };
-        for kvh in 0..plan.hkv {
+        let run = if prefill {
+            1
+        } else {
+            decode_heads.clamp(1, plan.hkv)
+        };
+        for kvh in (0..plan.hkv).step_by(run) {
+            let nkvh = run.min(plan.hkv - kvh);
             for i0 in (0..sp.n).step_by(step) {
                 let i1 = (i0 + step).min(sp.n);
                 let part = (i1 > sp.n - sp.score_tokens).then_some(parts);
                 if part.is_some() {
-                    parts = parts.checked_add(sp.ctx()).ok_or_else(too_big)?;
+                    let len = sp.ctx().checked_mul(nkvh).ok_or_else(too_big)?;
+                    parts = parts.checked_add(len).ok_or_else(too_big)?;
                 }
                 items.push(Work {
                     seq,
                     kvh,
+                    nkvh,
                     i0,
                     i1,
                     prefill,
@@ -654,7 +682,15 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     l: &U8Layout,
     b: Bound<'_, Q, u8>,
 ) -> Result<()> {
-    let (items, parts_len) = work_items(plan)?;
+    // Decode items take every KV head of their sequence (whole blocks in storage order) unless
+    // that leaves threads idle: then runs of fewer heads, at least two items per thread.
+    let decode_seqs = plan
+        .seqs
+        .iter()
+        .filter(|sp| sp.n * plan.g <= PREFILL_MIN_ROWS)
+        .count();
+    let splits = (2 * runner.max_threads()).div_ceil(decode_seqs.max(1));
+    let (items, parts_len) = work_items(plan, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
     {
         let rot = b.rotation.as_ref().map(|r| r.keys());
@@ -687,9 +723,11 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         runner.for_each(items.len(), &|i| {
             let w = &items[i];
             let sp = &plan.seqs[w.seq];
-            // SAFETY: every item with score rows owns its own `ctx` partials (offsets laid
-            // out one after another by `work_items`).
-            let part = w.part.map(|at| unsafe { parts.part(at, sp.ctx()) });
+            // SAFETY: every item with score rows owns its own `ctx` partials per KV head
+            // (offsets laid out one after another by `work_items`).
+            let part = w
+                .part
+                .map(|at| unsafe { parts.part(at, sp.ctx() * w.nkvh) });
             if w.prefill {
                 PREFILL_SCRATCH.with(|s| {
                     let sc = &mut *s.borrow_mut();
@@ -702,10 +740,30 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
             let mut none = [];
             let part: &mut [f32] = part.unwrap_or(&mut none);
             let tokens_per_tile = (ROWS / plan.g).max(1);
+            let d = plan.d;
+            let mut heads: Vec<HeadState> = (0..w.nkvh)
+                .map(|_| HeadState {
+                    rows: Vec::new(),
+                    q: vec![0.0; ROWS * d],
+                    acc: vec![0.0; ROWS * d],
+                    st: [OnlineSoftmax::EMPTY; ROWS],
+                    zsum: Vec::new(),
+                    kept: Vec::new(),
+                })
+                .collect();
             for i0 in (w.i0..w.i1).step_by(tokens_per_tile) {
-                let rows = rows_of(plan, sp, w.kvh, i0, (i0 + tokens_per_tile).min(w.i1));
-                for tile in rows.chunks(ROWS) {
-                    attend_tile(m, plan, l, &inputs, sp, w.kvh, tile, &mut sc, &out, part);
+                let i1 = (i0 + tokens_per_tile).min(w.i1);
+                // Rows of a KV head beyond ROWS (G > ROWS) make more tiles, chunk by chunk.
+                let per_head = (i1 - i0) * plan.g;
+                for c0 in (0..per_head).step_by(ROWS) {
+                    for (k, h) in heads.iter_mut().enumerate() {
+                        let rows = rows_of(plan, sp, w.kvh + k, i0, i1);
+                        h.rows.clear();
+                        h.rows
+                            .extend_from_slice(&rows[c0..(c0 + ROWS).min(per_head)]);
+                    }
+                    let hs = &mut heads[..];
+                    attend_tile(m, plan, l, &inputs, sp, w.kvh, hs, &mut sc, &out, part);
                 }
             }
         });
@@ -716,9 +774,12 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         let dst = &mut b.scores[at..at + ctx];
         let mut sum = vec![0f32; ctx];
         while item < items.len() && items[item].seq == s {
-            if let Some(p) = items[item].part {
-                for (o, &x) in sum.iter_mut().zip(&parts[p..p + ctx]) {
-                    *o += x;
+            if let (Some(p), true) = (items[item].part, ctx > 0) {
+                // KV head by KV head, in order, whatever the runs of the items.
+                for head in parts[p..p + ctx * items[item].nkvh].chunks_exact(ctx) {
+                    for (o, &x) in sum.iter_mut().zip(head) {
+                        *o += x;
+                    }
                 }
             }
             item += 1;

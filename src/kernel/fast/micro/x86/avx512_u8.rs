@@ -89,7 +89,15 @@ impl U8Micro for Avx512 {
         fold_bounds(x.len(), ldx, rows, len, zp.len(), out.len(), ldo, cst.len());
         // SAFETY: `self` proves the features; `fold_bounds` checked that rows `..rows` of `x`
         // and `out` (at their strides), `zp` and `cst` hold what the loop touches.
-        unsafe { fold_rows((x.as_ptr(), ldx), scale, zp.as_ptr(), (out.as_mut_ptr(), ldo), &mut cst[..rows]) };
+        unsafe {
+            fold_rows(
+                (x.as_ptr(), ldx),
+                scale,
+                zp.as_ptr(),
+                (out.as_mut_ptr(), ldo),
+                &mut cst[..rows],
+            )
+        };
     }
 
     fn max(self, s: &[f32]) -> f32 {
