@@ -466,11 +466,13 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
 }
 
 /// Long prefills and mixed batches on u8 caches (several prefill items per KV head, partial
-/// scores of several items per sequence, by-channel key blocks re-quantized as chunks land):
-/// the library's pool at 2 threads gives the same bits as one thread (caches, outputs and
-/// scores), and both stay within the f32 bound of float64 attention over the dequantized caches.
+/// scores of several items per sequence, by-channel key blocks re-quantized as chunks land),
+/// and decode-only batches (whose items take runs of KV heads that differ between one and two
+/// threads): the library's pool at 2 threads gives the same bits as one thread (caches,
+/// outputs and scores), and both stay within the f32 bound of float64 attention over the
+/// dequantized caches.
 #[test]
-fn u8_prefill_is_bit_identical_on_one_and_two_threads() {
+fn u8_calls_are_bit_identical_on_one_and_two_threads() {
     use paged_attention::threads::set_num_threads;
     use paged_attention::Runner as R;
     let run = |c: &common::call::Call, runner: R| {
@@ -481,13 +483,15 @@ fn u8_prefill_is_bit_identical_on_one_and_two_threads() {
     };
     set_num_threads(2).unwrap();
     let mut checked = 0;
-    for (hkv, g, d) in [(2, 4, 64), (1, 3, 40), (3, 1, 32)] {
+    for (hkv, g, d) in [(2, 4, 64), (1, 3, 40), (3, 1, 32), (4, 2, 32)] {
         let mut geo = Geometry::new(ElemType::F32, ElemType::F32, hkv, g, d, 16);
         geo.max_new = 150;
         geo.max_past = 100;
         let kinds = [
             vec![SeqKind::Prefill],
             vec![SeqKind::ChunkedPrefill, SeqKind::Decode, SeqKind::Prefill],
+            vec![SeqKind::Decode],
+            vec![SeqKind::Decode; 3],
         ];
         for (key, value_group) in LAYOUTS {
             if value_group > d || !d.is_multiple_of(value_group.max(1)) {
