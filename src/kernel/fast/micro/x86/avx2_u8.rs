@@ -60,6 +60,8 @@ impl U8Micro for Avx2 {
     ) {
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
+        let sub = !zp.iter().all(|&z| z == 0.0);
         let mut r = 0;
         while r < rows {
             let take = (rows - r).min(4);
@@ -67,12 +69,20 @@ impl U8Micro for Avx2 {
             // `acc` (stride `lda`) hold `len` elements, `w` holds `rows * n` weights and the `n`
             // value rows (stride `ldv`) hold `len` bytes each.
             unsafe {
-                let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
-                match take {
-                    4 => pv_r::<4>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
-                    3 => pv_r::<3>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
-                    2 => pv_r::<2>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
-                    _ => pv_r::<1>(a, lda, wp, n, v.as_ptr(), ldv, zp, len),
+                let (a, wp, vp) = (
+                    acc.as_mut_ptr().add(r * lda),
+                    w.as_ptr().add(r * n),
+                    v.as_ptr(),
+                );
+                match (take, sub) {
+                    (4, true) => pv_r::<true, 4>(a, lda, wp, n, vp, ldv, zp, len),
+                    (3, true) => pv_r::<true, 3>(a, lda, wp, n, vp, ldv, zp, len),
+                    (2, true) => pv_r::<true, 2>(a, lda, wp, n, vp, ldv, zp, len),
+                    (_, true) => pv_r::<true, 1>(a, lda, wp, n, vp, ldv, zp, len),
+                    (4, false) => pv_r::<false, 4>(a, lda, wp, n, vp, ldv, zp, len),
+                    (3, false) => pv_r::<false, 3>(a, lda, wp, n, vp, ldv, zp, len),
+                    (2, false) => pv_r::<false, 2>(a, lda, wp, n, vp, ldv, zp, len),
+                    _ => pv_r::<false, 1>(a, lda, wp, n, vp, ldv, zp, len),
                 }
             }
             r += take;
@@ -197,11 +207,13 @@ unsafe fn qk_r<const R: usize>(
     }
 }
 
-/// R accumulator rows x 8 columns held in registers over all `n` keys, column chunk by chunk.
+/// R accumulator rows held in registers over all `n` keys, 16 columns at a time (two chunks of
+/// 8: 2R independent sums, enough to hide the FMA latency) and 8 for the rest; `SUB`: whether
+/// the zero points are subtracted (they are all 0 when not).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_r<const R: usize>(
+unsafe fn pv_r<const SUB: bool, const R: usize>(
     acc: *mut f32,
     lda: usize,
     w: *const f32,
@@ -213,25 +225,58 @@ unsafe fn pv_r<const R: usize>(
 ) {
     let mut c = 0;
     while c < len {
-        let cw = len - c;
-        // SAFETY: columns `c..c + cw.min(8)` lie inside every accumulator row and every value
-        // row; `w` holds R rows of `n` weights (the caller's bounds).
+        // SAFETY: the caller's bounds cover columns `c..len` of every accumulator and value
+        // row and R rows of `n` weights; each call stays inside `c..len`.
         unsafe {
-            let mut a = [_mm256_setzero_ps(); R];
-            for (r, a) in a.iter_mut().enumerate() {
-                *a = load_f32(acc.add(r * lda + c), cw);
-            }
-            for (t, &z) in zp.iter().enumerate() {
-                let vv = load_u8(v.add(t * ldv + c), cw, _mm256_set1_ps(z));
-                for (r, a) in a.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(_mm256_set1_ps(*w.add(r * n + t)), vv, *a);
-                }
-            }
-            for (r, a) in a.iter().enumerate() {
-                store_f32(acc.add(r * lda + c), cw, *a);
+            if len - c >= 16 {
+                pv_cols::<SUB, R, 2>((acc, lda, w, n, v, ldv, zp), c, len - c);
+                c += 16;
+            } else {
+                pv_cols::<SUB, R, 1>((acc, lda, w, n, v, ldv, zp), c, len - c);
+                c += 8;
             }
         }
-        c += 8;
+    }
+}
+
+/// Columns `c..c + 8H` (clipped to `c + cw`) of [`pv_r`].
+#[allow(clippy::type_complexity)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv_cols<const SUB: bool, const R: usize, const H: usize>(
+    (acc, lda, w, n, v, ldv, zp): (*mut f32, usize, *const f32, usize, *const u8, usize, &[f32]),
+    c: usize,
+    cw: usize,
+) {
+    // SAFETY: columns `c + 8h..c + 8h + (cw - 8h).min(8)` lie inside every accumulator row and
+    // every value row (H = 2 only when `cw >= 16`); `w` holds R rows of `n` weights (the
+    // caller's bounds).
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); H]; R];
+        for (r, a) in a.iter_mut().enumerate() {
+            for (h, a) in a.iter_mut().enumerate() {
+                *a = load_f32(acc.add(r * lda + c + 8 * h), cw - 8 * h);
+            }
+        }
+        for (t, &z) in zp.iter().enumerate() {
+            let zv = _mm256_set1_ps(if SUB { z } else { 0.0 });
+            let mut vv = [_mm256_setzero_ps(); H];
+            for (h, vv) in vv.iter_mut().enumerate() {
+                let x = load_u8(v.add(t * ldv + c + 8 * h), cw - 8 * h, zv);
+                *vv = x;
+            }
+            for (r, a) in a.iter_mut().enumerate() {
+                let wv = _mm256_set1_ps(*w.add(r * n + t));
+                for (a, &vv) in a.iter_mut().zip(&vv) {
+                    *a = _mm256_fmadd_ps(wv, vv, *a);
+                }
+            }
+        }
+        for (r, a) in a.iter().enumerate() {
+            for (h, a) in a.iter().enumerate() {
+                store_f32(acc.add(r * lda + c + 8 * h), cw - 8 * h, *a);
+            }
+        }
     }
 }
 
