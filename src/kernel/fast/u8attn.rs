@@ -2,18 +2,19 @@
 //! `kernel::quant` (the byte-checked code, one task per KV head), then attention and scores read
 //! the cache bytes, never widening a cache.
 //!
-//! Work items are (sequence, KV head, query tokens), cut from the plan alone (results do not
-//! depend on the thread count):
+//! Work items are (sequence, KV heads, query tokens); results do not depend on the thread count:
 //! - decode-like sequences (at most [`PREFILL_MIN_ROWS`] rows of tokens x the G query heads of
-//!   the KV head) get one item per KV head, which walks the visible key blocks once per tile of
-//!   up to [`ROWS`] rows, reading each key and value byte once for all G heads through the
-//!   [`U8Micro`] loops (dequantized in registers). Per block:
+//!   the KV head) get one item per run of KV heads (all of them, unless that leaves threads
+//!   idle), which walks the visible key blocks once per tile of up to [`ROWS`] rows per head,
+//!   (block, KV head) in storage order, reading each key and value byte once for all G heads
+//!   through the [`U8Micro`] loops (dequantized in registers). Per block and head:
 //!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
 //!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
-//!     scales once and the second sum is one constant per row and block;
+//!     scales once and the second sum is one constant per row and block ([`U8Micro::fold`]);
 //!   - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
-//!   - values (by token): `acc += p * scale_g * (q8 - zp_g)` per group, the accumulators held in
-//!     registers across a block's keys.
+//!   - values (by token): `acc += (p * scale_g) * q8` per group, the accumulators held in
+//!     registers across a block's keys, and `sum p * scale_g * zp_g` kept per (row, group)
+//!     beside them (rescaled with them) and taken off once at the end.
 //! - longer sequences get items of about [`PREFILL_ROWS`] rows, which dequantize one key block
 //!   and one value block at a time into f32 tiles (as `kernel::quant` dequantizes, so the
 //!   values are the reference's) and run the f32 prefill loops (`TileMicro`) on them.
