@@ -1,7 +1,9 @@
 // Checks where the caches come from. Runs in validate_and_infer_types, which the CPU plugin
 // calls again after its own transformations: that is where a Convert it inserted in front of an
-// f16/bf16 cache Parameter (INFERENCE_PRECISION_HINT other than the cache's type) shows up, so
-// compile_model fails instead of evaluate() writing into a copy the caller never sees.
+// f16/bf16 cache Parameter (on CPUs without native f16/bf16, or under another
+// INFERENCE_PRECISION_HINT) shows up. That one is bypassed, so the op reads and writes the
+// Parameter's buffer; any other source the op cannot write in place makes compile_model fail
+// instead of evaluate() writing into a copy the caller never sees.
 #include "cache_inputs.hpp"
 
 #include <string>
@@ -9,10 +11,11 @@
 #include <openvino/core/except.hpp>
 #include <openvino/op/constant.hpp>
 #include <openvino/op/convert.hpp>
+#include <openvino/op/parameter.hpp>
 
 namespace paged_attention {
 
-void check_cache_inputs(const ov::Node& node) {
+void check_cache_inputs(ov::Node& node) {
     // At run time the CPU plugin re-infers shapes on a clone whose inputs are all Constants
     // wrapping the call's tensors: that node is not a model, so there is nothing to check.
     bool all_constant = true;
@@ -38,6 +41,19 @@ void check_cache_inputs(const ov::Node& node) {
                               "caches model inputs (Parameters or variables).");
         // A Convert to the same type is a placeholder the plugin removes (seen under hint f16:
         // `key_cache_decompressed_to_f32`, f16 -> f16); only a change of type makes a copy.
+        // An f16/bf16 Parameter widened to f32 (what the CPU plugin inserts on CPUs without
+        // native f16/bf16, whatever the hint) is bypassed: the op reads and writes the
+        // Parameter's own f16/bf16 buffer, a cache type it takes with any query type.
+        if (const auto cvt = ov::as_type_ptr<ov::op::v0::Convert>(src)) {
+            const auto from = cvt->get_input_element_type(0);
+            const auto feeder = cvt->get_input_node_shared_ptr(0);
+            if ((from == ov::element::f16 || from == ov::element::bf16) &&
+                cvt->get_output_element_type(0) == ov::element::f32 &&
+                ov::as_type_ptr<ov::op::v0::Parameter>(feeder)) {
+                node.set_argument(i, cvt->input_value(0));
+                continue;
+            }
+        }
         if (ov::as_type_ptr<ov::op::v0::Convert>(src) &&
             src->get_input_element_type(0) != src->get_output_element_type(0)) {
             const ov::element::Type from = src->get_input_element_type(0);
@@ -51,13 +67,9 @@ void check_cache_inputs(const ov::Node& node) {
                                   " -> ",
                                   src->get_output_element_type(0),
                                   "). The op writes the caches in place: it would write a temporary converted copy, "
-                                  "and the caller's cache would never see the new tokens. The CPU plugin inserts this "
-                                  "Convert for ",
-                                  from,
-                                  " caches unless the model is compiled with INFERENCE_PRECISION_HINT=",
-                                  from,
-                                  " (f16 needs a CPU with native f16); or declare the caches f32. A Convert in "
-                                  "the model itself must go: feed the caches straight from Parameters or variables.");
+                                  "and the caller's cache would never see the new tokens. Feed the caches straight "
+                                  "from Parameters or variables (an f16/bf16 Parameter the CPU plugin widens to f32 "
+                                  "is taken as it is), in the type the op should store");
         }
     }
 }

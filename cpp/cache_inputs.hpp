@@ -5,10 +5,13 @@
 
 namespace paged_attention {
 
-// Throws (as a node validation failure) when key_cache or value_cache (inputs 3, 4) cannot be
-// written in place for the caller: fed by a Constant (read-only weights, or a constant the
-// op would silently change) or by a Convert (the op would write a temporary converted copy,
-// and the caller's cache would never see the new tokens).
-void check_cache_inputs(const ov::Node& node);
+// Rewires key_cache or value_cache (inputs 3, 4) fed by a Convert f16/bf16 -> f32 of a
+// Parameter (the CPU plugin's, on CPUs without native f16/bf16 or under another hint) to the
+// Parameter itself, so the op writes the caller's buffer. Throws (as a node validation failure)
+// when a cache cannot be written in place for the caller: fed by a Constant (read-only weights,
+// or a constant the op would silently change) or by any other Convert that changes its type
+// (the op would write a temporary converted copy, and the caller's cache would never see the
+// new tokens).
+void check_cache_inputs(ov::Node& node);
 
 }  // namespace paged_attention
