@@ -277,7 +277,7 @@ pub(super) unsafe fn load_partial(p: *const f32, len: usize, fill: f32) -> __m25
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let z = _mm256_setzero_ps();
     _mm_cvtss_f32(hsum4(v, z, z, z))
 }

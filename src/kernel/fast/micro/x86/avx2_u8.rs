@@ -5,8 +5,8 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{pv_bounds, qk_bounds, U8Micro};
-use super::avx2::{exp_sub_sum, hsum4, load_partial, Avx2};
+use super::super::{fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::avx2::{exp_sub_sum, hsum, hsum4, load_partial, Avx2};
 
 impl U8Micro for Avx2 {
     fn qk(
@@ -23,22 +23,38 @@ impl U8Micro for Avx2 {
     ) {
         let n = zp.len();
         qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        // By-channel keys come with zero points 0 (folded into the query by the driver): one
+        // subtraction fewer per 8 bytes.
+        let sub = !zp.iter().all(|&z| z == 0.0);
         let mut r = 0;
         while r < rows {
             let tr = (rows - r).min(4);
             let mut t = 0;
             while t < n {
-                let tk = (n - t).min(4);
+                let tk = if n - t >= 2 { 2 } else { 1 };
                 // SAFETY: `self` proves the features; `qk_bounds` checked rows `r..r + tr` of
                 // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
                 unsafe {
                     let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
                     let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
-                    match tr {
-                        4 => qk_r::<4>(qp, ldq, kp, ldk, zp, tk, len, sp, lds),
-                        3 => qk_r::<3>(qp, ldq, kp, ldk, zp, tk, len, sp, lds),
-                        2 => qk_r::<2>(qp, ldq, kp, ldk, zp, tk, len, sp, lds),
-                        _ => qk_r::<1>(qp, ldq, kp, ldk, zp, tk, len, sp, lds),
+                    let a = (qp, ldq, kp, ldk, zp, len, sp, lds);
+                    match (sub, tr, tk) {
+                        (false, 4, 2) => qk_rk::<false, 4, 2>(a),
+                        (false, 3, 2) => qk_rk::<false, 3, 2>(a),
+                        (false, 2, 2) => qk_rk::<false, 2, 2>(a),
+                        (false, 1, 2) => qk_rk::<false, 1, 2>(a),
+                        (false, 4, _) => qk_rk::<false, 4, 1>(a),
+                        (false, 3, _) => qk_rk::<false, 3, 1>(a),
+                        (false, 2, _) => qk_rk::<false, 2, 1>(a),
+                        (false, _, _) => qk_rk::<false, 1, 1>(a),
+                        (true, 4, 2) => qk_rk::<true, 4, 2>(a),
+                        (true, 3, 2) => qk_rk::<true, 3, 2>(a),
+                        (true, 2, 2) => qk_rk::<true, 2, 2>(a),
+                        (true, 1, 2) => qk_rk::<true, 1, 2>(a),
+                        (true, 4, _) => qk_rk::<true, 4, 1>(a),
+                        (true, 3, _) => qk_rk::<true, 3, 1>(a),
+                        (true, 2, _) => qk_rk::<true, 2, 1>(a),
+                        (true, _, _) => qk_rk::<true, 1, 1>(a),
                     }
                 }
                 t += tk;
@@ -87,6 +103,37 @@ impl U8Micro for Avx2 {
             }
             r += take;
         }
+    }
+
+    fn fold(
+        self,
+        x: &[f32],
+        ldx: usize,
+        rows: usize,
+        scale: &[f32],
+        zp: &[f32],
+        out: &mut [f32],
+        ldo: usize,
+        cst: &mut [f32],
+    ) {
+        let len = scale.len();
+        fold_bounds(x.len(), ldx, rows, len, zp.len(), out.len(), ldo, cst.len());
+        // SAFETY: `self` proves the features; `fold_bounds` checked that rows `..rows` of `x`
+        // and `out` (at their strides), `zp` and `cst` hold what the loop touches.
+        unsafe {
+            fold_rows(
+                (x.as_ptr(), ldx),
+                scale,
+                zp.as_ptr(),
+                (out.as_mut_ptr(), ldo),
+                &mut cst[..rows],
+            )
+        };
+    }
+
+    fn max(self, s: &[f32]) -> f32 {
+        // SAFETY: `self` proves the features; the loop reads only elements of `s`.
+        unsafe { max(s) }
     }
 
     fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
@@ -159,33 +206,63 @@ unsafe fn store_f32(p: *mut f32, len: usize, x: __m256) {
     }
 }
 
-/// R query rows x `tk <= 4` keys: each query chunk loaded once for the keys, each key chunk
-/// converted once for the R rows; one `hsum4` per row at the end.
-#[allow(clippy::too_many_arguments)]
+/// R query rows x K keys in R*K accumulators (at most 4 x 2: with the K key chunks and a query
+/// chunk they fit the 16 registers): each query chunk loaded once for the K keys, each key chunk
+/// converted once for the R rows; full chunks of 8 straight from memory, a shorter last chunk
+/// through zero-padded copies; one `hsum4` per 4 sums at the end. `SUB`: whether the zero
+/// points are subtracted (all 0 when not).
+#[allow(clippy::type_complexity)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_r<const R: usize>(
-    q: *const f32,
-    ldq: usize,
-    k: *const u8,
-    ldk: usize,
-    zp: *const f32,
-    tk: usize,
-    len: usize,
-    s: *mut f32,
-    lds: usize,
+unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
+    (q, ldq, k, ldk, zp, len, s, lds): (
+        *const f32,
+        usize,
+        *const u8,
+        usize,
+        *const f32,
+        usize,
+        *mut f32,
+        usize,
+    ),
 ) {
-    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let mut acc = [[_mm256_setzero_ps(); K]; R];
+    let mut zv = [_mm256_setzero_ps(); K];
+    for (j, z) in zv.iter_mut().enumerate() {
+        // SAFETY: `zp` holds K entries (the caller's bounds).
+        *z = _mm256_set1_ps(if SUB { unsafe { *zp.add(j) } } else { 0.0 });
+    }
+    let full = len / 8 * 8;
     let mut c = 0;
-    while c < len {
-        let w = len - c;
-        // SAFETY: columns `c..c + w.min(8)` lie inside the R query rows and the `tk` key rows,
-        // and `zp` holds `tk` entries (the caller's bounds). Keys past `tk` stay 0, and padded
-        // query lanes are 0, so neither adds to a logit.
+    while c < full {
+        // SAFETY: columns `c..c + 8` lie inside the R query rows and the K key rows (the
+        // caller's bounds).
         unsafe {
-            let mut kv = [_mm256_setzero_ps(); 4];
-            for (j, kv) in kv.iter_mut().enumerate().take(tk) {
-                *kv = load_u8(k.add(j * ldk + c), w, _mm256_set1_ps(*zp.add(j)));
+            let mut kv = [_mm256_setzero_ps(); K];
+            for (j, kv) in kv.iter_mut().enumerate() {
+                let b = _mm_loadl_epi64(k.add(j * ldk + c) as *const __m128i);
+                *kv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+                if SUB {
+                    *kv = _mm256_sub_ps(*kv, zv[j]);
+                }
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let qv = _mm256_loadu_ps(q.add(r * ldq + c));
+                for (a, &kv) in acc.iter_mut().zip(&kv) {
+                    *a = _mm256_fmadd_ps(qv, kv, *a);
+                }
+            }
+        }
+        c += 8;
+    }
+    if c < len {
+        let w = len - c;
+        // SAFETY: columns `c..len` (fewer than 8) lie inside the R query rows and the K key
+        // rows. Padded key lanes hold `-zp` and padded query lanes 0, so they add nothing.
+        unsafe {
+            let mut kv = [_mm256_setzero_ps(); K];
+            for (j, kv) in kv.iter_mut().enumerate() {
+                *kv = load_u8(k.add(j * ldk + c), w, zv[j]);
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let qv = load_f32(q.add(r * ldq + c), w);
@@ -194,16 +271,19 @@ unsafe fn qk_r<const R: usize>(
                 }
             }
         }
-        c += 8;
     }
-    for (r, a) in acc.iter().enumerate() {
-        let mut out = [0f32; 4];
-        // SAFETY: `out` holds 4 floats; the caller gives R rows of `tk` writable logits at
-        // stride `lds`.
-        unsafe {
-            _mm_storeu_ps(out.as_mut_ptr(), hsum4(a[0], a[1], a[2], a[3]));
-            std::ptr::copy_nonoverlapping(out.as_ptr(), s.add(r * lds), tk);
-        }
+    let mut v = [_mm256_setzero_ps(); 8];
+    for (r, acc) in acc.iter().enumerate() {
+        v[r * K..][..K].copy_from_slice(acc);
+    }
+    let mut out = [0f32; 8];
+    for (o, v) in out.chunks_exact_mut(4).zip(v.chunks_exact(4)) {
+        // SAFETY: `o` holds 4 floats.
+        unsafe { _mm_storeu_ps(o.as_mut_ptr(), hsum4(v[0], v[1], v[2], v[3])) };
+    }
+    for (r, o) in out.chunks_exact(K).take(R).enumerate() {
+        // SAFETY: the caller gives R rows of K writable logits at stride `lds`.
+        unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), s.add(r * lds), K) };
     }
 }
 
@@ -308,4 +388,62 @@ unsafe fn dequant(
         }
         i += 8;
     }
+}
+
+/// [`U8Micro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fold_rows(
+    (x, ldx): (*const f32, usize),
+    scale: &[f32],
+    zp: *const f32,
+    (out, ldo): (*mut f32, usize),
+    cst: &mut [f32],
+) {
+    let n = scale.len();
+    for (r, c) in cst.iter_mut().enumerate() {
+        let mut sum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let w = n - i;
+            // SAFETY: elements `i..i + w.min(8)` lie inside row `r` of `x` and `out`, `zp`
+            // (the caller's bounds) and `scale`; padded lanes are 0 and add nothing.
+            unsafe {
+                let o = _mm256_mul_ps(
+                    load_f32(x.add(r * ldx + i), w),
+                    load_f32(scale.as_ptr().add(i), w),
+                );
+                store_f32(out.add(r * ldo + i), w, o);
+                sum = _mm256_fmadd_ps(o, load_f32(zp.add(i), w), sum);
+            }
+            i += 8;
+        }
+        *c = hsum(sum);
+    }
+}
+
+/// [`U8Micro::max`]: `vmaxps` returns its second operand when either is NaN, so a NaN never
+/// replaces the running max (`f32::max`'s rule); padded lanes are `-inf`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn max(s: &[f32]) -> f32 {
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < s.len() {
+        let w = s.len() - i;
+        // SAFETY: elements `i..i + w.min(8)` lie inside `s`.
+        unsafe {
+            let x = if w >= 8 {
+                _mm256_loadu_ps(s.as_ptr().add(i))
+            } else {
+                load_partial(s.as_ptr().add(i), w, f32::NEG_INFINITY)
+            };
+            mx = _mm256_max_ps(x, mx);
+        }
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mx) };
+    lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
 }
