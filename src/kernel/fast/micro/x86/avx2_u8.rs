@@ -31,7 +31,7 @@ impl U8Micro for Avx2 {
             let tr = (rows - r).min(4);
             let mut t = 0;
             while t < n {
-                let tk = if n - t >= 2 { 2 } else { 1 };
+                let tk = (n - t).min(3);
                 // SAFETY: `self` proves the features; `qk_bounds` checked rows `r..r + tr` of
                 // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
                 unsafe {
@@ -39,6 +39,10 @@ impl U8Micro for Avx2 {
                     let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
                     let a = (qp, ldq, kp, ldk, zp, len, sp, lds);
                     match (sub, tr, tk) {
+                        (false, 4, 3) => qk_rk::<false, 4, 3>(a),
+                        (false, 3, 3) => qk_rk::<false, 3, 3>(a),
+                        (false, 2, 3) => qk_rk::<false, 2, 3>(a),
+                        (false, 1, 3) => qk_rk::<false, 1, 3>(a),
                         (false, 4, 2) => qk_rk::<false, 4, 2>(a),
                         (false, 3, 2) => qk_rk::<false, 3, 2>(a),
                         (false, 2, 2) => qk_rk::<false, 2, 2>(a),
@@ -47,6 +51,10 @@ impl U8Micro for Avx2 {
                         (false, 3, _) => qk_rk::<false, 3, 1>(a),
                         (false, 2, _) => qk_rk::<false, 2, 1>(a),
                         (false, _, _) => qk_rk::<false, 1, 1>(a),
+                        (true, 4, 3) => qk_rk::<true, 4, 3>(a),
+                        (true, 3, 3) => qk_rk::<true, 3, 3>(a),
+                        (true, 2, 3) => qk_rk::<true, 2, 3>(a),
+                        (true, 1, 3) => qk_rk::<true, 1, 3>(a),
                         (true, 4, 2) => qk_rk::<true, 4, 2>(a),
                         (true, 3, 2) => qk_rk::<true, 3, 2>(a),
                         (true, 2, 2) => qk_rk::<true, 2, 2>(a),
@@ -272,11 +280,11 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
             }
         }
     }
-    let mut v = [_mm256_setzero_ps(); 8];
+    let mut v = [_mm256_setzero_ps(); 12];
     for (r, acc) in acc.iter().enumerate() {
         v[r * K..][..K].copy_from_slice(acc);
     }
-    let mut out = [0f32; 8];
+    let mut out = [0f32; 12];
     for (o, v) in out.chunks_exact_mut(4).zip(v.chunks_exact(4)) {
         // SAFETY: `o` holds 4 floats.
         unsafe { _mm_storeu_ps(o.as_mut_ptr(), hsum4(v[0], v[1], v[2], v[3])) };
