@@ -2,7 +2,8 @@
 //! --types u8): `cargo run --release --example u8_probe [reps]` prints min ms of decode 16 x 1024
 //! and 4 x 4096 (H 32, Hkv 8, D 128, block 32) on u8 caches in OpenVINO's default layout.
 //! `U8_PROBE_HOT=1` maps every sequence onto 4 physical blocks, so the cache stays in L2: the
-//! time of the loops alone, without memory stalls.
+//! time of the loops alone, without memory stalls. `U8_PROBE_SHUFFLE=1` scatters the blocks
+//! (a random permutation, as tools/bench.py and a serving cache do).
 
 use paged_attention::{execute, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
@@ -53,10 +54,15 @@ fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
         bib.push(bib[s] + nblocks[s] as i32);
     }
     let hot = std::env::var_os("U8_PROBE_HOT").is_some();
-    let bi: Vec<i32> = (0..nb as i32)
+    let mut bi: Vec<i32> = (0..nb as i32)
         .rev()
         .map(|b| if hot { b % 4 } else { b })
         .collect();
+    if std::env::var_os("U8_PROBE_SHUFFLE").is_some() {
+        for i in (1..bi.len()).rev() {
+            bi.swap(i, next() as usize % (i + 1));
+        }
+    }
     let scores_len = seqs.iter().map(|s| s.0 + s.1).sum::<usize>();
     let (mut out, mut scores) = (vec![0f32; t * H * D], vec![0f32; scores_len]);
     let mut best = f64::MAX;
