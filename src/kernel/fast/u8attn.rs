@@ -684,13 +684,15 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     b: Bound<'_, Q, u8>,
 ) -> Result<()> {
     // Decode items take every KV head of their sequence (whole blocks in storage order) unless
-    // that leaves threads idle: then runs of fewer heads, at least two items per thread.
+    // that leaves threads idle: then runs of fewer heads, at least four items per thread (two
+    // left one thread waiting on the other often enough to cost 5-13% on decode 4 x 4096, AMD
+    // EPYC AVX2, 2 threads).
     let decode_seqs = plan
         .seqs
         .iter()
         .filter(|sp| sp.n * plan.g <= PREFILL_MIN_ROWS)
         .count();
-    let splits = (2 * runner.max_threads()).div_ceil(decode_seqs.max(1));
+    let splits = (4 * runner.max_threads()).div_ceil(decode_seqs.max(1));
     let (items, parts_len) = work_items(plan, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
     {
