@@ -1,7 +1,9 @@
 //! The AVX2 [`U8Micro`]: 8 bytes at a time zero-extended to i32 and converted to f32
-//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 8 bytes for all rows; tails of
-//! fewer than 8 elements go through zero-padded copies (AVX2 has no masked byte loads). Reached
-//! only through [`Avx2`], which only `Avx2::detect` builds.
+//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 8 bytes for all rows (not at
+//! all when the driver folded the zero points, which it does for by-channel keys and values);
+//! logits in tiles of up to 4 rows x 3 keys (12 sums, 3 key chunks and a query chunk: the 16
+//! registers, no spills). Tails of fewer than 8 elements go through zero-padded copies (AVX2 has
+//! no masked byte loads). Reached only through [`Avx2`], which only `Avx2::detect` builds.
 
 use std::arch::x86_64::*;
 
@@ -214,7 +216,7 @@ unsafe fn store_f32(p: *mut f32, len: usize, x: __m256) {
     }
 }
 
-/// R query rows x K keys in R*K accumulators (at most 4 x 2: with the K key chunks and a query
+/// R query rows x K keys in R*K accumulators (at most 4 x 3: with the K key chunks and a query
 /// chunk they fit the 16 registers): each query chunk loaded once for the K keys, each key chunk
 /// converted once for the R rows; full chunks of 8 straight from memory, a shorter last chunk
 /// through zero-padded copies; one `hsum4` per 4 sums at the end. `SUB`: whether the zero
