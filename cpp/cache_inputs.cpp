@@ -41,14 +41,15 @@ void check_cache_inputs(ov::Node& node) {
                               "caches model inputs (Parameters or variables).");
         // A Convert to the same type is a placeholder the plugin removes (seen under hint f16:
         // `key_cache_decompressed_to_f32`, f16 -> f16); only a change of type makes a copy.
-        // An f16/bf16 Parameter widened to f32 (what the CPU plugin inserts on CPUs without
-        // native f16/bf16, whatever the hint) is bypassed: the op reads and writes the
-        // Parameter's own f16/bf16 buffer, a cache type it takes with any query type.
+        // An f16/bf16 Parameter converted to another float type (the CPU plugin widens it to
+        // f32 on CPUs without native f16/bf16, whatever the hint) is bypassed: the op reads and
+        // writes the Parameter's own f16/bf16 buffer, a cache type it takes with any query type.
         if (const auto cvt = ov::as_type_ptr<ov::op::v0::Convert>(src)) {
             const auto from = cvt->get_input_element_type(0);
+            const auto to = cvt->get_output_element_type(0);
             const auto feeder = cvt->get_input_node_shared_ptr(0);
             if ((from == ov::element::f16 || from == ov::element::bf16) &&
-                cvt->get_output_element_type(0) == ov::element::f32 &&
+                (to == ov::element::f32 || to == ov::element::f16 || to == ov::element::bf16) &&
                 ov::as_type_ptr<ov::op::v0::Parameter>(feeder)) {
                 node.set_argument(i, cvt->input_value(0));
                 continue;

@@ -5,7 +5,7 @@
 
 namespace paged_attention {
 
-// Rewires key_cache or value_cache (inputs 3, 4) fed by a Convert f16/bf16 -> f32 of a
+// Rewires key_cache or value_cache (inputs 3, 4) fed by a Convert f16/bf16 -> f32/f16/bf16 of a
 // Parameter (the CPU plugin's, on CPUs without native f16/bf16 or under another hint) to the
 // Parameter itself, so the op writes the caller's buffer. Throws (as a node validation failure)
 // when a cache cannot be written in place for the caller: fed by a Constant (read-only weights,
