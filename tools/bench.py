@@ -12,10 +12,10 @@ Shapes: H=32, Hkv=8, D=128, block 32; query f32, cache f32/f16/bf16/u8 (u8: Open
 keys by channel, values by token, the same buffers for both ops; hint f32 unless --hint says). Both OpenVINO models are
 compiled with the same INFERENCE_PRECISION_HINT (--hint) and INFERENCE_NUM_THREADS = the thread
 count; every other property keeps OpenVINO's default (pinning included). The built-in op also gets
-KV_CACHE_PRECISION = cache type. The default hint is the cache's type: an f16 cache inside
-OpenVINO needs INFERENCE_PRECISION_HINT=f16 (the extension refuses it otherwise, since the plugin
-would hand it a converted copy), and the built-in op refuses a bf16 cache under an f32 hint on
-AVX-512 CPUs. The C ABI path uses the library's own pool, sized with
+KV_CACHE_PRECISION = cache type. The default hint is the cache's type (how an f16 or bf16
+deployment runs; on CPUs without native f16/bf16 the plugin falls back to f32 and the extension
+bypasses the Convert it puts in front of the caches), and the built-in op refuses a bf16 cache
+under an f32 hint on AVX-512 CPUs. The C ABI path uses the library's own pool, sized with
 pa_set_num_threads. Each repetition runs the paths back to back (so machine noise hits them
 alike); the table gives min and median ms, the ratio OpenVINO built-in / ours inside OpenVINO
 (min/min), ours inside OpenVINO against the bare C ABI call, KV GB/s (cache bytes the attention

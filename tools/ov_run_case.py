@@ -11,12 +11,13 @@ error.txt when the case could not run. Every input is an ov.Tensor over memory t
 set explicitly on the request (OPENVINO.md: in-place cache writes reach the caller only through
 shared buffers; set every input on every request).
 
-f16/bf16 caches: OpenVINO's CPU plugin feeds the op a converted f32 copy of an f16 or bf16 cache
-Parameter (the op writes the copy; the caller's cache is unchanged) unless it runs the model in that
-precision natively (INFERENCE_PRECISION_HINT=f16 on a CPU with native f16; bf16 likewise). The hint
-is chosen per case (f16 where the CPU has native f16, bf16 for bf16 caches, f32 otherwise), and
-whether the caches reach the op directly is read from the compiled runtime graph: when they do not,
-info.json says caches_in_place=false and the caches are not compared.
+f16/bf16 caches: OpenVINO's CPU plugin puts a Convert (to f32) between an f16 or bf16 cache
+Parameter and the op unless it runs the model in that precision natively (INFERENCE_PRECISION_HINT=f16
+on a CPU with native f16; bf16 likewise); the extension bypasses that Convert, so the op writes the
+caller's cache either way. The hint is chosen per case (f16 where the CPU has native f16, bf16 for
+bf16 caches, f32 otherwise), and whether the caches reach the op directly is still read from the
+compiled runtime graph: when they do not, info.json says caches_in_place=false and the caches are
+not compared.
 """
 import argparse
 import json
