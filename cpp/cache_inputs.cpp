@@ -47,26 +47,21 @@ void check_cache_inputs(ov::Node& node) {
         if (const auto cvt = ov::as_type_ptr<ov::op::v0::Convert>(src)) {
             const auto from = cvt->get_input_element_type(0);
             const auto to = cvt->get_output_element_type(0);
-            const auto feeder = cvt->get_input_node_shared_ptr(0);
             if ((from == ov::element::f16 || from == ov::element::bf16) &&
                 (to == ov::element::f32 || to == ov::element::f16 || to == ov::element::bf16) &&
-                ov::as_type_ptr<ov::op::v0::Parameter>(feeder)) {
+                ov::as_type_ptr<ov::op::v0::Parameter>(cvt->get_input_node_shared_ptr(0))) {
                 node.set_argument(i, cvt->input_value(0));
                 continue;
             }
-        }
-        if (ov::as_type_ptr<ov::op::v0::Convert>(src) &&
-            src->get_input_element_type(0) != src->get_output_element_type(0)) {
-            const ov::element::Type from = src->get_input_element_type(0);
             NODE_VALIDATION_CHECK(&node,
-                                  false,
+                                  from == to,
                                   what,
                                   " comes through the Convert `",
                                   src->get_friendly_name(),
                                   "` (",
                                   from,
                                   " -> ",
-                                  src->get_output_element_type(0),
+                                  to,
                                   "). The op writes the caches in place: it would write a temporary converted copy, "
                                   "and the caller's cache would never see the new tokens. Feed the caches straight "
                                   "from Parameters or variables (an f16/bf16 Parameter the CPU plugin widens to f32 "

@@ -115,7 +115,7 @@ def checked_slots(inputs):
     return mask
 
 
-def compile_ext(core, tmp_path, inputs, config=None):
+def read_ext_model(core, tmp_path, inputs):
     """A model whose Parameters have the element types of `inputs` and dynamic T, NB, B, ...
     (rotation_deltas dynamic in every dimension)."""
     types = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
@@ -125,8 +125,12 @@ def compile_ext(core, tmp_path, inputs, config=None):
              for i, a in enumerate(inputs)]
     if len(inputs) > 13:
         ports[13] = ("i32", [-1] * np.asarray(inputs[13]).ndim)
-    xml = paged_attention_ir(ports).write(tmp_path / "pa.xml")
-    return core.compile_model(core.read_model(xml), "CPU", config or {})
+    return core.read_model(paged_attention_ir(ports).write(tmp_path / "pa.xml"))
+
+
+def compile_ext(core, tmp_path, inputs, config=None):
+    """`read_ext_model`, compiled for the CPU with `config`."""
+    return core.compile_model(read_ext_model(core, tmp_path, inputs), "CPU", config or {})
 
 
 class Runner:
@@ -304,11 +308,7 @@ def test_cache_converted_inside_the_model_is_refused(core, tmp_path):
     caches) would make the op write a temporary copy: compile_model fails naming it."""
     rng = np.random.default_rng(8)
     inputs = make_case(rng, past=(4,), new=(2,))
-    types = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32"}
-    NB, Hkv, BS, D = inputs[3].shape
-    ports = [(types[a.dtype], pa_port_dims(i, a.shape, inputs[0].shape[1] // D, Hkv, D, BS))
-             for i, a in enumerate(inputs)]
-    model = core.read_model(paged_attention_ir(ports).write(tmp_path / "pa.xml"))
+    model = read_ext_model(core, tmp_path, inputs)
     for name in ("key_cache", "value_cache"):
         param = next(p for p in model.get_parameters() if p.get_friendly_name() == name)
         targets = list(param.output(0).get_target_inputs())
@@ -325,11 +325,7 @@ def test_const_cache_is_refused_before_it_can_be_written(core, tmp_path):
     mapping (SIGSEGV on insertion), or was silently changed with ENABLE_MMAP=False."""
     rng = np.random.default_rng(7)
     inputs = make_case(rng, past=(4,), new=(2,))
-    types = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32"}
-    NB, Hkv, BS, D = inputs[3].shape
-    ports = [(types[a.dtype], pa_port_dims(i, a.shape, inputs[0].shape[1] // D, Hkv, D, BS))
-             for i, a in enumerate(inputs)]
-    model = core.read_model(paged_attention_ir(ports).write(tmp_path / "pa.xml"))
+    model = read_ext_model(core, tmp_path, inputs)
     param = next(p for p in model.get_parameters() if p.get_friendly_name() == "key_cache")
     const = ov.opset13.constant(inputs[3])
     with pytest.raises(RuntimeError, match=r"key_cache \(input 3\).*is the Constant"):

@@ -726,11 +726,11 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         runner.for_each(items.len(), &|i| {
             let w = &items[i];
             let sp = &plan.seqs[w.seq];
-            // SAFETY: every item with score rows owns its own `ctx` partials per KV head
-            // (offsets laid out one after another by `work_items`).
-            let part = w
-                .part
-                .map(|at| unsafe { parts.part(at, sp.ctx() * w.nkvh) });
+            let part = w.part.map(|at| {
+                // SAFETY: every item with score rows owns its own `ctx` partials per KV head
+                // (offsets laid out one after another by `work_items`).
+                unsafe { parts.part(at, sp.ctx() * w.nkvh) }
+            });
             if w.prefill {
                 PREFILL_SCRATCH.with(|s| {
                     let sc = &mut *s.borrow_mut();

@@ -25,51 +25,16 @@ impl U8Micro for Avx2 {
     ) {
         let n = zp.len();
         qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
         // By-channel keys come with zero points 0 (folded into the query by the driver): one
         // subtraction fewer per 8 bytes.
-        let sub = !zp.iter().all(|&z| z == 0.0);
-        let mut r = 0;
-        while r < rows {
-            let tr = (rows - r).min(4);
-            let mut t = 0;
-            while t < n {
-                let tk = (n - t).min(3);
-                // SAFETY: `self` proves the features; `qk_bounds` checked rows `r..r + tr` of
-                // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
-                unsafe {
-                    let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
-                    let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
-                    let a = (qp, ldq, kp, ldk, zp, len, sp, lds);
-                    match (sub, tr, tk) {
-                        (false, 4, 3) => qk_rk::<false, 4, 3>(a),
-                        (false, 3, 3) => qk_rk::<false, 3, 3>(a),
-                        (false, 2, 3) => qk_rk::<false, 2, 3>(a),
-                        (false, 1, 3) => qk_rk::<false, 1, 3>(a),
-                        (false, 4, 2) => qk_rk::<false, 4, 2>(a),
-                        (false, 3, 2) => qk_rk::<false, 3, 2>(a),
-                        (false, 2, 2) => qk_rk::<false, 2, 2>(a),
-                        (false, 1, 2) => qk_rk::<false, 1, 2>(a),
-                        (false, 4, _) => qk_rk::<false, 4, 1>(a),
-                        (false, 3, _) => qk_rk::<false, 3, 1>(a),
-                        (false, 2, _) => qk_rk::<false, 2, 1>(a),
-                        (false, _, _) => qk_rk::<false, 1, 1>(a),
-                        (true, 4, 3) => qk_rk::<true, 4, 3>(a),
-                        (true, 3, 3) => qk_rk::<true, 3, 3>(a),
-                        (true, 2, 3) => qk_rk::<true, 2, 3>(a),
-                        (true, 1, 3) => qk_rk::<true, 1, 3>(a),
-                        (true, 4, 2) => qk_rk::<true, 4, 2>(a),
-                        (true, 3, 2) => qk_rk::<true, 3, 2>(a),
-                        (true, 2, 2) => qk_rk::<true, 2, 2>(a),
-                        (true, 1, 2) => qk_rk::<true, 1, 2>(a),
-                        (true, 4, _) => qk_rk::<true, 4, 1>(a),
-                        (true, 3, _) => qk_rk::<true, 3, 1>(a),
-                        (true, 2, _) => qk_rk::<true, 2, 1>(a),
-                        (true, _, _) => qk_rk::<true, 1, 1>(a),
-                    }
-                }
-                t += tk;
+        // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
+        unsafe {
+            if zp.iter().all(|&z| z == 0.0) {
+                qk_tiles::<false>(args)
+            } else {
+                qk_tiles::<true>(args)
             }
-            r += tr;
         }
     }
 
@@ -213,6 +178,61 @@ unsafe fn store_f32(p: *mut f32, len: usize, x: __m256) {
             _mm256_storeu_ps(buf.as_mut_ptr(), x);
             std::ptr::copy_nonoverlapping(buf.as_ptr(), p, len);
         }
+    }
+}
+
+/// [`U8Micro::qk`] in tiles of up to 4 rows x 3 keys; `SUB`: whether the zero points are
+/// subtracted (they are all 0 when not).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (an [`Avx2`] exists) and the arguments pass `qk_bounds`.
+#[allow(clippy::type_complexity)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_tiles<const SUB: bool>(
+    (q, ldq, rows, k, ldk, zp, len, s, lds): (
+        &[f32],
+        usize,
+        usize,
+        &[u8],
+        usize,
+        &[f32],
+        usize,
+        &mut [f32],
+        usize,
+    ),
+) {
+    let n = zp.len();
+    let mut r = 0;
+    while r < rows {
+        let tr = (rows - r).min(4);
+        let mut t = 0;
+        while t < n {
+            let tk = (n - t).min(3);
+            // SAFETY: the caller guarantees the features and that `qk_bounds` checked rows
+            // `r..r + tr` of `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at
+            // its stride).
+            unsafe {
+                let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
+                let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
+                let a = (qp, ldq, kp, ldk, zp, len, sp, lds);
+                match (tr, tk) {
+                    (4, 3) => qk_rk::<SUB, 4, 3>(a),
+                    (3, 3) => qk_rk::<SUB, 3, 3>(a),
+                    (2, 3) => qk_rk::<SUB, 2, 3>(a),
+                    (1, 3) => qk_rk::<SUB, 1, 3>(a),
+                    (4, 2) => qk_rk::<SUB, 4, 2>(a),
+                    (3, 2) => qk_rk::<SUB, 3, 2>(a),
+                    (2, 2) => qk_rk::<SUB, 2, 2>(a),
+                    (1, 2) => qk_rk::<SUB, 1, 2>(a),
+                    (4, _) => qk_rk::<SUB, 4, 1>(a),
+                    (3, _) => qk_rk::<SUB, 3, 1>(a),
+                    (2, _) => qk_rk::<SUB, 2, 1>(a),
+                    _ => qk_rk::<SUB, 1, 1>(a),
+                }
+            }
+            t += tk;
+        }
+        r += tr;
     }
 }
 
