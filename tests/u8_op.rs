@@ -64,12 +64,24 @@ fn run_and_check(c: &Case, l: &U8Layout, runner: Runner) -> (f64, f64) {
 }
 
 fn check(qt: ElemType, tol: f64, seeds: std::ops::Range<u64>, seqs: Option<Vec<SeqKind>>) {
+    check_past(qt, tol, seeds, seqs, None)
+}
+
+/// [`check`], with at most `max_past` cached tokens per sequence when given.
+fn check_past(
+    qt: ElemType,
+    tol: f64,
+    seeds: std::ops::Range<u64>,
+    seqs: Option<Vec<SeqKind>>,
+    max_past: Option<usize>,
+) {
     for (key, value_group) in LAYOUTS {
         for (hkv, g, d) in [(2, 2, 64), (1, 4, 32), (2, 1, 128), (1, 3, 40)] {
             if value_group > d || !d.is_multiple_of(value_group.max(1)) {
                 continue;
             }
-            let geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 32);
+            let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 32);
+            geo.max_past = max_past.unwrap_or(geo.max_past);
             for seed in seeds.clone() {
                 let f = Features {
                     seqs: seqs.clone(),
@@ -99,6 +111,16 @@ fn f32_query_on_u8_caches_end_to_end() {
 fn f16_and_bf16_queries_on_u8_caches_end_to_end() {
     check(ElemType::F16, 1e-2, 20..23, None);
     check(ElemType::BF16, 1e-2, 40..43, None);
+}
+
+/// Prefill items read the rows of their sequence dequantized once per call when those copies
+/// fit `2*T*H*D` floats (a prefill from position 0 always does), else they dequantize block by
+/// block (a short chunk after a long past): both ways against float64.
+#[test]
+fn prefill_after_a_long_past_and_from_zero_on_u8_caches() {
+    let long = Some(vec![SeqKind::ChunkedPrefill]);
+    check_past(ElemType::F32, 2e-5, 80..84, long, Some(400));
+    check_past(ElemType::F32, 2e-5, 90..92, Some(vec![SeqKind::Prefill]), None);
 }
 
 #[test]

@@ -16,6 +16,7 @@ use super::tile::{finite_outside, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
 use crate::op::{Plan, SeqPlan};
+use crate::threads::Runner;
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -122,8 +123,23 @@ pub(crate) struct Widened {
 }
 
 impl Widened {
+    /// f32 K and V rows `[Hkv][ctx][D]` of the prefill sequences (`prefill(s)`), made by
+    /// `fill(s, kvh, k, v)` per (sequence, KV head) in parallel; `None` when there are none or
+    /// they would exceed `2*T*H*D` floats each (memory per call stays O(T*H*D)).
+    pub(super) fn build(
+        (plan, runner): (&Plan, Runner),
+        prefill: impl Fn(usize) -> bool,
+        fill: impl Fn(usize, usize, &mut [f32], &mut [f32]) + Sync,
+    ) -> Option<Widened> {
+        let d = plan.d;
+        let budget = 2 * plan.t * plan.h * d;
+        let region = |sp: &SeqPlan| (sp.ctx() * d, sp.ctx() * d);
+        let (k, v, base) = per_head_regions((plan, runner), prefill, region, budget, fill)?;
+        Some(Widened { k, v, base })
+    }
+
     /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s`.
-    fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<(&[f32], &[f32])> {
+    pub(super) fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<(&[f32], &[f32])> {
         self.base[s].map(|(bk, bv)| {
             let (ok, ov) = (bk + kvh * n, bv + kvh * n);
             (&self.k[ok..ok + n], &self.v[ov..ov + n])
@@ -157,11 +173,13 @@ pub(crate) fn prepare<M: TileMicro, Q: Float, C: Float>(
 /// K buffer, V buffer, and each sequence's offsets in them (`None`: not a prefill sequence).
 pub(super) type Regions<T> = (Buf<T>, Buf<T>, Vec<Option<(usize, usize)>>);
 
-/// Runs `fill(s, kvh, k, v)` on every (prefill sequence, KV head) in parallel, `k` and `v`
-/// being that head's `region(seq)` (K, V) elements of two zeroed buffers from the pool;
-/// `None` when there is nothing to fill or a buffer would exceed `budget` elements.
-pub(super) fn per_head_regions<T, Q, C>(
-    ctx: &Ctx<'_, Q, C>,
+/// Runs `fill(s, kvh, k, v)` on every (prefill sequence `s`: `prefill(s)`, KV head) in
+/// parallel on `runner`, `k` and `v` being that head's `region(seq)` (K, V) elements of two
+/// zeroed buffers from the pool; `None` when there is nothing to fill or a buffer would exceed
+/// `budget` elements.
+pub(super) fn per_head_regions<T>(
+    (plan, runner): (&Plan, Runner),
+    prefill: impl Fn(usize) -> bool,
     region: impl Fn(&SeqPlan) -> (usize, usize) + Sync,
     budget: usize,
     fill: impl Fn(usize, usize, &mut [T], &mut [T]) + Sync,
@@ -169,12 +187,11 @@ pub(super) fn per_head_regions<T, Q, C>(
 where
     T: Pooled,
 {
-    let plan = ctx.plan;
     let hkv = plan.hkv;
     let mut base = vec![None; plan.seqs.len()];
     let (mut klen, mut vlen) = (0, 0);
     for (s, sp) in plan.seqs.iter().enumerate() {
-        if ctx.part.seqs[s].prefill {
+        if prefill(s) {
             base[s] = Some((klen, vlen));
             let (kr, vr) = region(sp);
             klen += kr * hkv;
@@ -195,7 +212,7 @@ where
         .collect();
     {
         let (kw, vw) = (SharedMut::new(&mut k), SharedMut::new(&mut v));
-        ctx.runner.for_each(tasks.len(), &|i| {
+        runner.for_each(tasks.len(), &|i| {
             let (s, kvh, ko, vo) = tasks[i];
             let (kr, vr) = region(&plan.seqs[s]);
             // SAFETY: the tasks' regions are disjoint (laid out one after another above).
@@ -218,12 +235,10 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
     if TypeId::of::<C>() == TypeId::of::<f32>() {
         return None;
     }
-    let budget = 2 * plan.t * plan.h * d;
-    let (k, v, base) = per_head_regions(
-        ctx,
-        |sp| (sp.ctx() * d, sp.ctx() * d),
-        budget,
-        |s, kvh, ka: &mut [f32], va: &mut [f32]| {
+    Widened::build(
+        (plan, ctx.runner),
+        |s| ctx.part.seqs[s].prefill,
+        |s, kvh, ka, va| {
             let sp = &plan.seqs[s];
             for (j0, j1) in tiles(0, sp.ctx(), bs) {
                 let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
@@ -232,8 +247,7 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
                 m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
             }
         },
-    )?;
-    Some(Widened { k, v, base })
+    )
 }
 
 /// The rows of one prefill item: query tokens `t0..t0+nt` of sequence `si` (`rows` = nt x G,

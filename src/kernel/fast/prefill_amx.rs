@@ -165,7 +165,8 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
     // The copies of `prewiden`, times the parts: memory per call stays O(T*H*D).
     let budget = 2 * plan.t * plan.h * plan.d * parts.qk().len().max(parts.v);
     let (k, v, base) = per_head_regions(
-        ctx,
+        (plan, ctx.runner),
+        |s| ctx.part.seqs[s].prefill,
         |sp| ((sp.ctx() + 32) * kw, (sp.ctx() + 32) * dp * parts.v),
         budget,
         |s, kvh, ka: &mut [u16], va: &mut [u16]| {

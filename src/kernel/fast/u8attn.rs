@@ -15,9 +15,11 @@
 //!   - values (by token): `acc += (p * scale_g) * q8` per group, the accumulators held in
 //!     registers across a block's keys, and `sum p * scale_g * zp_g` kept per (row, group)
 //!     beside them (rescaled with them) and taken off once at the end.
-//! - longer sequences get items of about [`PREFILL_ROWS`] rows, which dequantize one key block
-//!   and one value block at a time into f32 tiles (as `kernel::quant` dequantizes, so the
-//!   values are the reference's) and run the f32 prefill loops (`TileMicro`) on them.
+//! - longer sequences get items of about [`PREFILL_ROWS`] rows, which run the f32 prefill
+//!   loops (`TileMicro`) on their sequence's rows dequantized once per call (as f16/bf16 rows
+//!   are widened, within the same memory bound), else on one key block and one value block at
+//!   a time dequantized into f32 tiles; both as `kernel::quant` dequantizes, so the values are
+//!   the reference's.
 //!
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
 //! reference's (`kernel::layout`). Scores: an item keeps the logits of its score rows (the last
@@ -26,7 +28,7 @@
 //! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::prefill::{self, aligned, attend, ItemBufs, RowState, TileSource};
+use super::prefill::{self, aligned, attend, ItemBufs, RowState, TileSource, Widened};
 use super::shared::SharedMut;
 use super::tile::prefetch_part;
 use crate::alloc::try_vec;
@@ -418,6 +420,47 @@ fn dequant_keys<M: U8Micro>(
     }
 }
 
+/// The value rows of keys `j0..j1` (inside one block) of (block, KV head).
+fn value_rows<'v>(
+    plan: &Plan,
+    l: &U8Layout,
+    vc: &'v [u8],
+    (block, kvh): (usize, usize),
+    j0: usize,
+    j1: usize,
+) -> &'v [u8] {
+    let vrow = l.value_row();
+    let base = ((block * plan.hkv + kvh) * plan.bs + j0 % plan.bs) * vrow;
+    &vc[base..base + (j1 - j0) * vrow]
+}
+
+/// The K and V rows of the prefill sequences (`prefill(s)`), dequantized once per call into
+/// f32 `[Hkv][ctx][D]` (as `fast::prefill` widens f16/bf16 rows): otherwise every query tile
+/// of a sequence dequantizes all the keys it sees again (on average half the sequence, 32
+/// times over for 1024 tokens). `None` past the same memory bound as widening (`2*T*H*D`
+/// floats each), and items then dequantize block by block.
+fn dequant_prefill_rows<M: U8Micro, Q>(
+    m: M,
+    (plan, runner): (&Plan, Runner),
+    l: &U8Layout,
+    b: &Inputs<'_, Q>,
+    prefill: impl Fn(usize) -> bool,
+) -> Option<Widened> {
+    let (d, bs) = (plan.d, plan.bs);
+    Widened::build((plan, runner), prefill, |s, kvh, ka, va| {
+        let sp = &plan.seqs[s];
+        let (mut sc, mut zp) = (vec![0f32; d], vec![0f32; d]);
+        for (j0, j1) in tiles(0, sp.ctx(), bs) {
+            let block = block_of(b.block_indices, sp.block_begin, bs, j0);
+            let (keys, vals) = (&mut ka[j0 * d..j1 * d], &mut va[j0 * d..j1 * d]);
+            let slots = (j0 % bs, j1 - j0);
+            dequant_keys(m, plan, l, b.kc, block, kvh, slots, (&mut sc, &mut zp), keys);
+            let rows = value_rows(plan, l, b.vc, (block, kvh), j0, j1);
+            dequant_token_rows(m, rows, l.value_row(), d, l.value_group, vals);
+        }
+    })
+}
+
 /// Dequantizes `n` by-token rows of `ldr` bytes (groups of `group` channels, 0 = D) into `out`.
 fn dequant_token_rows<M: U8Micro>(
     m: M,
@@ -436,10 +479,11 @@ fn dequant_token_rows<M: U8Micro>(
     }
 }
 
-/// A u8 cache's tiles for the shared prefill loop (`fast::prefill::attend`): each key or value
-/// block is dequantized into the loop's f32 staging tile when it is reached (never more of the
-/// cache), with the same arithmetic as `kernel::quant` (the reference's values exactly); the
-/// hints are the next block's key slab and this block's value rows.
+/// A u8 cache's tiles for the shared prefill loop (`fast::prefill::attend`): the head's rows
+/// the call dequantized once ([`dequant_prefill_rows`]) when there are, else each key or value
+/// block dequantized into the loop's f32 staging tile when it is reached; both with the same
+/// arithmetic as `kernel::quant` (the reference's values exactly). The hints are the next
+/// block's key slab and this block's value rows (none for the contiguous dequantized rows).
 struct U8Tiles<'a, 'c, M, Q> {
     m: M,
     plan: &'c Plan,
@@ -447,6 +491,8 @@ struct U8Tiles<'a, 'c, M, Q> {
     b: &'c Inputs<'a, Q>,
     sp: &'c SeqPlan,
     kvh: usize,
+    /// The head's dequantized K and V rows `[ctx][D]`, when the call made them.
+    wide: Option<(&'c [f32], &'c [f32])>,
     /// Per-channel key scales and zero points of the block being dequantized.
     params: RefCell<(Vec<f32>, Vec<f32>)>,
 }
@@ -461,6 +507,9 @@ impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
     type Pf = u8;
     fn keys<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
         let (plan, d) = (self.plan, self.plan.d);
+        if let Some((k, _)) = self.wide {
+            return &k[j0 * d..j1 * d];
+        }
         let n = j1 - j0;
         let out = &mut buf[..n * d];
         let (sc, zp) = &mut *self.params.borrow_mut();
@@ -481,18 +530,24 @@ impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
     }
     fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
         let (d, n) = (self.plan.d, j1 - j0);
+        if let Some((_, v)) = self.wide {
+            return &v[j0 * d..j1 * d];
+        }
         let out = &mut buf[..n * d];
-        let rows = self.values_ahead(j0, j1);
+        let rows = value_rows(self.plan, self.l, self.b.vc, (self.block(j0), self.kvh), j0, j1);
         dequant_token_rows(self.m, rows, self.l.value_row(), d, self.l.value_group, out);
         out
     }
     fn values_ahead(&self, j0: usize, j1: usize) -> &[u8] {
-        let (plan, vrow) = (self.plan, self.l.value_row());
-        let base = ((self.block(j0) * plan.hkv + self.kvh) * plan.bs + j0 % plan.bs) * vrow;
-        &self.b.vc[base..base + (j1 - j0) * vrow]
+        if self.wide.is_some() {
+            return &[];
+        }
+        value_rows(self.plan, self.l, self.b.vc, (self.block(j0), self.kvh), j0, j1)
     }
     fn keys_ahead(&self, next: Option<(usize, usize)>) -> &[u8] {
-        let Some((a, _)) = next else { return &[] };
+        let (Some((a, _)), None) = (next, self.wide) else {
+            return &[];
+        };
         let slab = self.l.key_slab();
         let at = (self.block(a) * self.plan.hkv + self.kvh) * slab;
         &self.b.kc[at..at + slab]
@@ -512,7 +567,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     sp: &SeqPlan,
     kvh: usize,
     (i0, i1): (usize, usize),
-    sc: &mut PrefillScratch,
+    (sc, wide): (&mut PrefillScratch, Option<(&[f32], &[f32])>),
     out: &SharedMut<'_, Q>,
     part: Option<&mut [f32]>,
 ) {
@@ -543,6 +598,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
         b,
         sp,
         kvh,
+        wide,
         params: RefCell::new(std::mem::take(params)),
     };
     let keep = part.is_some();
@@ -720,6 +776,11 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         vc: b.value_cache,
         block_indices: b.block_indices,
     };
+    let mut prefill_seqs = vec![false; plan.seqs.len()];
+    for w in items.iter().filter(|w| w.prefill) {
+        prefill_seqs[w.seq] = true;
+    }
+    let wide = dequant_prefill_rows(m, (plan, runner), l, &inputs, |s| prefill_seqs[s]);
     {
         let out = SharedMut::new(b.output);
         let parts = SharedMut::new(&mut parts);
@@ -732,8 +793,9 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                 unsafe { parts.part(at, sp.ctx() * w.nkvh) }
             });
             if w.prefill {
+                let rows = wide.as_ref().and_then(|x| x.rows(w.seq, w.kvh, sp.ctx() * plan.d));
                 PREFILL_SCRATCH.with(|s| {
-                    let sc = &mut *s.borrow_mut();
+                    let sc = (&mut *s.borrow_mut(), rows);
                     let span = (w.i0, w.i1);
                     prefill_item(m, plan, l, &inputs, sp, w.kvh, span, sc, &out, part);
                 });
