@@ -98,9 +98,25 @@ impl Scratch {
     }
 }
 
-/// The D scales and D zero points at the head of a by-channel key slab, into `sc` and `zp`.
-fn read_params(slab: &[u8], d: usize, (sc, zp): (&mut [f32], &mut [f32])) {
-    let (s, z) = slab[..PARAM_BYTES * d].split_at(4 * d);
+/// The D scales and D zero points at the head of a by-channel key slab: read in place when the
+/// slab is 4-byte aligned (as the caches of OpenVINO and of most hosts are) on a little-endian
+/// CPU, else copied into `sc` and `zp`.
+fn key_params<'a>(
+    slab: &'a [u8],
+    d: usize,
+    (sc, zp): (&'a mut [f32], &'a mut [f32]),
+) -> (&'a [f32], &'a [f32]) {
+    let head = &slab[..PARAM_BYTES * d];
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: every bit pattern is a valid f32, and `align_to` hands out only the aligned
+        // middle of `head` as floats.
+        let (pre, mid, _) = unsafe { head.align_to::<f32>() };
+        if pre.is_empty() && mid.len() == 2 * d {
+            return mid.split_at(d);
+        }
+    }
+    let (s, z) = head.split_at(4 * d);
     let f = |b: &[u8]| f32::from_le_bytes(b.try_into().expect("4 bytes"));
     for ((o, b), (p, c)) in sc[..d]
         .iter_mut()
@@ -109,6 +125,7 @@ fn read_params(slab: &[u8], d: usize, (sc, zp): (&mut [f32], &mut [f32])) {
     {
         (*o, *p) = (f(b), f(c));
     }
+    (&sc[..d], &zp[..d])
 }
 
 /// The rows of sequence `sp`, KV head `kvh`, for tokens `i0..i1` (in token, then head order).
@@ -171,10 +188,9 @@ fn block_logits<M: U8Micro + Micro>(
     let n = j1 - j0;
     match l.key {
         KeyQuant::ByChannel => {
-            read_params(slab, d, (&mut sc.sc, &mut sc.zp));
             // The query times the block's scales, and the zero points' share of each row's
             // logits.
-            let (sc_, zp) = (&sc.sc[..d], &sc.zp[..d]);
+            let (sc_, zp) = key_params(slab, d, (&mut sc.sc, &mut sc.zp));
             m.fold(q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
             sc.kzp[..n].fill(0.0);
@@ -407,7 +423,7 @@ fn dequant_keys<M: U8Micro>(
     let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
     match l.key {
         KeyQuant::ByChannel => {
-            read_params(slab, d, (sc, zp));
+            let (sc, zp) = key_params(slab, d, (sc, zp));
             let data = &slab[PARAM_BYTES * d + slot0 * d..][..n * d];
             for (o, q) in out[..n * d].chunks_exact_mut(d).zip(data.chunks_exact(d)) {
                 m.dequant(q, &zp[..d], &sc[..d], o);

@@ -420,7 +420,9 @@ unsafe fn dequant(
     }
 }
 
-/// [`U8Micro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`.
+/// [`U8Micro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`, up to
+/// four rows at a time (each chunk of `scale` and `zp` loaded once for them, and their sums
+/// four independent chains instead of one after another).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn fold_rows(
@@ -430,25 +432,52 @@ unsafe fn fold_rows(
     (out, ldo): (*mut f32, usize),
     cst: &mut [f32],
 ) {
-    let n = scale.len();
-    for (r, c) in cst.iter_mut().enumerate() {
-        let mut sum = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < n {
-            let w = n - i;
-            // SAFETY: elements `i..i + w.min(8)` lie inside row `r` of `x` and `out`, `zp`
-            // (the caller's bounds) and `scale`; padded lanes are 0 and add nothing.
-            unsafe {
-                let o = _mm256_mul_ps(
-                    load_f32(x.add(r * ldx + i), w),
-                    load_f32(scale.as_ptr().add(i), w),
-                );
-                store_f32(out.add(r * ldo + i), w, o);
-                sum = _mm256_fmadd_ps(o, load_f32(zp.add(i), w), sum);
+    let mut r = 0;
+    while r < cst.len() {
+        let take = (cst.len() - r).min(4);
+        // SAFETY: rows `r..r + take` of `x` and `out` (at their strides) and `zp` hold
+        // `scale.len()` elements (the caller's bounds).
+        unsafe {
+            let a = (x.add(r * ldx), ldx, scale, zp, out.add(r * ldo), ldo);
+            let c = &mut cst[r..r + take];
+            match take {
+                4 => fold_r::<4>(a, c),
+                3 => fold_r::<3>(a, c),
+                2 => fold_r::<2>(a, c),
+                _ => fold_r::<1>(a, c),
             }
-            i += 8;
         }
-        *c = hsum(sum);
+        r += take;
+    }
+}
+
+/// [`fold_rows`] for R rows.
+#[allow(clippy::type_complexity)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fold_r<const R: usize>(
+    (x, ldx, scale, zp, out, ldo): (*const f32, usize, &[f32], *const f32, *mut f32, usize),
+    cst: &mut [f32],
+) {
+    let n = scale.len();
+    let mut sum = [_mm256_setzero_ps(); R];
+    let mut i = 0;
+    while i < n {
+        let w = n - i;
+        // SAFETY: elements `i..i + w.min(8)` lie inside the R rows of `x` and `out`, `zp` (the
+        // caller's bounds) and `scale`; padded lanes are 0 and add nothing.
+        unsafe {
+            let (sv, zv) = (load_f32(scale.as_ptr().add(i), w), load_f32(zp.add(i), w));
+            for (r, sum) in sum.iter_mut().enumerate() {
+                let o = _mm256_mul_ps(load_f32(x.add(r * ldx + i), w), sv);
+                store_f32(out.add(r * ldo + i), w, o);
+                *sum = _mm256_fmadd_ps(o, zv, *sum);
+            }
+        }
+        i += 8;
+    }
+    for (c, &s) in cst.iter_mut().zip(&sum) {
+        *c = hsum(s);
     }
 }
 
