@@ -120,7 +120,13 @@ fn f16_and_bf16_queries_on_u8_caches_end_to_end() {
 fn prefill_after_a_long_past_and_from_zero_on_u8_caches() {
     let long = Some(vec![SeqKind::ChunkedPrefill]);
     check_past(ElemType::F32, 2e-5, 80..84, long, Some(400));
-    check_past(ElemType::F32, 2e-5, 90..92, Some(vec![SeqKind::Prefill]), None);
+    check_past(
+        ElemType::F32,
+        2e-5,
+        90..92,
+        Some(vec![SeqKind::Prefill]),
+        None,
+    );
 }
 
 #[test]

@@ -112,6 +112,9 @@ pub(super) fn aligned<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     &mut v[off..off + n]
 }
 
+/// One KV head's f32 K and V rows `[ctx][D]` (widened or dequantized once per call).
+pub(super) type KvRows<'a> = (&'a [f32], &'a [f32]);
+
 /// f32 copies of the K and V rows of the prefill sequences (f16/bf16 caches): each row is
 /// widened once per call instead of once per query tile that reads it.
 pub(crate) struct Widened {
@@ -139,7 +142,7 @@ impl Widened {
     }
 
     /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s`.
-    pub(super) fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<(&[f32], &[f32])> {
+    pub(super) fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<KvRows<'_>> {
         self.base[s].map(|(bk, bv)| {
             let (ok, ov) = (bk + kvh * n, bv + kvh * n);
             (&self.k[ok..ok + n], &self.v[ov..ov + n])
@@ -488,7 +491,7 @@ struct CacheTiles<'c, 'a, M, Q, C> {
     ctx: &'c Ctx<'a, Q, C>,
     sp: &'c SeqPlan,
     kvh: usize,
-    wide: Option<(&'c [f32], &'c [f32])>,
+    wide: Option<KvRows<'c>>,
 }
 
 impl<M: TileMicro, Q, C: Float> CacheTiles<'_, '_, M, Q, C> {

@@ -28,7 +28,7 @@
 //! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::prefill::{self, aligned, attend, ItemBufs, RowState, TileSource, Widened};
+use super::prefill::{self, aligned, attend, ItemBufs, KvRows, RowState, TileSource, Widened};
 use super::shared::SharedMut;
 use super::tile::prefetch_part;
 use crate::alloc::try_vec;
@@ -470,7 +470,17 @@ fn dequant_prefill_rows<M: U8Micro, Q>(
             let block = block_of(b.block_indices, sp.block_begin, bs, j0);
             let (keys, vals) = (&mut ka[j0 * d..j1 * d], &mut va[j0 * d..j1 * d]);
             let slots = (j0 % bs, j1 - j0);
-            dequant_keys(m, plan, l, b.kc, block, kvh, slots, (&mut sc, &mut zp), keys);
+            dequant_keys(
+                m,
+                plan,
+                l,
+                b.kc,
+                block,
+                kvh,
+                slots,
+                (&mut sc, &mut zp),
+                keys,
+            );
             let rows = value_rows(plan, l, b.vc, (block, kvh), j0, j1);
             dequant_token_rows(m, rows, l.value_row(), d, l.value_group, vals);
         }
@@ -508,7 +518,7 @@ struct U8Tiles<'a, 'c, M, Q> {
     sp: &'c SeqPlan,
     kvh: usize,
     /// The head's dequantized K and V rows `[ctx][D]`, when the call made them.
-    wide: Option<(&'c [f32], &'c [f32])>,
+    wide: Option<KvRows<'c>>,
     /// Per-channel key scales and zero points of the block being dequantized.
     params: RefCell<(Vec<f32>, Vec<f32>)>,
 }
@@ -550,7 +560,14 @@ impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
             return &v[j0 * d..j1 * d];
         }
         let out = &mut buf[..n * d];
-        let rows = value_rows(self.plan, self.l, self.b.vc, (self.block(j0), self.kvh), j0, j1);
+        let rows = value_rows(
+            self.plan,
+            self.l,
+            self.b.vc,
+            (self.block(j0), self.kvh),
+            j0,
+            j1,
+        );
         dequant_token_rows(self.m, rows, self.l.value_row(), d, self.l.value_group, out);
         out
     }
@@ -558,7 +575,14 @@ impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
         if self.wide.is_some() {
             return &[];
         }
-        value_rows(self.plan, self.l, self.b.vc, (self.block(j0), self.kvh), j0, j1)
+        value_rows(
+            self.plan,
+            self.l,
+            self.b.vc,
+            (self.block(j0), self.kvh),
+            j0,
+            j1,
+        )
     }
     fn keys_ahead(&self, next: Option<(usize, usize)>) -> &[u8] {
         let (Some((a, _)), None) = (next, self.wide) else {
@@ -583,7 +607,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     sp: &SeqPlan,
     kvh: usize,
     (i0, i1): (usize, usize),
-    (sc, wide): (&mut PrefillScratch, Option<(&[f32], &[f32])>),
+    (sc, wide): (&mut PrefillScratch, Option<KvRows<'_>>),
     out: &SharedMut<'_, Q>,
     part: Option<&mut [f32]>,
 ) {
@@ -809,7 +833,9 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                 unsafe { parts.part(at, sp.ctx() * w.nkvh) }
             });
             if w.prefill {
-                let rows = wide.as_ref().and_then(|x| x.rows(w.seq, w.kvh, sp.ctx() * plan.d));
+                let rows = wide
+                    .as_ref()
+                    .and_then(|x| x.rows(w.seq, w.kvh, sp.ctx() * plan.d));
                 PREFILL_SCRATCH.with(|s| {
                     let sc = (&mut *s.borrow_mut(), rows);
                     let span = (w.i0, w.i1);
