@@ -207,6 +207,14 @@ pub(crate) fn fold_bounds(
     );
 }
 
+/// Whether every element of `x` is zero (`+0.0` or `-0.0`; NaN is not): one OR over the bits
+/// without the sign, which compiles to a few vector instructions (an `== 0.0` per element with
+/// an early exit took about 5% of u8 decode in the value products' calls, AMD EPYC avx2).
+#[inline]
+pub(crate) fn all_zero(x: &[f32]) -> bool {
+    x.iter().fold(0u32, |a, &z| a | (z.to_bits() << 1)) == 0
+}
+
 /// Panics unless `pv` with these arguments stays inside its slices.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]

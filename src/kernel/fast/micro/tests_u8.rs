@@ -235,3 +235,32 @@ fn every_u8_tier_matches_float64_at_the_vector_edges() {
     }
     eprintln!("u8 micro tiers exercised: {}", ran.join(" "));
 }
+
+/// `all_zero` (which picks the loops without zero-point subtraction) agrees with `== 0.0` on
+/// every element: signed zeros count, NaN, subnormals and anything else do not.
+#[test]
+fn all_zero_means_every_element_equals_zero() {
+    let odd = [
+        f32::NAN,
+        -f32::NAN,
+        f32::MIN_POSITIVE / 4.0,
+        -1e-45,
+        1.0,
+        f32::INFINITY,
+    ];
+    for len in [0, 1, 7, 32, 33] {
+        let mut x: Vec<f32> = (0..len)
+            .map(|i| if i % 2 == 0 { 0.0 } else { -0.0 })
+            .collect();
+        assert!(super::all_zero(&x), "len {len}");
+        for at in 0..len {
+            for &v in &odd {
+                let keep = x[at];
+                x[at] = v;
+                let want = x.iter().all(|&z| z == 0.0);
+                assert!(!want && !super::all_zero(&x), "len {len} at {at} {v:e}");
+                x[at] = keep;
+            }
+        }
+    }
+}

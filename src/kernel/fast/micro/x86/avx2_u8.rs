@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::super::{all_zero, fold_bounds, pv_bounds, qk_bounds, U8Micro};
 use super::avx2::{exp_sub_sum, hsum, hsum4, load_partial, Avx2};
 
 impl U8Micro for Avx2 {
@@ -30,7 +30,7 @@ impl U8Micro for Avx2 {
         // subtraction fewer per 8 bytes.
         // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
         unsafe {
-            if zp.iter().all(|&z| z == 0.0) {
+            if all_zero(zp) {
                 qk_tiles::<false>(args)
             } else {
                 qk_tiles::<true>(args)
@@ -52,7 +52,7 @@ impl U8Micro for Avx2 {
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
         // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
-        let sub = !zp.iter().all(|&z| z == 0.0);
+        let sub = !all_zero(zp);
         let mut r = 0;
         while r < rows {
             let take = (rows - r).min(4);

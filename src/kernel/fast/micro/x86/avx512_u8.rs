@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::super::{all_zero, fold_bounds, pv_bounds, qk_bounds, U8Micro};
 use super::avx512::{exp16, reduce16, tail, Avx512};
 
 impl U8Micro for Avx512 {
@@ -27,7 +27,7 @@ impl U8Micro for Avx512 {
         let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
         // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
         unsafe {
-            if zp.iter().all(|&z| z == 0.0) {
+            if all_zero(zp) {
                 qk_tiles::<false>(args)
             } else {
                 qk_tiles::<true>(args)
@@ -49,7 +49,7 @@ impl U8Micro for Avx512 {
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
         // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
-        let sub = !zp.iter().all(|&z| z == 0.0);
+        let sub = !all_zero(zp);
         let mut r = 0;
         while r < rows {
             let take = (rows - r).min(4);
