@@ -168,9 +168,8 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f3
 }
 
 /// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block): masked keys
-/// `-inf`, ALiBi added. `fetch(i, 3)` is called for `i` in `0..3` between thirds of the
-/// products (by-channel keys; after them for by-token keys): the caller requests part `i` of
-/// the next step's keys.
+/// `-inf`, ALiBi added. The lines of `ahead` (the next step's keys) are requested a third at a
+/// time between thirds of the products (by-channel keys; after them for by-token keys).
 #[allow(clippy::too_many_arguments)]
 fn block_logits<M: U8Micro + Micro>(
     m: M,
@@ -182,7 +181,7 @@ fn block_logits<M: U8Micro + Micro>(
     (j0, j1): (usize, usize),
     (rows, q): (&[RowRef], &[f32]),
     sc: &mut Scratch,
-    fetch: &mut dyn FnMut(usize, usize),
+    ahead: &[u8],
 ) {
     let (d, bs, nr) = (plan.d, plan.bs, rows.len());
     let slab_len = l.key_slab();
@@ -205,7 +204,7 @@ fn block_logits<M: U8Micro + Micro>(
                     let (k, s) = (&data[t0 * d..], &mut sc.s[t0..]);
                     U8Micro::qk(m, &sc.qs, d, nr, k, d, &sc.kzp[t0..t1], d, s, bs);
                 }
-                fetch(p, 3);
+                prefetch_part(ahead, p, 3);
             }
             for r in 0..nr {
                 for x in &mut sc.s[r * bs..][..n] {
@@ -245,9 +244,7 @@ fn block_logits<M: U8Micro + Micro>(
                     }
                 }
             }
-            for p in 0..3 {
-                fetch(p, 3);
-            }
+            prefetch_part(ahead, 0, 1);
         }
     }
     for (r, row) in rows.iter().enumerate() {
@@ -338,20 +335,8 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         let h = &mut heads[i];
         let nr = h.rows.len();
         let (rows, q) = (&h.rows[..], &h.q[..]);
-        let mut kfetch = |i: usize, parts: usize| prefetch_part(knext, i, parts);
         let kvh = kvh0 + i;
-        block_logits(
-            m,
-            plan,
-            l,
-            b.kc,
-            block,
-            kvh,
-            (j0, j1),
-            (rows, q),
-            sc,
-            &mut kfetch,
-        );
+        block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), (rows, q), sc, knext);
         let n = j1 - j0;
         for (r, st) in h.st.iter_mut().enumerate().take(nr) {
             let s = &mut sc.s[r * bs..][..n];
@@ -425,6 +410,11 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
 
 /// Query rows above which a sequence's tiles take the prefill path (per KV head: tokens x G).
 const PREFILL_MIN_ROWS: usize = 16;
+
+/// Whether sequence `sp`'s tiles take the prefill path.
+fn is_prefill(plan: &Plan, sp: &SeqPlan) -> bool {
+    sp.n * plan.g > PREFILL_MIN_ROWS
+}
 
 /// Query rows of a prefill item (about, as the f32 prefill tiles: a multiple of G).
 const PREFILL_ROWS: usize = 64;
@@ -566,6 +556,12 @@ impl<M: U8Micro, Q> U8Tiles<'_, '_, M, Q> {
     fn block(&self, j0: usize) -> usize {
         block_of(self.b.block_indices, self.sp.block_begin, self.plan.bs, j0)
     }
+
+    /// The cache's value rows of keys `j0..j1` (one block) of this head.
+    fn value_bytes(&self, j0: usize, j1: usize) -> &[u8] {
+        let at = (self.block(j0), self.kvh);
+        value_rows(self.plan, self.l, self.b.vc, at, j0, j1)
+    }
 }
 
 impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
@@ -599,14 +595,7 @@ impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
             return &v[j0 * d..j1 * d];
         }
         let out = &mut buf[..n * d];
-        let rows = value_rows(
-            self.plan,
-            self.l,
-            self.b.vc,
-            (self.block(j0), self.kvh),
-            j0,
-            j1,
-        );
+        let rows = self.value_bytes(j0, j1);
         dequant_token_rows(self.m, rows, self.l.value_row(), d, self.l.value_group, out);
         out
     }
@@ -614,14 +603,7 @@ impl<M: U8Micro, Q> TileSource for U8Tiles<'_, '_, M, Q> {
         if self.wide.is_some() {
             return &[];
         }
-        value_rows(
-            self.plan,
-            self.l,
-            self.b.vc,
-            (self.block(j0), self.kvh),
-            j0,
-            j1,
-        )
+        self.value_bytes(j0, j1)
     }
     fn keys_ahead(&self, next: Option<(usize, usize)>) -> &[u8] {
         let (Some((a, _)), None) = (next, self.wide) else {
@@ -755,7 +737,7 @@ fn work_items(plan: &Plan, decode_heads: usize) -> Result<(Vec<Work>, usize)> {
         bytes: usize::MAX,
     };
     for (seq, sp) in plan.seqs.iter().enumerate() {
-        let prefill = sp.n * plan.g > PREFILL_MIN_ROWS;
+        let prefill = is_prefill(plan, sp);
         let step = if prefill {
             (PREFILL_ROWS / plan.g).max(1)
         } else {
@@ -822,11 +804,7 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     // that leaves threads idle: then runs of fewer heads, at least four items per thread (two
     // left one thread waiting on the other often enough to cost 5-13% on decode 4 x 4096, AMD
     // EPYC AVX2, 2 threads).
-    let decode_seqs = plan
-        .seqs
-        .iter()
-        .filter(|sp| sp.n * plan.g <= PREFILL_MIN_ROWS)
-        .count();
+    let decode_seqs = plan.seqs.iter().filter(|sp| !is_prefill(plan, sp)).count();
     let splits = (4 * runner.max_threads()).div_ceil(decode_seqs.max(1));
     let (items, parts_len) = work_items(plan, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
@@ -855,11 +833,8 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         vc: b.value_cache,
         block_indices: b.block_indices,
     };
-    let mut prefill_seqs = vec![false; plan.seqs.len()];
-    for w in items.iter().filter(|w| w.prefill) {
-        prefill_seqs[w.seq] = true;
-    }
-    let wide = dequant_prefill_rows(m, (plan, runner), l, &inputs, |s| prefill_seqs[s]);
+    let prefill = |s: usize| is_prefill(plan, &plan.seqs[s]);
+    let wide = dequant_prefill_rows(m, (plan, runner), l, &inputs, prefill);
     {
         let out = SharedMut::new(b.output);
         let parts = SharedMut::new(&mut parts);
