@@ -1,11 +1,13 @@
 //! Criterion benches of the fast kernels on the shapes (H=32, Hkv=8, D=128, block 32):
-//! decode (16 x 1024 past), prefill (1 x 1024), insert (1024 tokens) and rotate (64 blocks),
-//! with f32 and f16 caches. `cargo bench --bench kernels` (RAYON_NUM_THREADS sets the threads).
+//! decode (16 x 1024 past), prefill (1 x 1024), insert (1024 tokens; into f16 and into u8
+//! caches) and rotate (64 blocks), with f32 and f16 caches. `cargo bench --bench kernels`
+//! (RAYON_NUM_THREADS sets the threads).
 //! The end-to-end table against OpenVINO is `tools/bench.py`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use half::f16;
 use paged_attention::kernel::fast::{insert::insert, rotate::rotate};
+use paged_attention::kernel::quant::{insert_u8, KeyQuant, U8Layout};
 use paged_attention::Runner;
 use paged_attention::{execute, validate, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Duration;
@@ -141,6 +143,28 @@ fn insert_bench(c: &mut Criterion) {
     });
 }
 
+fn insert_u8_bench(c: &mut Criterion) {
+    let mut call = Call::<f32>::new(&[(0, 1024)]);
+    let mut plan = None;
+    call.run(|i, _| plan = Some(validate(i).expect("validate")));
+    let plan = plan.unwrap();
+    // OpenVINO's default u8 layout: keys by channel, values by token (one group of D).
+    let l = U8Layout {
+        hkv: HKV,
+        d: D,
+        bs: BS,
+        key: KeyQuant::ByChannel,
+        value_group: 0,
+    };
+    let nb = 1024 / BS;
+    let mut kc = vec![0u8; nb * HKV * (BS + 8) * D];
+    let mut vc = vec![0u8; nb * HKV * BS * (D + 8)];
+    let (seqs, bi) = (&plan.seqs, &call.bi);
+    c.bench_function("insert_u8_1024_tokens/serial", |b| {
+        b.iter(|| insert_u8(&l, seqs, bi, &call.k, &call.v, &mut kc, &mut vc))
+    });
+}
+
 fn rotate_bench(c: &mut Criterion) {
     let mut call = Call::<f32>::new(&[(2048, 1)]);
     let mut plan = None;
@@ -157,6 +181,6 @@ fn rotate_bench(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(3));
-    targets = decode, prefill, insert_bench, rotate_bench
+    targets = decode, prefill, insert_bench, insert_u8_bench, rotate_bench
 }
 criterion_main!(benches);

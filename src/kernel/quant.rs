@@ -12,6 +12,7 @@
 
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
+use crate::kernel::fast::prefetch_part;
 use crate::op::u8_layout::effective_group;
 pub use crate::op::u8_layout::{token_row_bytes, KeyQuant, U8Layout, PARAM_BYTES};
 use crate::op::validate::SeqPlan;
@@ -40,10 +41,11 @@ fn min_max(x: impl Iterator<Item = f32>) -> (f32, f32) {
 #[inline(always)]
 fn q_vector(x: f32, inv_scale: f32, zp: f32) -> u8 {
     let v = x.mul_add(inv_scale, zp).round_ties_even();
-    if !(-2147483648.0..2147483648.0).contains(&v) {
-        return 0;
-    }
-    v.clamp(0.0, 255.0) as u8
+    // Branch-free (so the loops over channels vectorize): NaN fails both comparisons.
+    let in_range = (-2147483648.0..2147483648.0).contains(&v);
+    let c = if in_range { v.clamp(0.0, 255.0) } else { 0.0 };
+    // SAFETY: `c` is an integer in 0..=255 (rounded, then clamped, or 0), so it converts exactly.
+    unsafe { c.to_int_unchecked::<i32>() as u8 }
 }
 
 /// The scalar tail: `std::round(max(x / scale + zp, 0))` (round half away from zero).
@@ -72,12 +74,15 @@ pub fn quantize_group(x: &[f32], dst: &mut [u8]) {
     write_f32(dst, 1, zp);
     let vec_len = x.len() - x.len() % 16;
     let q = &mut dst[PARAM_BYTES..PARAM_BYTES + x.len()];
-    for (i, (o, &v)) in q.iter_mut().zip(x).enumerate() {
-        *o = if i < vec_len {
-            q_vector(v, inv, zp)
-        } else {
-            q_scalar(v, scale, zp)
-        };
+    // Two loops, not one with a per-element choice: a choice compiles to both paths (a division
+    // per element) and a select.
+    let (qv, qs) = q.split_at_mut(vec_len);
+    let (xv, xs) = x.split_at(vec_len);
+    for (o, &v) in qv.iter_mut().zip(xv) {
+        *o = q_vector(v, inv, zp);
+    }
+    for (o, &v) in qs.iter_mut().zip(xs) {
+        *o = q_scalar(v, scale, zp);
     }
 }
 
@@ -286,9 +291,15 @@ fn insert_head<Q: Float>(
     buf: &mut InsertScratch,
 ) {
     let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    // A head's rows lie `Hkv * D` elements apart, a page or more for common shapes, where the
+    // hardware prefetcher stops: each row read also requests the row `AHEAD` tokens on.
+    const AHEAD: usize = 4;
     let widen = |src: &[Q], token: usize, out: &mut Vec<f32>| {
         let row = &src[(token * hkv + head) * d..][..d];
         out.extend(row.iter().map(|v| v.to_f32()));
+        if let Some(next) = src.get(((token + AHEAD) * hkv + head) * d..) {
+            prefetch_part(&next[..d.min(next.len())], 0, 1);
+        }
     };
     let value_row = layout.value_row();
     let key_slab = layout.key_slab();
@@ -624,6 +635,67 @@ mod tests {
         assert_eq!(q_vector(-3.0, 1.0, 0.0), 0);
         assert_eq!(q_vector(300.0, 1.0, 0.0), 255);
         assert_eq!(q_vector(f32::NAN, 1.0, 0.0), 0);
+    }
+
+    #[test]
+    fn vector_path_is_the_plugins_instruction_sequence() {
+        // What the plugin's AVX-512 code does, written from the instructions' definitions:
+        // vcvtps2dq rounds half to even and gives 0x80000000 for NaN and for results outside
+        // the i32 range; then max with 0 and a saturating pack to u8.
+        let model = |x: f32, inv: f32, zp: f32| -> u8 {
+            let v = x.mul_add(inv, zp);
+            let i = if v.is_nan() || !(-2147483648.0..2147483648.0).contains(&v) {
+                i32::MIN
+            } else {
+                v.round_ties_even() as i32
+            };
+            i.clamp(0, 255) as u8
+        };
+        let xs = [
+            0.0,
+            -0.0,
+            0.5,
+            1.5,
+            2.5,
+            -0.5,
+            -1.5,
+            127.5,
+            254.5,
+            255.0,
+            255.5,
+            256.0,
+            -1e-30,
+            1e-30,
+            3e9,
+            -3e9,
+            2147483520.0,
+            2147483648.0,
+            -2147483648.0,
+            -2147483904.0,
+            1e38,
+            -1e38,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+        ];
+        for &x in &xs {
+            for (inv, zp) in [
+                (1.0, 0.0),
+                (1.0, 0.5),
+                (0.5, 128.0),
+                (3.0e7, -7.0),
+                (-1.0, 3.0),
+            ] {
+                assert_eq!(
+                    q_vector(x, inv, zp),
+                    model(x, inv, zp),
+                    "x={x} inv={inv} zp={zp}"
+                );
+            }
+        }
     }
 
     #[test]

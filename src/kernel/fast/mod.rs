@@ -68,6 +68,7 @@ pub mod rotate;
 mod scores;
 mod shared;
 mod tile;
+pub(crate) use tile::prefetch_part;
 mod u8attn;
 
 use super::bind::{dispatch, Bound, TypedOp};
