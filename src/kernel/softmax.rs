@@ -70,7 +70,12 @@ impl Lanes for f32 {
     }
     #[inline(always)]
     fn exp_nonpos(self) -> f32 {
-        self.exp()
+        // A block that does not raise the max rescales by exp(0) = 1 (exact): no libm call.
+        if self == 0.0 {
+            1.0
+        } else {
+            self.exp()
+        }
     }
     #[inline(always)]
     fn cap(self) -> f32 {
