@@ -69,6 +69,11 @@ impl<T: Pooled> Buf<T> {
         v.fill(T::default());
         Buf(v)
     }
+
+    /// `n` elements with unspecified (initialised) contents, as [`take`].
+    pub fn any(n: usize) -> Buf<T> {
+        Buf(take(n))
+    }
 }
 
 impl<T: Pooled> Drop for Buf<T> {

@@ -127,8 +127,9 @@ pub(crate) struct Widened {
 
 impl Widened {
     /// f32 K and V rows `[Hkv][ctx][D]` of the prefill sequences (`prefill(s)`), made by
-    /// `fill(s, kvh, k, v)` per (sequence, KV head) in parallel; `None` when there are none or
-    /// they would exceed `2*T*H*D` floats each (memory per call stays O(T*H*D)).
+    /// `fill(s, kvh, k, v)` per (sequence, KV head) in parallel, which must write every element
+    /// of its rows (they start unspecified); `None` when there are none or they would exceed
+    /// `2*T*H*D` floats each (memory per call stays O(T*H*D)).
     pub(super) fn build(
         (plan, runner): (&Plan, Runner),
         prefill: impl Fn(usize) -> bool,
@@ -137,7 +138,8 @@ impl Widened {
         let d = plan.d;
         let budget = 2 * plan.t * plan.h * d;
         let region = |sp: &SeqPlan| (sp.ctx() * d, sp.ctx() * d);
-        let (k, v, base) = per_head_regions((plan, runner), prefill, region, budget, fill)?;
+        let sizes = (region, budget, false);
+        let (k, v, base) = per_head_regions((plan, runner), prefill, sizes, fill)?;
         Some(Widened { k, v, base })
     }
 
@@ -178,13 +180,13 @@ pub(super) type Regions<T> = (Buf<T>, Buf<T>, Vec<Option<(usize, usize)>>);
 
 /// Runs `fill(s, kvh, k, v)` on every (prefill sequence `s`: `prefill(s)`, KV head) in
 /// parallel on `runner`, `k` and `v` being that head's `region(seq)` (K, V) elements of two
-/// zeroed buffers from the pool; `None` when there is nothing to fill or a buffer would exceed
+/// buffers from the pool, zeroed when `zero` (else their contents are unspecified, for fills
+/// that write every element); `None` when there is nothing to fill or a buffer would exceed
 /// `budget` elements.
 pub(super) fn per_head_regions<T>(
     (plan, runner): (&Plan, Runner),
     prefill: impl Fn(usize) -> bool,
-    region: impl Fn(&SeqPlan) -> (usize, usize) + Sync,
-    budget: usize,
+    (region, budget, zero): (impl Fn(&SeqPlan) -> (usize, usize) + Sync, usize, bool),
     fill: impl Fn(usize, usize, &mut [T], &mut [T]) + Sync,
 ) -> Option<Regions<T>>
 where
@@ -204,7 +206,8 @@ where
     if klen == 0 || klen.max(vlen) > budget {
         return None;
     }
-    let (mut k, mut v) = (Buf::zeroed(klen), Buf::zeroed(vlen));
+    let buf = if zero { Buf::zeroed } else { Buf::any };
+    let (mut k, mut v) = (buf(klen), buf(vlen));
     // One task per (prefill sequence, KV head): (s, kvh, K offset, V offset).
     let tasks: Vec<(usize, usize, usize, usize)> = (0..plan.seqs.len())
         .filter_map(|s| base[s].map(|b| (s, b)))

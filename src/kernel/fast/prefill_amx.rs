@@ -167,8 +167,12 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
     let (k, v, base) = per_head_regions(
         (plan, ctx.runner),
         |s| ctx.part.seqs[s].prefill,
-        |sp| ((sp.ctx() + 32) * kw, (sp.ctx() + 32) * dp * parts.v),
-        budget,
+        // Zeroed: the spare keys and the padding of the packed rows must read as 0.
+        (
+            |sp: &crate::op::SeqPlan| ((sp.ctx() + 32) * kw, (sp.ctx() + 32) * dp * parts.v),
+            budget,
+            true,
+        ),
         |s, kvh, ka: &mut [u16], va: &mut [u16]| {
             let n = plan.seqs[s].ctx();
             PACK.with(|p| {
