@@ -83,9 +83,17 @@ impl Scratch {
         let rows8 = rows.div_ceil(8) * 8;
         let qt = aligned(qt, d * rows8);
         let qr = aligned(qr, rows8 * d);
+        // A token's rows lie H*D elements after the last's (past the hardware prefetcher):
+        // each token's rows are requested two tokens ahead.
+        let rows_of = |ti: usize| &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
+        for ti in 0..nt.min(2) {
+            prefetch_part(rows_of(ti), 0, 1);
+        }
         for ti in 0..nt {
-            let src = &query[((sp.begin + t0 + ti) * h + kvh * g) * d..][..g * d];
-            m.widen(src, &mut qr[ti * g * d..(ti + 1) * g * d]);
+            if ti + 2 < nt {
+                prefetch_part(rows_of(ti + 2), 0, 1);
+            }
+            m.widen(rows_of(ti), &mut qr[ti * g * d..(ti + 1) * g * d]);
         }
         qr[rows * d..].fill(0.0);
         m.transpose(qr, rows, d, qt, rows8);
