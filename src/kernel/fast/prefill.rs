@@ -329,6 +329,31 @@ pub(super) fn stash_logits<Q, C>(
     }
 }
 
+/// Key tiles at the end of an item over which [`prefetch_out`] spreads its requests.
+const OUT_AHEAD_TILES: usize = 4;
+
+/// Requests the output rows an item writes at its end, a part per key tile over its last
+/// [`OUT_AHEAD_TILES`] tiles (a token's G rows `[G*D]` lie `H*D` elements after the last
+/// token's, past the hardware prefetcher, and written cold every store waits on memory).
+/// `(token0, nt, kvh)`: the item's first token in the batch, its token count and KV head;
+/// `(lo, hi, j0)`: its key range and the current tile's first key.
+pub(super) fn prefetch_out<Q>(
+    plan: &Plan,
+    out: &SharedMut<'_, Q>,
+    (token0, nt, kvh): (usize, usize, usize),
+    (lo, hi, j0): (usize, usize, usize),
+) {
+    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let ntiles = (hi - 1) / bs - lo / bs + 1;
+    let last = ntiles.min(OUT_AHEAD_TILES);
+    let Some(part) = (j0 / bs - lo / bs).checked_sub(ntiles - last) else {
+        return;
+    };
+    for t in token0 + nt * part / last..token0 + nt * (part + 1) / last {
+        out.prefetch((t * h + kvh * g) * d, g * d, (0, 1));
+    }
+}
+
 /// Writes each row's output `acc[r*lda..][..D] / l` and its `[m, l]` partial-result slot.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn write_rows<Q: Float, C>(
@@ -441,6 +466,12 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             if let Some(sw) = sw {
                 stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
             }
+            prefetch_out(
+                plan,
+                out,
+                (sp.begin + ir.t0, ir.nt, kvh),
+                (ir.lo, ir.hi, j0),
+            );
         },
     );
     let RowState {

@@ -25,6 +25,17 @@ impl<'a, T> SharedMut<'a, T> {
         }
     }
 
+    /// Asks the CPU to start loading part `i` of `parts` of elements `off..off + len` (a hint:
+    /// no slice is made, so the range may be one another task holds).
+    pub(crate) fn prefetch(&self, off: usize, len: usize, part: (usize, usize)) {
+        assert!(
+            off <= self.len && len <= self.len - off,
+            "SharedMut::prefetch out of range"
+        );
+        let p = self.ptr.wrapping_add(off) as *const u8;
+        super::tile::prefetch_lines(p, len * std::mem::size_of::<T>(), part);
+    }
+
     /// `len` elements from `off`.
     ///
     /// # Safety

@@ -28,7 +28,9 @@
 //! on the thread count and no logit is computed twice.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::prefill::{self, aligned, attend, ItemBufs, KvRows, RowState, TileSource, Widened};
+use super::prefill::{
+    self, aligned, attend, prefetch_out, ItemBufs, KvRows, RowState, TileSource, Widened,
+};
 use super::shared::SharedMut;
 use super::tile::prefetch_part;
 use crate::alloc::try_vec;
@@ -673,6 +675,7 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
         &mut state,
         tiles,
         |st, j0, n| {
+            prefetch_out(plan, out, (sp.begin + i0, nt, kvh), (lo, hi, j0));
             if keep {
                 for r in r_sc..rows {
                     let dst = &mut kept[(r - r_sc) * span + j0 - lo..][..n];
