@@ -340,8 +340,9 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         let kvh = kvh0 + i;
         block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), (rows, q), sc, knext);
         let n = j1 - j0;
+        let (mut subs, mut sums) = ([0f32; ROWS], [0f32; ROWS]);
         for (r, st) in h.st.iter_mut().enumerate().take(nr) {
-            let s = &mut sc.s[r * bs..][..n];
+            let s = &sc.s[r * bs..][..n];
             if h.rows[r].scored {
                 h.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(s);
             }
@@ -350,7 +351,12 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                 m.scale(&mut h.acc[r * d..][..d], step.rescale);
                 m.scale(&mut h.zsum[r * ngroups..][..ngroups], step.rescale);
             }
-            st.add(m.exp_sum(s, step.sub));
+            subs[r] = step.sub;
+        }
+        // The rows' weights in one call (their exp chains overlap).
+        m.exp_sum(&mut sc.s, bs, n, &subs[..nr], &mut sums[..nr]);
+        for (st, &sum) in h.st.iter_mut().zip(&sums[..nr]) {
+            st.add(sum);
         }
         // The value products in parts of columns, the next step's values requested between.
         let cparts = (4 / ngroups).max(1);

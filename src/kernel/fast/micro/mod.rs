@@ -145,8 +145,9 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
     fn max(self, s: &[f32]) -> f32 {
         s.iter().copied().fold(f32::NEG_INFINITY, f32::max)
     }
-    /// `s[i] = exp(s[i] - sub)` (0 where `s[i]` is `-inf`, `sub` finite); returns their sum.
-    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32;
+    /// Rows `r < subs.len()` of `s` (`n` logits each, at stride `lds`): `x = exp(x - subs[r])`
+    /// (0 where `x` is `-inf`, `subs[r]` finite), the row's sum into `sums[r]`.
+    fn exp_sum(self, s: &mut [f32], lds: usize, n: usize, subs: &[f32], sums: &mut [f32]);
     /// `out[i] = (src[i] - zp[i]) * scale[i]`, rounded as `kernel::quant::dequant` (a
     /// subtraction, then a product: every tier gives the same bits), for `i < out.len()`.
     fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]);
@@ -183,6 +184,13 @@ pub(crate) fn qk_bounds(
 ) {
     rows_fit(q_len, ldq, rows, len);
     rows_fit(k_len, ldk, n, len);
+    rows_fit(s_len, lds, rows, n);
+}
+
+/// Panics unless `exp_sum` with these arguments stays inside its slices.
+#[inline(always)]
+pub(crate) fn exp_sum_bounds(s_len: usize, lds: usize, n: usize, rows: usize, sums_len: usize) {
+    assert!(sums_len >= rows, "u8 exp_sum: sums out of range");
     rows_fit(s_len, lds, rows, n);
 }
 

@@ -2,7 +2,7 @@
 //! against.
 
 use super::scalar::Scalar;
-use super::{pv_bounds, qk_bounds, U8Micro};
+use super::{exp_sum_bounds, pv_bounds, qk_bounds, U8Micro};
 use crate::kernel::quant::dequant;
 
 impl U8Micro for Scalar {
@@ -63,13 +63,16 @@ impl U8Micro for Scalar {
         }
     }
 
-    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
-        let mut sum = 0.0;
-        for x in s.iter_mut() {
-            *x = (*x - sub).exp();
-            sum += *x;
+    fn exp_sum(self, s: &mut [f32], lds: usize, n: usize, subs: &[f32], sums: &mut [f32]) {
+        exp_sum_bounds(s.len(), lds, n, subs.len(), sums.len());
+        for (r, (&sub, out)) in subs.iter().zip(sums.iter_mut()).enumerate() {
+            let mut sum = 0.0;
+            for x in &mut s[r * lds..][..n] {
+                *x = (*x - sub).exp();
+                sum += *x;
+            }
+            *out = sum;
         }
-        sum
     }
 
     fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {

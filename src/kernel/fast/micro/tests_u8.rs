@@ -195,19 +195,45 @@ fn elementwise<M: U8Micro>(m: M, tier: &str) {
             "{what} max, NaN"
         );
         assert_eq!(m.max(&s[..0]), f32::NEG_INFINITY, "{what} max of none");
-        let sub = 5.0f32;
-        let want: Vec<f64> = s.iter().map(|&x| ((x - sub) as f64).exp()).collect();
-        let sum = m.exp_sum(&mut s, sub);
-        let total: f64 = want.iter().sum();
-        for (i, (&g, &w)) in s.iter().zip(&want).enumerate() {
-            check(&format!("{what} exp {i}"), g, w, 4.0 * EPS * w);
+        // 1 to 6 rows (whole groups of four and the rest), 3 gap elements between rows that
+        // must stay untouched, a different `sub` per row.
+        for rows in 1..=6 {
+            let lds = len + 3;
+            let mut st = vec![f32::NAN; rows * lds];
+            let subs: Vec<f32> = (0..rows).map(|r| 5.0 - r as f32).collect();
+            for r in 0..rows {
+                for (o, &x) in st[r * lds..][..len].iter_mut().zip(&s) {
+                    *o = x - r as f32 * 0.5;
+                }
+            }
+            let before = st.clone();
+            let mut sums = vec![f32::NAN; rows];
+            m.exp_sum(&mut st, lds, len, &subs, &mut sums);
+            for r in 0..rows {
+                let row = &before[r * lds..][..len];
+                let want: Vec<f64> = row.iter().map(|&x| ((x - subs[r]) as f64).exp()).collect();
+                for (i, (&g, &w)) in st[r * lds..][..len].iter().zip(&want).enumerate() {
+                    check(
+                        &format!("{what} exp {rows}x{i} row {r}"),
+                        g,
+                        w,
+                        4.0 * EPS * w,
+                    );
+                }
+                let total: f64 = want.iter().sum();
+                let tol = (len as f64 + 8.0) * EPS * total;
+                check(
+                    &format!("{what} exp sum {rows} row {r}"),
+                    sums[r],
+                    total,
+                    tol,
+                );
+                assert!(
+                    st[r * lds + len..(r + 1) * lds].iter().all(|v| v.is_nan()),
+                    "{what}: exp_sum wrote between rows"
+                );
+            }
         }
-        check(
-            &format!("{what} exp sum"),
-            sum,
-            total,
-            (len as f64 + 8.0) * EPS * total,
-        );
     }
 }
 

@@ -282,36 +282,66 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(hsum4(v, z, z, z))
 }
 
+/// `s[i] = exp(s[i] - m)` over `s`, returning their sum (one row of [`exp_sub_sum_rows`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
-    let mv = _mm256_set1_ps(m);
-    let mut sum = _mm256_setzero_ps();
-    let n = s.len();
-    let p = s.as_mut_ptr();
+    // SAFETY: one row of `s.len()` floats at `s`.
+    unsafe { exp_sub_sum_rows::<1>(s.as_mut_ptr(), 0, s.len(), [m])[0] }
+}
+
+/// `R` rows of `n` floats at `p` (stride `lds`): row `r`'s `x = exp(x - m[r])`, and their sum
+/// per row. The rows go through the loop together (R independent exp chains hide each other's
+/// latency), each with the arithmetic and order of a row on its own.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; rows `0..R` of `n` floats at stride `lds` from `p` are
+/// readable and writable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn exp_sub_sum_rows<const R: usize>(
+    p: *mut f32,
+    lds: usize,
+    n: usize,
+    m: [f32; R],
+) -> [f32; R] {
+    let mut mv = [_mm256_setzero_ps(); R];
+    for (v, &m) in mv.iter_mut().zip(&m) {
+        *v = _mm256_set1_ps(m);
+    }
+    let mut sum = [_mm256_setzero_ps(); R];
     let mut j = 0;
     while j + 8 <= n {
-        // SAFETY: j + 8 <= n elements of `s`.
-        unsafe {
-            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
-            _mm256_storeu_ps(p.add(j), e);
-            sum = _mm256_add_ps(sum, e);
+        for r in 0..R {
+            // SAFETY: j + 8 <= n elements of row r.
+            unsafe {
+                let q = p.add(r * lds + j);
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(q), mv[r]));
+                _mm256_storeu_ps(q, e);
+                sum[r] = _mm256_add_ps(sum[r], e);
+            }
         }
         j += 8;
     }
     if j < n {
-        let mut buf = [0f32; 8];
-        // SAFETY: n - j < 8 elements remain; the padding is -inf, whose exp is 0.
-        unsafe {
-            let e = exp8(_mm256_sub_ps(
-                load_partial(p.add(j), n - j, f32::NEG_INFINITY),
-                mv,
-            ));
-            _mm256_storeu_ps(buf.as_mut_ptr(), e);
-            std::ptr::copy_nonoverlapping(buf.as_ptr(), p.add(j), n - j);
-            sum = _mm256_add_ps(sum, e);
+        for r in 0..R {
+            let mut buf = [0f32; 8];
+            // SAFETY: n - j < 8 elements of row r remain; the padding is -inf, whose exp is 0.
+            unsafe {
+                let q = p.add(r * lds + j);
+                let x = load_partial(q, n - j, f32::NEG_INFINITY);
+                let e = exp8(_mm256_sub_ps(x, mv[r]));
+                _mm256_storeu_ps(buf.as_mut_ptr(), e);
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), q, n - j);
+                sum[r] = _mm256_add_ps(sum[r], e);
+            }
         }
     }
-    hsum(sum)
+    let mut out = [0f32; R];
+    for (o, &v) in out.iter_mut().zip(&sum) {
+        // SAFETY: same features as this function.
+        *o = unsafe { hsum(v) };
+    }
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -7,8 +7,8 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, fold_bounds, pv_bounds, qk_bounds, U8Micro};
-use super::avx2::{exp_sub_sum, hsum, hsum4, load_partial, Avx2};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::avx2::{exp_sub_sum_rows, hsum, hsum4, load_partial, Avx2};
 
 impl U8Micro for Avx2 {
     fn qk(
@@ -111,9 +111,27 @@ impl U8Micro for Avx2 {
         unsafe { max(s) }
     }
 
-    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
-        // SAFETY: `self` proves the features; the loop reads and writes only elements of `s`.
-        unsafe { exp_sub_sum(s, sub) }
+    fn exp_sum(self, s: &mut [f32], lds: usize, n: usize, subs: &[f32], sums: &mut [f32]) {
+        exp_sum_bounds(s.len(), lds, n, subs.len(), sums.len());
+        // Up to four rows at a time: their exp chains overlap (one row of a decode block is
+        // only four vectors, too few to hide the latency).
+        let mut r = 0;
+        while r < subs.len() {
+            let take = (subs.len() - r).min(4);
+            let p = s[r * lds..].as_mut_ptr();
+            let (m, o) = (&subs[r..r + take], &mut sums[r..r + take]);
+            // SAFETY: `self` proves the features; `exp_sum_bounds` checked that rows
+            // `r..r + take` of `n` floats at stride `lds` lie inside `s`.
+            unsafe {
+                match take {
+                    4 => o.copy_from_slice(&exp_sub_sum_rows(p, lds, n, [m[0], m[1], m[2], m[3]])),
+                    3 => o.copy_from_slice(&exp_sub_sum_rows(p, lds, n, [m[0], m[1], m[2]])),
+                    2 => o.copy_from_slice(&exp_sub_sum_rows(p, lds, n, [m[0], m[1]])),
+                    _ => o.copy_from_slice(&exp_sub_sum_rows(p, lds, n, [m[0]])),
+                }
+            }
+            r += take;
+        }
     }
 
     fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {

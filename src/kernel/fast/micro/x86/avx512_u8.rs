@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, U8Micro};
 use super::avx512::{exp16, reduce16, tail, Avx512};
 
 impl U8Micro for Avx512 {
@@ -105,9 +105,13 @@ impl U8Micro for Avx512 {
         unsafe { max(s) }
     }
 
-    fn exp_sum(self, s: &mut [f32], sub: f32) -> f32 {
-        // SAFETY: `self` proves the features; the loop reads and writes only lanes of `s`.
-        unsafe { exp_sum(s, sub) }
+    fn exp_sum(self, s: &mut [f32], lds: usize, n: usize, subs: &[f32], sums: &mut [f32]) {
+        exp_sum_bounds(s.len(), lds, n, subs.len(), sums.len());
+        for (r, (&sub, out)) in subs.iter().zip(sums.iter_mut()).enumerate() {
+            // SAFETY: `self` proves the features; the loop reads and writes only lanes of the
+            // row (in bounds, checked above).
+            *out = unsafe { exp_sum(&mut s[r * lds..][..n], sub) };
+        }
     }
 
     fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]) {
