@@ -175,7 +175,7 @@ fn elementwise<M: U8Micro>(m: M, tier: &str) {
             out[len..].iter().all(|v| v.is_nan()),
             "{what}: uniform wrote past"
         );
-        let mut s: Vec<f32> = (0..len)
+        let s: Vec<f32> = (0..len)
             .map(|i| {
                 if i % 5 == 3 {
                     f32::NEG_INFINITY
