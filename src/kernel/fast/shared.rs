@@ -25,13 +25,18 @@ impl<'a, T> SharedMut<'a, T> {
         }
     }
 
+    /// Panics unless elements `off..off + len` lie inside the slice.
+    fn check(&self, off: usize, len: usize) {
+        assert!(
+            off <= self.len && len <= self.len - off,
+            "SharedMut: range out of bounds"
+        );
+    }
+
     /// Asks the CPU to start loading part `i` of `parts` of elements `off..off + len` (a hint:
     /// no slice is made, so the range may be one another task holds).
     pub(crate) fn prefetch(&self, off: usize, len: usize, part: (usize, usize)) {
-        assert!(
-            off <= self.len && len <= self.len - off,
-            "SharedMut::prefetch out of range"
-        );
+        self.check(off, len);
         let p = self.ptr.wrapping_add(off) as *const u8;
         super::tile::prefetch_lines(p, len * std::mem::size_of::<T>(), part);
     }
@@ -42,10 +47,7 @@ impl<'a, T> SharedMut<'a, T> {
     /// No two live slices obtained from this `SharedMut` may overlap.
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn part(&self, off: usize, len: usize) -> &mut [T] {
-        assert!(
-            off <= self.len && len <= self.len - off,
-            "SharedMut::part out of range"
-        );
+        self.check(off, len);
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
     }

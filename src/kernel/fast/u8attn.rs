@@ -813,8 +813,8 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     // that leaves threads idle: then runs of fewer heads, aiming at eight items per thread
     // (AMD EPYC AVX2, 2 threads, decode 4 x 4096: two left one thread waiting on the other
     // often enough to cost 5-13%; inside OpenVINO, whose helper threads join a region late,
-    // eight took 0.87-0.97x the time of four in 10 of 11 alternated runs, and the same through
-    // the C ABI).
+    // eight took 0.87-0.97x the time of four in 10 of 11 alternated runs; through the C ABI
+    // 0.92-1.0x).
     let decode_seqs = plan.seqs.iter().filter(|sp| !is_prefill(plan, sp)).count();
     let splits = (8 * runner.max_threads()).div_ceil(decode_seqs.max(1));
     let (items, parts_len) = work_items(plan, plan.hkv.div_ceil(splits))?;
