@@ -22,10 +22,12 @@
 //!   the reference's.
 //!
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
-//! reference's (`kernel::layout`). Scores: an item keeps the logits of its score rows (the last
+//! reference's (`kernel::layout`). Scores: an item keeps its score rows' values (the last
 //! `score_tokens` tokens) and, once their softmax states are final, adds their weights into its
 //! own partial scores; a sequence's partials are summed in item order, so results do not depend
-//! on the thread count and no logit is computed twice.
+//! on the thread count and no logit is computed twice. Decode items keep the block weights the
+//! values were weighted with and each block's running max (`OnlineSoftmax::factor`: no second
+//! `exp`); prefill items keep the logits.
 
 use super::micro::{Micro, TileMicro, U8Micro};
 use super::prefill::{
@@ -154,8 +156,11 @@ struct HeadState {
     /// Per (row, value group): the value zero points' share of the accumulators, rescaled with
     /// them and taken off the group's columns once, at the end.
     zsum: Vec<f32>,
-    /// Logits of the score rows over the tile's key range.
+    /// Weights `exp(s - step.sub)` of the score rows over the tile's key range, as the steps
+    /// computed them for the values ...
     kept: Vec<f32>,
+    /// ... and each row's running max after each block ([`OnlineSoftmax::factor`]).
+    kmax: Vec<f32>,
 }
 
 /// Loads the tile's query rows, scaled by the softmax scale, into `q`.
@@ -308,6 +313,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let ngroups = d / vg;
     let vrow = l.value_row();
     let (lo, hi) = key_range(plan, &heads[0].rows);
+    let nblocks = tiles(lo, hi, bs).count();
     for h in heads.iter_mut() {
         let nr = h.rows.len();
         load_queries(plan, b.query, &h.rows, &mut h.q);
@@ -317,7 +323,9 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         h.zsum.resize(nr * ngroups, 0.0);
         if h.rows.iter().any(|r| r.scored) {
             h.kept.clear();
-            h.kept.resize(nr * (hi - lo), f32::NEG_INFINITY);
+            h.kept.resize(nr * (hi - lo), 0.0);
+            h.kmax.clear();
+            h.kmax.resize(nr * nblocks, f32::NEG_INFINITY);
         }
     }
     let step_bytes = |((j0, j1), i): ((usize, usize), usize)| {
@@ -341,12 +349,14 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), (rows, q), sc, knext);
         let n = j1 - j0;
         let (mut subs, mut sums) = ([0f32; ROWS], [0f32; ROWS]);
+        // The block's index among the tile's (it starts at `lo`, then every `bs`).
+        let kb = (j0 - lo + lo % bs) / bs;
         for (r, st) in h.st.iter_mut().enumerate().take(nr) {
             let s = &sc.s[r * bs..][..n];
-            if h.rows[r].scored {
-                h.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(s);
-            }
             let step = st.update(U8Micro::max(m, s));
+            if h.rows[r].scored {
+                h.kmax[r * nblocks + kb] = st.max;
+            }
             if step.rescale != 1.0 {
                 m.scale(&mut h.acc[r * d..][..d], step.rescale);
                 m.scale(&mut h.zsum[r * ngroups..][..ngroups], step.rescale);
@@ -355,8 +365,12 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         }
         // The rows' weights in one call (their exp chains overlap).
         m.exp_sum(&mut sc.s, bs, n, &subs[..nr], &mut sums[..nr]);
-        for (st, &sum) in h.st.iter_mut().zip(&sums[..nr]) {
+        for (r, (st, &sum)) in h.st.iter_mut().zip(&sums[..nr]).enumerate() {
             st.add(sum);
+            if h.rows[r].scored {
+                let w = &sc.s[r * bs..][..n];
+                h.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(w);
+            }
         }
         // The value products in parts of columns, the next step's values requested between.
         let cparts = (4 / ngroups).max(1);
@@ -407,10 +421,18 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                 }
             }
             if row.scored {
-                // weight(x) = exp(x - max) * norm; masked keys (-inf) add 0.
+                // Final weight = block weight * factor(block's running max); masked keys
+                // (weight 0) add 0.
                 let kept = &h.kept[r * (hi - lo)..][..hi - lo];
                 let part = &mut parts[i * ctx..][..ctx];
-                m.add_exp_scaled(&mut part[lo..hi], kept, h.st[r].max, norm);
+                let kmax = &h.kmax[r * nblocks..][..nblocks];
+                for ((j0, j1), &bm) in tiles(lo, hi, bs).zip(kmax) {
+                    m.add_scaled(
+                        &mut part[j0..j1],
+                        &kept[j0 - lo..j1 - lo],
+                        h.st[r].factor(bm),
+                    );
+                }
             }
         }
     }
@@ -881,6 +903,7 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                     st: [OnlineSoftmax::EMPTY; ROWS],
                     zsum: Vec::new(),
                     kept: Vec::new(),
+                    kmax: Vec::new(),
                 })
                 .collect();
             for i0 in (w.i0..w.i1).step_by(tokens_per_tile) {

@@ -438,9 +438,11 @@ unsafe fn dequant(
     }
 }
 
-/// [`U8Micro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`, up to
-/// four rows at a time (each chunk of `scale` and `zp` loaded once for them, and their sums
-/// four independent chains instead of one after another).
+/// [`U8Micro::fold`] for `cst.len()` rows, one row at a time: `out = x * scale`,
+/// `cst[r] = sum(out * zp)` in two interleaved sums (even and odd chunks of 8) so the FMA
+/// latency overlaps. Row by row keeps the loop to three pointers and an index: blocking rows
+/// (one load of `scale` and `zp` for several) ran out of registers and reloaded its pointers
+/// from the stack every chunk.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn fold_rows(
@@ -450,52 +452,33 @@ unsafe fn fold_rows(
     (out, ldo): (*mut f32, usize),
     cst: &mut [f32],
 ) {
-    let mut r = 0;
-    while r < cst.len() {
-        let take = (cst.len() - r).min(4);
-        // SAFETY: rows `r..r + take` of `x` and `out` (at their strides) and `zp` hold
-        // `scale.len()` elements (the caller's bounds).
-        unsafe {
-            let a = (x.add(r * ldx), ldx, scale, zp, out.add(r * ldo), ldo);
-            let c = &mut cst[r..r + take];
-            match take {
-                4 => fold_r::<4>(a, c),
-                3 => fold_r::<3>(a, c),
-                2 => fold_r::<2>(a, c),
-                _ => fold_r::<1>(a, c),
-            }
-        }
-        r += take;
-    }
-}
-
-/// [`fold_rows`] for R rows.
-#[allow(clippy::type_complexity)]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fold_r<const R: usize>(
-    (x, ldx, scale, zp, out, ldo): (*const f32, usize, &[f32], *const f32, *mut f32, usize),
-    cst: &mut [f32],
-) {
     let n = scale.len();
-    let mut sum = [_mm256_setzero_ps(); R];
-    let mut i = 0;
-    while i < n {
-        let w = n - i;
-        // SAFETY: elements `i..i + w.min(8)` lie inside the R rows of `x` and `out`, `zp` (the
-        // caller's bounds) and `scale`; padded lanes are 0 and add nothing.
+    let sp = scale.as_ptr();
+    for (r, c) in cst.iter_mut().enumerate() {
+        // SAFETY: row `r` of `x` and `out` (at their strides), `zp` and `scale` hold `n`
+        // elements (the caller's bounds); padded lanes are 0 and add nothing.
         unsafe {
-            let (sv, zv) = (load_f32(scale.as_ptr().add(i), w), load_f32(zp.add(i), w));
-            for (r, sum) in sum.iter_mut().enumerate() {
-                let o = _mm256_mul_ps(load_f32(x.add(r * ldx + i), w), sv);
-                store_f32(out.add(r * ldo + i), w, o);
-                *sum = _mm256_fmadd_ps(o, zv, *sum);
+            let (xr, or) = (x.add(r * ldx), out.add(r * ldo));
+            let mut sum = [_mm256_setzero_ps(); 2];
+            let mut i = 0;
+            while i + 16 <= n {
+                for (h, sum) in sum.iter_mut().enumerate() {
+                    let j = i + 8 * h;
+                    let o = _mm256_mul_ps(_mm256_loadu_ps(xr.add(j)), _mm256_loadu_ps(sp.add(j)));
+                    _mm256_storeu_ps(or.add(j), o);
+                    *sum = _mm256_fmadd_ps(o, _mm256_loadu_ps(zp.add(j)), *sum);
+                }
+                i += 16;
             }
+            while i < n {
+                let w = n - i;
+                let o = _mm256_mul_ps(load_f32(xr.add(i), w), load_f32(sp.add(i), w));
+                store_f32(or.add(i), w, o);
+                sum[0] = _mm256_fmadd_ps(o, load_f32(zp.add(i), w), sum[0]);
+                i += 8;
+            }
+            *c = hsum(_mm256_add_ps(sum[0], sum[1]));
         }
-        i += 8;
-    }
-    for (c, &s) in cst.iter_mut().zip(&sum) {
-        *c = hsum(s);
     }
 }
 
