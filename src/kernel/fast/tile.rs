@@ -151,17 +151,30 @@ pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
 /// reads nothing the program sees, and never faults).
 #[inline]
 pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usize)) {
+    let lines = bytes.div_ceil(64);
+    prefetch_lines_in(p, lines, lines * i / parts, lines * (i + 1) / parts);
+}
+
+/// Asks the CPU to start loading cache lines `l0..l1` of `x` (clipped to its lines; a hint, no
+/// effect on results): for callers that cut `x` into parts once rather than per part.
+#[inline]
+pub(crate) fn prefetch_range<T>(x: &[T], l0: usize, l1: usize) {
+    let lines = std::mem::size_of_val(x).div_ceil(64);
+    prefetch_lines_in(x.as_ptr() as *const u8, lines, l0, l1);
+}
+
+/// Lines `l0..l1.min(lines)` of the `lines` cache lines at `p`.
+#[inline(always)]
+fn prefetch_lines_in(p: *const u8, lines: usize, l0: usize, l1: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let lines = bytes.div_ceil(64);
-        let (l0, l1) = (lines * i / parts, lines * (i + 1) / parts);
-        for l in l0..l1 {
+        for l in l0..l1.min(lines) {
             // SAFETY: prefetch never faults (the address is only a hint, hence `wrapping_add`);
             // SSE is part of the x86_64 baseline.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l * 64) as *const i8) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, bytes, i, parts);
+    let _ = (p, lines, l0, l1);
 }

@@ -34,7 +34,7 @@ use super::prefill::{
     self, aligned, attend, prefetch_out, ItemBufs, KvRows, RowState, TileSource, Widened,
 };
 use super::shared::SharedMut;
-use super::tile::prefetch_part;
+use super::tile::{prefetch_part, prefetch_range};
 use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
@@ -174,7 +174,8 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f3
     }
 }
 
-/// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block): masked keys
+/// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block, from its slot
+/// `slot0`): masked keys
 /// `-inf`, ALiBi added. The lines of `ahead` (the next step's keys) are requested a third at a
 /// time between thirds of the products (by-channel keys; after them for by-token keys).
 #[allow(clippy::too_many_arguments)]
@@ -183,7 +184,7 @@ fn block_logits<M: U8Micro + Micro>(
     plan: &Plan,
     l: &U8Layout,
     kc: &[u8],
-    block: usize,
+    (block, slot0): (usize, usize),
     kvh: usize,
     (j0, j1): (usize, usize),
     (rows, q): (&[RowRef], &[f32]),
@@ -193,7 +194,6 @@ fn block_logits<M: U8Micro + Micro>(
     let (d, bs, nr) = (plan.d, plan.bs, rows.len());
     let slab_len = l.key_slab();
     let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
-    let slot0 = j0 % bs;
     let n = j1 - j0;
     match l.key {
         KeyQuant::ByChannel => {
@@ -328,29 +328,69 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             h.kmax.resize(nr * nblocks, f32::NEG_INFINITY);
         }
     }
-    let step_bytes = |((j0, j1), i): ((usize, usize), usize)| {
-        let block = block_of(b.block_indices, sp.block_begin, bs, j0);
+    // Per step, block `kb` of the tile's range: its first key's slot is `j0 - (lo_blk + kb) *
+    // bs` (no division per step; `tiles` starts at `lo`, then at every block boundary).
+    let lo_blk = lo / bs;
+    let step_bytes = |(kb, (j0, j1), i): (usize, (usize, usize), usize)| {
+        let block = b.block_indices[sp.block_begin + lo_blk + kb] as usize;
+        let slot0 = j0 - (lo_blk + kb) * bs;
         let (slab, at) = (l.key_slab(), block * plan.hkv + kvh0 + i);
-        let vbase = (at * bs + j0 % bs) * vrow;
+        let vbase = (at * bs + slot0) * vrow;
         let k = &b.kc[at * slab..][..slab];
-        (block, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
+        (block, slot0, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
     };
+    debug_assert!(tiles(lo, hi, bs).all(|(j0, _)| block_of(
+        b.block_indices,
+        sp.block_begin,
+        bs,
+        j0
+    ) == b.block_indices[sp.block_begin + j0 / bs]
+        as usize));
     let nh = heads.len();
-    let steps = || tiles(lo, hi, bs).flat_map(move |t| (0..nh).map(move |i| (t, i)));
+    let steps = || {
+        tiles(lo, hi, bs)
+            .enumerate()
+            .flat_map(move |(kb, t)| (0..nh).map(move |i| (kb, t, i)))
+    };
+    // The value products' column parts (group, then a share of its columns): byte offset in a
+    // value row, accumulator column, width; the next step's values are requested a part at a
+    // time between them.
+    let cparts = (4 / ngroups).max(1);
+    let vparts: Vec<(usize, usize, usize)> = (0..ngroups * cparts)
+        .map(|k| {
+            let (gi, cp) = (k / cparts, k % cparts);
+            let (c0, c1) = (vg * cp / cparts, vg * (cp + 1) / cparts);
+            (
+                gi * (vg + PARAM_BYTES) + PARAM_BYTES + c0,
+                gi * vg + c0,
+                c1 - c0,
+            )
+        })
+        .collect();
     let mut ahead = steps().skip(1);
-    for ((j0, j1), i) in steps() {
-        let (block, _, vrows) = step_bytes(((j0, j1), i));
+    for (kb, (j0, j1), i) in steps() {
+        let (block, slot0, _, vrows) = step_bytes((kb, (j0, j1), i));
         let next = ahead.next().map(step_bytes);
-        let (knext, vnext) = next.map_or((&[][..], &[][..]), |(_, k, v)| (k, v));
+        let (knext, vnext) = next.map_or((&[][..], &[][..]), |(_, _, k, v)| (k, v));
+        let vlines = vnext.len().div_ceil(64).div_ceil(vparts.len());
         let h = &mut heads[i];
         let nr = h.rows.len();
         let (rows, q) = (&h.rows[..], &h.q[..]);
         let kvh = kvh0 + i;
-        block_logits(m, plan, l, b.kc, block, kvh, (j0, j1), (rows, q), sc, knext);
+        block_logits(
+            m,
+            plan,
+            l,
+            b.kc,
+            (block, slot0),
+            kvh,
+            (j0, j1),
+            (rows, q),
+            sc,
+            knext,
+        );
         let n = j1 - j0;
         let (mut subs, mut sums) = ([0f32; ROWS], [0f32; ROWS]);
-        // The block's index among the tile's (it starts at `lo`, then every `bs`).
-        let kb = (j0 - lo + lo % bs) / bs;
         for (r, st) in h.st.iter_mut().enumerate().take(nr) {
             let s = &sc.s[r * bs..][..n];
             let step = st.update(U8Micro::max(m, s));
@@ -373,33 +413,24 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             }
         }
         // The value products in parts of columns, the next step's values requested between.
-        let cparts = (4 / ngroups).max(1);
-        for gi in 0..ngroups {
+        for (gi, parts) in vparts.chunks_exact(cparts).enumerate() {
             let g0 = gi * (vg + PARAM_BYTES);
-            for t in 0..n {
-                let params = &vrows[t * vrow + g0..];
-                sc.vscale[t] = read_f32(params, 0);
-                sc.vzp[t] = read_f32(params, 1);
+            for ((row, s), z) in vrows
+                .chunks_exact(vrow)
+                .zip(&mut sc.vscale[..n])
+                .zip(&mut sc.vzp[..n])
+            {
+                (*s, *z) = (read_f32(&row[g0..], 0), read_f32(&row[g0..], 1));
             }
             // Weights times the tokens' scales; the zero points' share of each row, taken
             // off the group's columns once rather than off every value.
             let (vs, vz) = (&sc.vscale[..n], &sc.vzp[..n]);
             m.fold(&sc.s, bs, nr, vs, vz, &mut sc.w, n, &mut sc.cst);
-            for cp in 0..cparts {
-                let (c0, c1) = (vg * cp / cparts, vg * (cp + 1) / cparts);
-                let v = &vrows[g0 + PARAM_BYTES + c0..];
-                let acc = &mut h.acc[gi * vg + c0..];
-                m.pv(
-                    acc,
-                    d,
-                    nr,
-                    &sc.w[..nr * n],
-                    v,
-                    vrow,
-                    &sc.zeros[..n],
-                    c1 - c0,
-                );
-                prefetch_part(vnext, gi * cparts + cp, ngroups * cparts);
+            for (cp, &(v0, a0, w)) in parts.iter().enumerate() {
+                let (v, acc) = (&vrows[v0..], &mut h.acc[a0..]);
+                m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.zeros[..n], w);
+                let l0 = (gi * cparts + cp) * vlines;
+                prefetch_range(vnext, l0, l0 + vlines);
             }
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
                 h.zsum[r * ngroups + gi] += c;
