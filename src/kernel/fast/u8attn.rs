@@ -175,9 +175,9 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f3
 }
 
 /// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block, from its slot
-/// `slot0`): masked keys
-/// `-inf`, ALiBi added. The lines of `ahead` (the next step's keys) are requested a third at a
-/// time between thirds of the products (by-channel keys; after them for by-token keys).
+/// `slot0`): masked keys `-inf`, ALiBi added. The lines of `ahead` (the next step's keys) are
+/// requested a third at a time between thirds of the products (by-channel keys; after them for
+/// by-token keys).
 #[allow(clippy::too_many_arguments)]
 fn block_logits<M: U8Micro + Micro>(
     m: M,
@@ -328,24 +328,13 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             h.kmax.resize(nr * nblocks, f32::NEG_INFINITY);
         }
     }
-    // Per step, block `kb` of the tile's range: its first key's slot is `j0 - (lo_blk + kb) *
-    // bs` (no division per step; `tiles` starts at `lo`, then at every block boundary).
-    let lo_blk = lo / bs;
-    let step_bytes = |(kb, (j0, j1), i): (usize, (usize, usize), usize)| {
-        let block = b.block_indices[sp.block_begin + lo_blk + kb] as usize;
-        let slot0 = j0 - (lo_blk + kb) * bs;
+    let step_bytes = |(_, (j0, j1), i): (usize, (usize, usize), usize)| {
+        let (block, slot0) = (block_of(b.block_indices, sp.block_begin, bs, j0), j0 % bs);
         let (slab, at) = (l.key_slab(), block * plan.hkv + kvh0 + i);
         let vbase = (at * bs + slot0) * vrow;
         let k = &b.kc[at * slab..][..slab];
         (block, slot0, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
     };
-    debug_assert!(tiles(lo, hi, bs).all(|(j0, _)| block_of(
-        b.block_indices,
-        sp.block_begin,
-        bs,
-        j0
-    ) == b.block_indices[sp.block_begin + j0 / bs]
-        as usize));
     let nh = heads.len();
     let steps = || {
         tiles(lo, hi, bs)
