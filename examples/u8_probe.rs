@@ -3,7 +3,9 @@
 //! and 4 x 4096 (H 32, Hkv 8, D 128, block 32) on u8 caches in OpenVINO's default layout.
 //! `U8_PROBE_HOT=1` maps every sequence onto 4 physical blocks, so the cache stays in L2: the
 //! time of the loops alone, without memory stalls. `U8_PROBE_SHUFFLE=1` scatters the blocks
-//! (a random permutation, as tools/bench.py and a serving cache do).
+//! (a random permutation, as tools/bench.py and a serving cache do). `U8_PROBE_COLD=1` writes
+//! 96 MiB between calls, so every call reads its cache from memory (as in a serving loop, where
+//! the model's other layers run in between).
 
 use paged_attention::{execute, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
@@ -66,7 +68,14 @@ fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
     let scores_len = seqs.iter().map(|s| s.0 + s.1).sum::<usize>();
     let (mut out, mut scores) = (vec![0f32; t * H * D], vec![0f32; scores_len]);
     let mut best = f64::MAX;
-    for _ in 0..reps {
+    let mut evict = match std::env::var_os("U8_PROBE_COLD") {
+        Some(_) => vec![0u8; 96 << 20],
+        None => Vec::new(),
+    };
+    for rep in 0..reps {
+        for line in evict.chunks_mut(64) {
+            line[0] = line[0].wrapping_add(rep as u8);
+        }
         let mut inputs = PaInputs {
             query: Tensor::new(&[t, H * D], &q),
             key: Tensor::new(&[t, HKV * D], &k),

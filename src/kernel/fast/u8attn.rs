@@ -851,14 +851,16 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     l: &U8Layout,
     b: Bound<'_, Q, u8>,
 ) -> Result<()> {
-    // Decode items take every KV head of their sequence (whole blocks in storage order) unless
-    // that leaves threads idle: then runs of fewer heads, aiming at eight items per thread
-    // (AMD EPYC AVX2, 2 threads, decode 4 x 4096: two left one thread waiting on the other
-    // often enough to cost 5-13%; inside OpenVINO, whose helper threads join a region late,
-    // eight took 0.87-0.97x the time of four in 10 of 11 alternated runs; through the C ABI
-    // 0.92-1.0x).
+    // Decode items take runs of a sequence's KV heads (whole blocks in storage order), aiming at
+    // 32 items per thread: whichever thread is free claims the next item, and small items even
+    // out threads that run at different speeds (a VM's vCPUs, a host's other work). AMD EPYC
+    // AVX2, 2 threads, inside OpenVINO: decode 16 x 1024 (2-head items) ran 1.94-2.18x the
+    // built-in op against 1.74-1.94x with one 8-head item per sequence (8 per thread), and one
+    // head per item (64 per thread) 1.82-1.96x; the two threads' busy time differed by up to
+    // 0.5 ms of 6 with 8 per thread. Decode 4 x 4096 (1-head items) was unchanged, 1 thread too.
+    // Fewer than 8 per thread also cost 5-13% on 4 x 4096 (one thread waiting on the other).
     let decode_seqs = plan.seqs.iter().filter(|sp| !is_prefill(plan, sp)).count();
-    let splits = (8 * runner.max_threads()).div_ceil(decode_seqs.max(1));
+    let splits = (32 * runner.max_threads()).div_ceil(decode_seqs.max(1));
     let (items, parts_len) = work_items(plan, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
     {
