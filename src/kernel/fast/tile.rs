@@ -155,12 +155,11 @@ pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usi
     prefetch_lines_in(p, lines, lines * i / parts, lines * (i + 1) / parts);
 }
 
-/// Asks the CPU to start loading cache lines `l0..l1` of `x` (clipped to its lines; a hint, no
-/// effect on results): for callers that cut `x` into parts once rather than per part.
+/// Part `i` of `parts` nearly equal parts of `x` (what a loop over `parts` groups of the
+/// current work is given of the next work's bytes to request).
 #[inline]
-pub(crate) fn prefetch_range<T>(x: &[T], l0: usize, l1: usize) {
-    let lines = std::mem::size_of_val(x).div_ceil(64);
-    prefetch_lines_in(x.as_ptr() as *const u8, lines, l0, l1);
+pub(crate) fn share<T>(x: &[T], (i, parts): (usize, usize)) -> &[T] {
+    &x[x.len() * i / parts..x.len() * (i + 1) / parts]
 }
 
 /// Lines `l0..l1.min(lines)` of the `lines` cache lines at `p`.

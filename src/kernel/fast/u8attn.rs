@@ -34,7 +34,7 @@ use super::prefill::{
     self, aligned, attend, prefetch_out, ItemBufs, KvRows, RowState, TileSource, Widened,
 };
 use super::shared::SharedMut;
-use super::tile::{prefetch_part, prefetch_range};
+use super::tile::share;
 use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
@@ -61,7 +61,8 @@ struct RowRef {
     scored: bool,
 }
 
-/// Per-item scratch.
+/// A decode item's scratch (one per thread, reused across items and calls).
+#[derive(Default)]
 struct Scratch {
     qs: Vec<f32>,
     cst: Vec<f32>,
@@ -83,21 +84,26 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(plan: &Plan) -> Scratch {
-        let d = plan.d;
-        Scratch {
-            qs: vec![0.0; ROWS * d],
-            cst: vec![0.0; ROWS],
-            s: vec![0.0; ROWS * plan.bs],
-            w: vec![0.0; ROWS * plan.bs],
-            vscale: vec![0.0; plan.bs],
-            vzp: vec![0.0; plan.bs],
-            zeros: vec![0.0; plan.bs],
-            t2: vec![0.0; ROWS * plan.bs],
-            kzp: vec![0.0; plan.bs],
-            kscale: vec![0.0; plan.bs],
-            sc: vec![0.0; d],
-            zp: vec![0.0; d],
+    /// Grows the buffers to the plan's sizes (never shrinks them; `zeros` stays all zero).
+    fn fit(&mut self, plan: &Plan) {
+        let (d, bs) = (plan.d, plan.bs);
+        for (v, len) in [
+            (&mut self.qs, ROWS * d),
+            (&mut self.cst, ROWS),
+            (&mut self.s, ROWS * bs),
+            (&mut self.w, ROWS * bs),
+            (&mut self.vscale, bs),
+            (&mut self.vzp, bs),
+            (&mut self.zeros, bs),
+            (&mut self.t2, ROWS * bs),
+            (&mut self.kzp, bs),
+            (&mut self.kscale, bs),
+            (&mut self.sc, d),
+            (&mut self.zp, d),
+        ] {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
         }
     }
 }
@@ -163,6 +169,28 @@ struct HeadState {
     kmax: Vec<f32>,
 }
 
+impl HeadState {
+    fn new() -> HeadState {
+        HeadState {
+            rows: Vec::new(),
+            q: Vec::new(),
+            acc: Vec::new(),
+            st: [OnlineSoftmax::EMPTY; ROWS],
+            zsum: Vec::new(),
+            kept: Vec::new(),
+            kmax: Vec::new(),
+        }
+    }
+}
+
+/// Per-thread buffers of decode items: the scratch and one [`HeadState`] per KV head of an
+/// item, grown on demand.
+#[derive(Default)]
+struct DecodeScratch {
+    sc: Scratch,
+    heads: Vec<HeadState>,
+}
+
 /// Loads the tile's query rows, scaled by the softmax scale, into `q`.
 fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f32]) {
     let (d, h) = (plan.d, plan.h);
@@ -175,9 +203,8 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f3
 }
 
 /// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block, from its slot
-/// `slot0`): masked keys `-inf`, ALiBi added. The lines of `ahead` (the next step's keys) are
-/// requested a third at a time between thirds of the products (by-channel keys; after them for
-/// by-token keys).
+/// `slot0`): masked keys `-inf`, ALiBi added. The key products request the lines of `ahead`
+/// (the next step's keys) as they go (by-token keys: a share per group).
 #[allow(clippy::too_many_arguments)]
 fn block_logits<M: U8Micro + Micro>(
     m: M,
@@ -203,16 +230,8 @@ fn block_logits<M: U8Micro + Micro>(
             m.fold(q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
             sc.kzp[..n].fill(0.0);
-            // In parts of whole 3-key tiles, the next step's keys requested between them.
-            let parts = [0, 12, 24, n.max(24)];
-            for p in 0..3 {
-                let (t0, t1) = (parts[p].min(n), parts[p + 1].min(n));
-                if t0 < t1 {
-                    let (k, s) = (&data[t0 * d..], &mut sc.s[t0..]);
-                    U8Micro::qk(m, &sc.qs, d, nr, k, d, &sc.kzp[t0..t1], d, s, bs);
-                }
-                prefetch_part(ahead, p, 3);
-            }
+            let (kzp, s) = (&sc.kzp[..n], &mut sc.s[..]);
+            U8Micro::qk(m, &sc.qs, d, nr, data, d, kzp, d, s, bs, ahead);
             for r in 0..nr {
                 for x in &mut sc.s[r * bs..][..n] {
                     *x -= sc.cst[r];
@@ -226,7 +245,8 @@ fn block_logits<M: U8Micro + Micro>(
             for r in 0..nr {
                 sc.s[r * bs..][..n].fill(0.0);
             }
-            for gi in 0..d / g {
+            let ngroups = d / g;
+            for gi in 0..ngroups {
                 let g0 = gi * (g + PARAM_BYTES);
                 for t in 0..n {
                     sc.kscale[t] = read_f32(&rows_bytes[t * kr + g0..], 0);
@@ -244,6 +264,7 @@ fn block_logits<M: U8Micro + Micro>(
                     g,
                     &mut sc.t2,
                     bs,
+                    share(ahead, (gi, ngroups)),
                 );
                 for r in 0..nr {
                     for t in 0..n {
@@ -251,7 +272,6 @@ fn block_logits<M: U8Micro + Micro>(
                     }
                 }
             }
-            prefetch_part(ahead, 0, 1);
         }
     }
     for (r, row) in rows.iter().enumerate() {
@@ -288,13 +308,14 @@ fn key_range(plan: &Plan, rows: &[RowRef]) -> (usize, usize) {
 /// The steps go block by block and, within a block, KV head by KV head: the cache's storage
 /// order, so one step's bytes follow the last's and the hardware prefetcher streams whole
 /// blocks. Blocks themselves are scattered, so the next step's key slab and value rows are
-/// also requested while this step computes, a third of the keys after each third of the key
-/// products and a quarter of the values after each quarter of the value products' columns
-/// (requests in larger bursts fill the miss queues and stall the loads being computed on:
-/// halves between phases took 1.13-1.16x the time of this on decode 16 x 1024 and 4 x 4096,
-/// eighths and fifths 1.03-1.07x, AMD EPYC avx2, 2 threads). Each head's arithmetic is the
-/// same whatever run it is part of, and the parts change no sum, so results do not depend on
-/// how heads are grouped.
+/// also requested while this step computes: the key and value products request them a few
+/// lines before each of their tiles (`U8Micro::qk`/`pv`'s `pf`), one product call per block
+/// and value group. Bursts fill the miss queues and stall the loads being computed on. The
+/// build before requested them between thirds of the key products and quarters of the value
+/// columns (7 product calls per step; 0.86-0.89x the time of half-slab bursts); this, with the
+/// decode scratch kept per thread, took 0.89-0.92x its time (decode 16 x 1024 and 4 x 4096,
+/// AMD EPYC avx2, 2 threads, C ABI) and 7% fewer instructions. Each head's arithmetic is the
+/// same whatever run it is part of, so results do not depend on how heads are grouped.
 #[allow(clippy::too_many_arguments)]
 fn attend_tile<M: U8Micro + Micro, Q: Float>(
     m: M,
@@ -322,8 +343,10 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         h.zsum.clear();
         h.zsum.resize(nr * ngroups, 0.0);
         if h.rows.iter().any(|r| r.scored) {
-            h.kept.clear();
-            h.kept.resize(nr * (hi - lo), 0.0);
+            // Every weight a score row reads is written by the steps first: no zeroing.
+            if h.kept.len() < nr * (hi - lo) {
+                h.kept.resize(nr * (hi - lo), 0.0);
+            }
             h.kmax.clear();
             h.kmax.resize(nr * nblocks, f32::NEG_INFINITY);
         }
@@ -341,27 +364,11 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             .enumerate()
             .flat_map(move |(kb, t)| (0..nh).map(move |i| (kb, t, i)))
     };
-    // The value products' column parts (group, then a share of its columns): byte offset in a
-    // value row, accumulator column, width; the next step's values are requested a part at a
-    // time between them.
-    let cparts = (4 / ngroups).max(1);
-    let vparts: Vec<(usize, usize, usize)> = (0..ngroups * cparts)
-        .map(|k| {
-            let (gi, cp) = (k / cparts, k % cparts);
-            let (c0, c1) = (vg * cp / cparts, vg * (cp + 1) / cparts);
-            (
-                gi * (vg + PARAM_BYTES) + PARAM_BYTES + c0,
-                gi * vg + c0,
-                c1 - c0,
-            )
-        })
-        .collect();
     let mut ahead = steps().skip(1);
     for (kb, (j0, j1), i) in steps() {
         let (block, slot0, _, vrows) = step_bytes((kb, (j0, j1), i));
         let next = ahead.next().map(step_bytes);
         let (knext, vnext) = next.map_or((&[][..], &[][..]), |(_, _, k, v)| (k, v));
-        let vlines = vnext.len().div_ceil(64).div_ceil(vparts.len());
         let h = &mut heads[i];
         let nr = h.rows.len();
         let (rows, q) = (&h.rows[..], &h.q[..]);
@@ -401,8 +408,8 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                 h.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(w);
             }
         }
-        // The value products in parts of columns, the next step's values requested between.
-        for (gi, parts) in vparts.chunks_exact(cparts).enumerate() {
+        // The value products, group by group, requesting the next step's values as they go.
+        for gi in 0..ngroups {
             let g0 = gi * (vg + PARAM_BYTES);
             for ((row, s), z) in vrows
                 .chunks_exact(vrow)
@@ -415,12 +422,9 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             // off the group's columns once rather than off every value.
             let (vs, vz) = (&sc.vscale[..n], &sc.vzp[..n]);
             m.fold(&sc.s, bs, nr, vs, vz, &mut sc.w, n, &mut sc.cst);
-            for (cp, &(v0, a0, w)) in parts.iter().enumerate() {
-                let (v, acc) = (&vrows[v0..], &mut h.acc[a0..]);
-                m.pv(acc, d, nr, &sc.w[..nr * n], v, vrow, &sc.zeros[..n], w);
-                let l0 = (gi * cparts + cp) * vlines;
-                prefetch_range(vnext, l0, l0 + vlines);
-            }
+            let (v, acc) = (&vrows[g0 + PARAM_BYTES..], &mut h.acc[gi * vg..]);
+            let (w, pf) = (&sc.w[..nr * n], share(vnext, (gi, ngroups)));
+            m.pv(acc, d, nr, w, v, vrow, &sc.zeros[..n], vg, pf);
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
                 h.zsum[r * ngroups + gi] += c;
             }
@@ -481,6 +485,7 @@ struct PrefillScratch {
 
 thread_local! {
     static PREFILL_SCRATCH: RefCell<PrefillScratch> = RefCell::new(PrefillScratch::default());
+    static DECODE_SCRATCH: RefCell<DecodeScratch> = RefCell::new(DecodeScratch::default());
 }
 
 /// Dequantizes the keys of slots `slot0..slot0 + n` of (block, KV head `kvh`) into `out`
@@ -912,37 +917,40 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                 });
                 return;
             }
-            let mut sc = Scratch::new(plan);
-            let mut none = [];
-            let part: &mut [f32] = part.unwrap_or(&mut none);
-            let tokens_per_tile = (ROWS / plan.g).max(1);
-            let d = plan.d;
-            let mut heads: Vec<HeadState> = (0..w.nkvh)
-                .map(|_| HeadState {
-                    rows: Vec::new(),
-                    q: vec![0.0; ROWS * d],
-                    acc: vec![0.0; ROWS * d],
-                    st: [OnlineSoftmax::EMPTY; ROWS],
-                    zsum: Vec::new(),
-                    kept: Vec::new(),
-                    kmax: Vec::new(),
-                })
-                .collect();
-            for i0 in (w.i0..w.i1).step_by(tokens_per_tile) {
-                let i1 = (i0 + tokens_per_tile).min(w.i1);
-                // Rows of a KV head beyond ROWS (G > ROWS) make more tiles, chunk by chunk.
-                let per_head = (i1 - i0) * plan.g;
-                for c0 in (0..per_head).step_by(ROWS) {
-                    for (k, h) in heads.iter_mut().enumerate() {
-                        let rows = rows_of(plan, sp, w.kvh + k, i0, i1);
-                        h.rows.clear();
-                        h.rows
-                            .extend_from_slice(&rows[c0..(c0 + ROWS).min(per_head)]);
-                    }
-                    let hs = &mut heads[..];
-                    attend_tile(m, plan, l, &inputs, sp, w.kvh, hs, &mut sc, &out, part);
+            DECODE_SCRATCH.with(|s| {
+                let DecodeScratch { sc, heads } = &mut *s.borrow_mut();
+                sc.fit(plan);
+                let mut none = [];
+                let part: &mut [f32] = part.unwrap_or(&mut none);
+                let tokens_per_tile = (ROWS / plan.g).max(1);
+                let d = plan.d;
+                if heads.len() < w.nkvh {
+                    heads.resize_with(w.nkvh, HeadState::new);
                 }
-            }
+                for h in heads.iter_mut() {
+                    for v in [&mut h.q, &mut h.acc] {
+                        if v.len() < ROWS * d {
+                            v.resize(ROWS * d, 0.0);
+                        }
+                    }
+                }
+                let heads = &mut heads[..w.nkvh];
+                for i0 in (w.i0..w.i1).step_by(tokens_per_tile) {
+                    let i1 = (i0 + tokens_per_tile).min(w.i1);
+                    // Rows of a KV head beyond ROWS (G > ROWS) make more tiles, chunk by chunk.
+                    let per_head = (i1 - i0) * plan.g;
+                    for c0 in (0..per_head).step_by(ROWS) {
+                        for (k, h) in heads.iter_mut().enumerate() {
+                            let rows = rows_of(plan, sp, w.kvh + k, i0, i1);
+                            h.rows.clear();
+                            h.rows
+                                .extend_from_slice(&rows[c0..(c0 + ROWS).min(per_head)]);
+                        }
+                        let hs = &mut heads[..];
+                        attend_tile(m, plan, l, &inputs, sp, w.kvh, hs, sc, &out, part);
+                    }
+                }
+            });
         });
     }
     let mut item = 0;

@@ -91,6 +91,8 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
 pub(crate) trait U8Micro: Copy + Send + Sync {
     /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t*ldk + c] - zp[t])` for `r < rows`,
     /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each).
+    /// `pf`: bytes the caller reads next, whose cache lines the loop requests a few at a time
+    /// as it goes (a hint: nothing in `pf` is read, results do not depend on it).
     #[allow(clippy::too_many_arguments)]
     fn qk(
         self,
@@ -103,10 +105,12 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
         len: usize,
         s: &mut [f32],
         lds: usize,
+        pf: &[u8],
     );
     /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t*ldv + c] - zp[t])` for `r < rows`, `c < len`,
     /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each) weighted
-    /// into the rows' accumulators, which stay in registers across the keys.
+    /// into the rows' accumulators, which stay in registers across the keys. `pf` as for
+    /// [`U8Micro::qk`].
     #[allow(clippy::too_many_arguments)]
     fn pv(
         self,
@@ -118,6 +122,7 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
         ldv: usize,
         zp: &[f32],
         len: usize,
+        pf: &[u8],
     );
     /// `out[r*ldo + c] = x[r*ldx + c] * scale[c]` and `cst[r] = sum_c out[r*ldo + c] * zp[c]`
     /// for `r < rows`, `c < len = scale.len()`: folds per-element scales and zero points into

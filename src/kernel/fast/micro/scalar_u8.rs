@@ -3,6 +3,7 @@
 
 use super::scalar::Scalar;
 use super::{exp_sum_bounds, pv_bounds, qk_bounds, U8Micro};
+use crate::kernel::fast::prefetch_part;
 use crate::kernel::quant::dequant;
 
 impl U8Micro for Scalar {
@@ -17,7 +18,10 @@ impl U8Micro for Scalar {
         len: usize,
         s: &mut [f32],
         lds: usize,
+        pf: &[u8],
     ) {
+        // All the lines at once: the scalar loop is slow enough for them to arrive in time.
+        prefetch_part(pf, 0, 1);
         qk_bounds(
             q.len(),
             ldq,
@@ -50,7 +54,9 @@ impl U8Micro for Scalar {
         ldv: usize,
         zp: &[f32],
         len: usize,
+        pf: &[u8],
     ) {
+        prefetch_part(pf, 0, 1);
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
         for r in 0..rows {

@@ -41,6 +41,14 @@ fn check(what: &str, got: f32, want: f64, tol: f64) {
     );
 }
 
+/// Bytes for the micro-kernels' prefetch hints (never read by them).
+static PF_BYTES: [u8; 1 << 16] = [0x5a; 1 << 16];
+
+/// Whether `a` and `b` hold the same bits (NaN included).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 fn qk<M: U8Micro>(m: M, tier: &str) {
     let mut rng = Rng(0x5eed_0008);
     for rows in ROWS {
@@ -53,7 +61,15 @@ fn qk<M: U8Micro>(m: M, tier: &str) {
                     let k = rng.bytes(n * ldk);
                     let zp = rng.zps(n, zero);
                     let mut s = vec![f32::NAN; rows * lds];
-                    m.qk(&q, ldq, rows, &k, ldk, &zp, len, &mut s, lds);
+                    m.qk(&q, ldq, rows, &k, ldk, &zp, len, &mut s, lds, &[]);
+                    // Prefetch hints (an unaligned slice of any length) change no bit.
+                    let mut hinted = vec![f32::NAN; rows * lds];
+                    let pf = &PF_BYTES[3..3 + 97 * n];
+                    m.qk(&q, ldq, rows, &k, ldk, &zp, len, &mut hinted, lds, pf);
+                    assert!(
+                        same_bits(&s, &hinted),
+                        "{what}: prefetch hints changed results"
+                    );
                     for r in 0..rows {
                         for t in 0..n {
                             let terms = (0..len).map(|c| {
@@ -91,7 +107,15 @@ fn pv<M: U8Micro>(m: M, tier: &str) {
                 let w: Vec<f32> = (0..rows * n).map(|_| rng.f(1.0).abs()).collect();
                 let v = rng.bytes(n * ldv);
                 let zp = rng.zps(n, zero);
-                m.pv(&mut acc, lda, rows, &w, &v, ldv, &zp, len);
+                let mut hinted = acc.clone();
+                m.pv(&mut acc, lda, rows, &w, &v, ldv, &zp, len, &[]);
+                // Prefetch hints (an unaligned slice of any length) change no bit.
+                let pf = &PF_BYTES[5..5 + 61 * len];
+                m.pv(&mut hinted, lda, rows, &w, &v, ldv, &zp, len, pf);
+                assert!(
+                    same_bits(&acc, &hinted),
+                    "{what}: prefetch hints changed results"
+                );
                 for r in 0..rows {
                     for c in 0..len {
                         let terms = (0..n)

@@ -9,6 +9,7 @@ use std::arch::x86_64::*;
 
 use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, U8Micro};
 use super::avx2::{exp_sub_sum_rows, hsum, hsum4, load_partial, Avx2};
+use super::prefetch::Pf;
 
 impl U8Micro for Avx2 {
     fn qk(
@@ -22,18 +23,21 @@ impl U8Micro for Avx2 {
         len: usize,
         s: &mut [f32],
         lds: usize,
+        pf: &[u8],
     ) {
         let n = zp.len();
         qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        // One group of lines before each tile.
+        let pf = Pf::new(pf, rows.div_ceil(4) * n.div_ceil(3));
         let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
         // By-channel keys come with zero points 0 (folded into the query by the driver): one
         // subtraction fewer per 8 bytes.
         // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
         unsafe {
             if all_zero(zp) {
-                qk_tiles::<false>(args)
+                qk_tiles::<false>(args, pf)
             } else {
-                qk_tiles::<true>(args)
+                qk_tiles::<true>(args, pf)
             }
         }
     }
@@ -48,11 +52,14 @@ impl U8Micro for Avx2 {
         ldv: usize,
         zp: &[f32],
         len: usize,
+        pf: &[u8],
     ) {
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
         // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
         let sub = !all_zero(zp);
+        // One group of lines before each block of 16 columns.
+        let mut pf = Pf::new(pf, rows.div_ceil(4) * len.div_ceil(16));
         let mut r = 0;
         while r < rows {
             let take = (rows - r).min(4);
@@ -65,15 +72,16 @@ impl U8Micro for Avx2 {
                     w.as_ptr().add(r * n),
                     v.as_ptr(),
                 );
+                let (args, pf) = ((a, lda, wp, n, vp, ldv, zp), &mut pf);
                 match (take, sub) {
-                    (4, true) => pv_r::<true, 4>(a, lda, wp, n, vp, ldv, zp, len),
-                    (3, true) => pv_r::<true, 3>(a, lda, wp, n, vp, ldv, zp, len),
-                    (2, true) => pv_r::<true, 2>(a, lda, wp, n, vp, ldv, zp, len),
-                    (_, true) => pv_r::<true, 1>(a, lda, wp, n, vp, ldv, zp, len),
-                    (4, false) => pv_r::<false, 4>(a, lda, wp, n, vp, ldv, zp, len),
-                    (3, false) => pv_r::<false, 3>(a, lda, wp, n, vp, ldv, zp, len),
-                    (2, false) => pv_r::<false, 2>(a, lda, wp, n, vp, ldv, zp, len),
-                    _ => pv_r::<false, 1>(a, lda, wp, n, vp, ldv, zp, len),
+                    (4, true) => pv_r::<true, 4>(args, len, pf),
+                    (3, true) => pv_r::<true, 3>(args, len, pf),
+                    (2, true) => pv_r::<true, 2>(args, len, pf),
+                    (_, true) => pv_r::<true, 1>(args, len, pf),
+                    (4, false) => pv_r::<false, 4>(args, len, pf),
+                    (3, false) => pv_r::<false, 3>(args, len, pf),
+                    (2, false) => pv_r::<false, 2>(args, len, pf),
+                    _ => pv_r::<false, 1>(args, len, pf),
                 }
             }
             r += take;
@@ -199,8 +207,8 @@ unsafe fn store_f32(p: *mut f32, len: usize, x: __m256) {
     }
 }
 
-/// [`U8Micro::qk`] in tiles of up to 4 rows x 3 keys; `SUB`: whether the zero points are
-/// subtracted (they are all 0 when not).
+/// [`U8Micro::qk`] in tiles of up to 4 rows x 3 keys, `pf` ticked before each; `SUB`: whether
+/// the zero points are subtracted (they are all 0 when not).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C (an [`Avx2`] exists) and the arguments pass `qk_bounds`.
@@ -218,6 +226,7 @@ unsafe fn qk_tiles<const SUB: bool>(
         &mut [f32],
         usize,
     ),
+    mut pf: Pf,
 ) {
     let n = zp.len();
     let mut r = 0;
@@ -226,6 +235,7 @@ unsafe fn qk_tiles<const SUB: bool>(
         let mut t = 0;
         while t < n {
             let tk = (n - t).min(3);
+            pf.tick();
             // SAFETY: the caller guarantees the features and that `qk_bounds` checked rows
             // `r..r + tr` of `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at
             // its stride).
@@ -336,31 +346,27 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
 }
 
 /// R accumulator rows held in registers over all `n` keys, 16 columns at a time (two chunks of
-/// 8: 2R independent sums, enough to hide the FMA latency) and 8 for the rest; `SUB`: whether
-/// the zero points are subtracted (they are all 0 when not).
-#[allow(clippy::too_many_arguments)]
+/// 8: 2R independent sums, enough to hide the FMA latency) and 8 for the rest, `pf` ticked
+/// before each; `SUB`: whether the zero points are subtracted (they are all 0 when not).
+#[allow(clippy::type_complexity)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_r<const SUB: bool, const R: usize>(
-    acc: *mut f32,
-    lda: usize,
-    w: *const f32,
-    n: usize,
-    v: *const u8,
-    ldv: usize,
-    zp: &[f32],
+    args: (*mut f32, usize, *const f32, usize, *const u8, usize, &[f32]),
     len: usize,
+    pf: &mut Pf,
 ) {
     let mut c = 0;
     while c < len {
+        pf.tick();
         // SAFETY: the caller's bounds cover columns `c..len` of every accumulator and value
         // row and R rows of `n` weights; each call stays inside `c..len`.
         unsafe {
             if len - c >= 16 {
-                pv_cols::<SUB, R, 2>((acc, lda, w, n, v, ldv, zp), c, len - c);
+                pv_cols::<SUB, R, 2>(args, c, len - c);
                 c += 16;
             } else {
-                pv_cols::<SUB, R, 1>((acc, lda, w, n, v, ldv, zp), c, len - c);
+                pv_cols::<SUB, R, 1>(args, c, len - c);
                 c += 8;
             }
         }

@@ -6,6 +6,7 @@ use std::arch::x86_64::*;
 
 use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, U8Micro};
 use super::avx512::{exp16, reduce16, tail, Avx512};
+use super::prefetch::Pf;
 
 impl U8Micro for Avx512 {
     fn qk(
@@ -19,18 +20,21 @@ impl U8Micro for Avx512 {
         len: usize,
         s: &mut [f32],
         lds: usize,
+        pf: &[u8],
     ) {
         let n = zp.len();
         qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        // One group of lines before each tile.
+        let pf = Pf::new(pf, rows.div_ceil(4) * (n / 4 + n % 4));
         // By-channel keys come with zero points 0 (folded into the query by the driver): one
         // subtraction fewer per 16 bytes.
         let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
         // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
         unsafe {
             if all_zero(zp) {
-                qk_tiles::<false>(args)
+                qk_tiles::<false>(args, pf)
             } else {
-                qk_tiles::<true>(args)
+                qk_tiles::<true>(args, pf)
             }
         }
     }
@@ -45,11 +49,14 @@ impl U8Micro for Avx512 {
         ldv: usize,
         zp: &[f32],
         len: usize,
+        pf: &[u8],
     ) {
         let n = zp.len();
         pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
         // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
         let sub = !all_zero(zp);
+        // One group of lines before each block of 32 columns.
+        let mut pf = Pf::new(pf, rows.div_ceil(4) * len.div_ceil(32));
         let mut r = 0;
         while r < rows {
             let take = (rows - r).min(4);
@@ -58,16 +65,16 @@ impl U8Micro for Avx512 {
             // value rows (stride `ldv`) hold `len` bytes each.
             unsafe {
                 let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
-                let args = (a, lda, wp, n, v.as_ptr(), ldv, zp, len);
+                let (args, pf) = ((a, lda, wp, n, v.as_ptr(), ldv, zp, len), &mut pf);
                 match (take, sub) {
-                    (4, true) => pv_r::<true, 4>(args),
-                    (3, true) => pv_r::<true, 3>(args),
-                    (2, true) => pv_r::<true, 2>(args),
-                    (_, true) => pv_r::<true, 1>(args),
-                    (4, false) => pv_r::<false, 4>(args),
-                    (3, false) => pv_r::<false, 3>(args),
-                    (2, false) => pv_r::<false, 2>(args),
-                    _ => pv_r::<false, 1>(args),
+                    (4, true) => pv_r::<true, 4>(args, pf),
+                    (3, true) => pv_r::<true, 3>(args, pf),
+                    (2, true) => pv_r::<true, 2>(args, pf),
+                    (_, true) => pv_r::<true, 1>(args, pf),
+                    (4, false) => pv_r::<false, 4>(args, pf),
+                    (3, false) => pv_r::<false, 3>(args, pf),
+                    (2, false) => pv_r::<false, 2>(args, pf),
+                    _ => pv_r::<false, 1>(args, pf),
                 }
             }
             r += take;
@@ -197,8 +204,8 @@ unsafe fn dequant(
     }
 }
 
-/// [`U8Micro::qk`] in tiles of up to 4 rows x 4 keys; `SUB`: whether the zero points are
-/// subtracted (they are all 0 when not).
+/// [`U8Micro::qk`] in tiles of up to 4 rows x 4 keys, `pf` ticked before each; `SUB`: whether
+/// the zero points are subtracted (they are all 0 when not).
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/VL/DQ (an [`Avx512`] exists) and the arguments pass `qk_bounds`.
@@ -216,6 +223,7 @@ unsafe fn qk_tiles<const SUB: bool>(
         &mut [f32],
         usize,
     ),
+    mut pf: Pf,
 ) {
     let n = zp.len();
     let mut r = 0;
@@ -224,6 +232,7 @@ unsafe fn qk_tiles<const SUB: bool>(
         let mut t = 0;
         while t < n {
             let tk = if n - t >= 4 { 4 } else { 1 };
+            pf.tick();
             // SAFETY: the caller guarantees the features and that `qk_bounds` checked rows `r..r + tr` of
             // `q` and `s`, and key rows `t..t + tk` of `k` (each `len` long at its stride).
             unsafe {
@@ -320,8 +329,8 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
 }
 
 /// R accumulator rows x 32 columns (two chunks of 16: 2R independent sums, enough to hide the
-/// FMA latency) held in registers over all `n` keys; `SUB`: whether the zero points are
-/// subtracted (they are all 0 when not).
+/// FMA latency) held in registers over all `n` keys, `pf` ticked before each 32; `SUB`: whether
+/// the zero points are subtracted (they are all 0 when not).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -337,9 +346,11 @@ unsafe fn pv_r<const SUB: bool, const R: usize>(
         &[f32],
         usize,
     ),
+    pf: &mut Pf,
 ) {
     let mut c = 0;
     while c < len {
+        pf.tick();
         // The second chunk's mask is empty past `len`: its lanes are neither read nor written.
         let m = [
             tail((len - c).min(16)),
