@@ -496,7 +496,7 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
 /// Long prefills and mixed batches on u8 caches (several prefill items per KV head, partial
 /// scores of several items per sequence, by-channel key blocks re-quantized as chunks land),
 /// and decode-only batches (whose items take runs of KV heads that differ between one and two
-/// threads): the library's pool at 2 threads gives the same bits as one thread (caches,
+/// threads for 12 sequences): the library's pool at 2 threads gives the same bits as one thread (caches,
 /// outputs and scores), and both stay within the f32 bound of float64 attention over the
 /// dequantized caches.
 #[test]
@@ -520,6 +520,9 @@ fn u8_calls_are_bit_identical_on_one_and_two_threads() {
             vec![SeqKind::ChunkedPrefill, SeqKind::Decode, SeqKind::Prefill],
             vec![SeqKind::Decode],
             vec![SeqKind::Decode; 3],
+            // Enough sequences that one thread's items take runs of 2 KV heads (Hkv 4) where
+            // two threads' take one head each (the cut aims at 32 items per thread).
+            vec![SeqKind::Decode; 12],
         ];
         for (key, value_group) in LAYOUTS {
             if value_group > d || !d.is_multiple_of(value_group.max(1)) {
