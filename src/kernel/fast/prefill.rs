@@ -12,7 +12,7 @@ use super::micro::TileMicro;
 use super::partition::Item;
 use super::pool::{Buf, Pooled};
 use super::shared::SharedMut;
-use super::tile::{finite_outside, mask_tile_strided, prefetch_part, Ctx};
+use super::tile::{finite_outside, grow, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
 use crate::op::{Plan, SeqPlan};
@@ -113,9 +113,7 @@ thread_local! {
 /// panel rows do not straddle cache lines more than they must.
 pub(super) fn aligned<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     let spare = 64 / std::mem::size_of::<T>();
-    if v.len() < n + spare {
-        v.resize(n + spare, T::default());
-    }
+    grow(v, n + spare);
     let off = v.as_ptr().align_offset(64).min(spare);
     &mut v[off..off + n]
 }

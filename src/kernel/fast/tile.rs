@@ -33,13 +33,16 @@ pub(crate) struct Scratch {
     pub st: Vec<OnlineSoftmax>,
 }
 
+/// Grows `v` to at least `n` elements (new ones default; never shrinks: per-thread buffers keep
+/// their largest size across items and calls).
+pub(crate) fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
 impl Scratch {
     pub fn ensure(&mut self, rows: usize, d: usize, bs: usize) {
-        fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
-            if v.len() < n {
-                v.resize(n, T::default());
-            }
-        }
         grow(&mut self.q, rows * d);
         grow(&mut self.acc, rows * d);
         grow(&mut self.s, rows * bs);
@@ -151,8 +154,18 @@ pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
 /// reads nothing the program sees, and never faults).
 #[inline]
 pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usize)) {
-    let lines = bytes.div_ceil(64);
-    prefetch_lines_in(p, lines, lines * i / parts, lines * (i + 1) / parts);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let lines = bytes.div_ceil(64);
+        for l in lines * i / parts..lines * (i + 1) / parts {
+            // SAFETY: prefetch never faults (the address is only a hint, hence `wrapping_add`);
+            // SSE is part of the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l * 64) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes, i, parts);
 }
 
 /// Part `i` of `parts` nearly equal parts of `x` (what a loop over `parts` groups of the
@@ -160,20 +173,4 @@ pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usi
 #[inline]
 pub(crate) fn share<T>(x: &[T], (i, parts): (usize, usize)) -> &[T] {
     &x[x.len() * i / parts..x.len() * (i + 1) / parts]
-}
-
-/// Lines `l0..l1.min(lines)` of the `lines` cache lines at `p`.
-#[inline(always)]
-fn prefetch_lines_in(p: *const u8, lines: usize, l0: usize, l1: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for l in l0..l1.min(lines) {
-            // SAFETY: prefetch never faults (the address is only a hint, hence `wrapping_add`);
-            // SSE is part of the x86_64 baseline.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l * 64) as *const i8) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, lines, l0, l1);
 }

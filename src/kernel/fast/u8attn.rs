@@ -34,7 +34,7 @@ use super::prefill::{
     self, aligned, attend, prefetch_out, ItemBufs, KvRows, RowState, TileSource, Widened,
 };
 use super::shared::SharedMut;
-use super::tile::share;
+use super::tile::{grow, share};
 use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
@@ -84,7 +84,7 @@ struct Scratch {
 }
 
 impl Scratch {
-    /// Grows the buffers to the plan's sizes (never shrinks them; `zeros` stays all zero).
+    /// Grows the buffers to the plan's sizes (`zeros` stays all zero).
     fn fit(&mut self, plan: &Plan) {
         let (d, bs) = (plan.d, plan.bs);
         for (v, len) in [
@@ -101,9 +101,7 @@ impl Scratch {
             (&mut self.sc, d),
             (&mut self.zp, d),
         ] {
-            if v.len() < len {
-                v.resize(len, 0.0);
-            }
+            grow(v, len);
         }
     }
 }
@@ -189,6 +187,22 @@ impl HeadState {
 struct DecodeScratch {
     sc: Scratch,
     heads: Vec<HeadState>,
+}
+
+impl DecodeScratch {
+    /// The scratch and `nkvh` head states, grown to the plan's sizes.
+    fn fit(&mut self, plan: &Plan, nkvh: usize) -> (&mut Scratch, &mut [HeadState]) {
+        self.sc.fit(plan);
+        if self.heads.len() < nkvh {
+            self.heads.resize_with(nkvh, HeadState::new);
+        }
+        let heads = &mut self.heads[..nkvh];
+        for h in heads.iter_mut() {
+            grow(&mut h.q, ROWS * plan.d);
+            grow(&mut h.acc, ROWS * plan.d);
+        }
+        (&mut self.sc, heads)
+    }
 }
 
 /// Loads the tile's query rows, scaled by the softmax scale, into `q`.
@@ -344,9 +358,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         h.zsum.resize(nr * ngroups, 0.0);
         if h.rows.iter().any(|r| r.scored) {
             // Every weight a score row reads is written by the steps first: no zeroing.
-            if h.kept.len() < nr * (hi - lo) {
-                h.kept.resize(nr * (hi - lo), 0.0);
-            }
+            grow(&mut h.kept, nr * (hi - lo));
             h.kmax.clear();
             h.kmax.resize(nr * nblocks, f32::NEG_INFINITY);
         }
@@ -918,23 +930,11 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                 return;
             }
             DECODE_SCRATCH.with(|s| {
-                let DecodeScratch { sc, heads } = &mut *s.borrow_mut();
-                sc.fit(plan);
+                let mut s = s.borrow_mut();
+                let (sc, heads) = s.fit(plan, w.nkvh);
                 let mut none = [];
                 let part: &mut [f32] = part.unwrap_or(&mut none);
                 let tokens_per_tile = (ROWS / plan.g).max(1);
-                let d = plan.d;
-                if heads.len() < w.nkvh {
-                    heads.resize_with(w.nkvh, HeadState::new);
-                }
-                for h in heads.iter_mut() {
-                    for v in [&mut h.q, &mut h.acc] {
-                        if v.len() < ROWS * d {
-                            v.resize(ROWS * d, 0.0);
-                        }
-                    }
-                }
-                let heads = &mut heads[..w.nkvh];
                 for i0 in (w.i0..w.i1).step_by(tokens_per_tile) {
                     let i1 = (i0 + tokens_per_tile).min(w.i1);
                     // Rows of a KV head beyond ROWS (G > ROWS) make more tiles, chunk by chunk.
