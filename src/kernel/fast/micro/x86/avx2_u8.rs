@@ -444,11 +444,11 @@ unsafe fn dequant(
     }
 }
 
-/// [`U8Micro::fold`] for `cst.len()` rows, four at a time (then the rest one by one): `out = x
-/// * scale`, each row's `cst` in two interleaved sums (even and odd chunks of 8), so a block
-/// of four has eight FMA chains in flight and one `hsum4` for its four constants; `scale` and
-/// `zp` are loaded once per chunk for the block. (Row by row, one decode step's two folds were
-/// latency-bound: 5% of the hot decode loop.)
+/// [`U8Micro::fold`] for `cst.len()` rows, four at a time (then the rest one by one):
+/// `out = x * scale`, each row's `cst` in two interleaved sums (even and odd chunks of 8), so
+/// a block of four has eight FMA chains in flight and one `hsum4` for its four constants;
+/// `scale` and `zp` are loaded once per chunk for the block. (Row by row, one decode step's two
+/// folds were latency-bound: 5% of the hot decode loop.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn fold_rows(
