@@ -6,8 +6,9 @@
 //! - decode-like sequences (at most [`PREFILL_MIN_ROWS`] rows of tokens x the G query heads of
 //!   the KV head) get one item per run of KV heads (all of them, unless that leaves threads
 //!   idle), which walks the visible key blocks once per tile of up to [`ROWS`] rows per head,
-//!   (block, KV head) in storage order, reading each key and value byte once for all G heads
-//!   through the [`U8Micro`] loops (dequantized in registers). Per block and head:
+//!   (block, KV head) in storage order, in online-softmax steps of about [`STEP_KEYS`] keys,
+//!   reading each key and value byte once for all G heads through the [`U8Micro`] loops
+//!   (dequantized in registers). Per block and head:
 //!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
 //!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
 //!     scales once and the second sum is one constant per row and block ([`U8Micro::fold`]);
@@ -25,8 +26,8 @@
 //! reference's (`kernel::layout`). Scores: an item keeps its score rows' values (the last
 //! `score_tokens` tokens) and, once their softmax states are final, adds their weights into its
 //! own partial scores; a sequence's partials are summed in item order, so results do not depend
-//! on the thread count and no logit is computed twice. Decode items keep the block weights the
-//! values were weighted with and each block's running max (`OnlineSoftmax::factor`: no second
+//! on the thread count and no logit is computed twice. Decode items keep the step weights the
+//! values were weighted with and each step's running max (`OnlineSoftmax::factor`: no second
 //! `exp`); prefill items keep the logits.
 
 use super::micro::{Micro, TileMicro, U8Micro};
@@ -66,13 +67,12 @@ struct RowRef {
 struct Scratch {
     qs: Vec<f32>,
     cst: Vec<f32>,
-    s: Vec<f32>,
     /// Value weights `[rows, keys]` of a block, times the group's scale.
     w: Vec<f32>,
     /// Value scales and zero points of a block's keys (one group).
     vscale: Vec<f32>,
     vzp: Vec<f32>,
-    /// `bs` zeros: the zero points `pv` gets once the driver folded them.
+    /// `bs` zeros: the zero points `qk` and `pv` get once the driver folded them.
     zeros: Vec<f32>,
     /// Per-group logits `[rows, keys]` of by-token keys.
     t2: Vec<f32>,
@@ -90,7 +90,6 @@ impl Scratch {
         for (v, len) in [
             (&mut self.qs, ROWS * d),
             (&mut self.cst, ROWS),
-            (&mut self.s, ROWS * bs),
             (&mut self.w, ROWS * bs),
             (&mut self.vscale, bs),
             (&mut self.vzp, bs),
@@ -155,6 +154,8 @@ struct HeadState {
     rows: Vec<RowRef>,
     /// The rows' queries, scaled by the softmax scale.
     q: Vec<f32>,
+    /// The rows' logits, then weights, over a step's keys (`[ROWS][step_span]`).
+    s: Vec<f32>,
     acc: Vec<f32>,
     st: [OnlineSoftmax; ROWS],
     /// Per (row, value group): the value zero points' share of the accumulators, rescaled with
@@ -172,6 +173,7 @@ impl HeadState {
         HeadState {
             rows: Vec::new(),
             q: Vec::new(),
+            s: Vec::new(),
             acc: Vec::new(),
             st: [OnlineSoftmax::EMPTY; ROWS],
             zsum: Vec::new(),
@@ -199,6 +201,7 @@ impl DecodeScratch {
         let heads = &mut self.heads[..nkvh];
         for h in heads.iter_mut() {
             grow(&mut h.q, ROWS * plan.d);
+            grow(&mut h.s, ROWS * step_span(plan.bs));
             grow(&mut h.acc, ROWS * plan.d);
         }
         (&mut self.sc, heads)
@@ -216,9 +219,9 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f3
     }
 }
 
-/// Logits `sc.s[r * bs + t]` of the tile's rows against keys `j0..j1` (one block, from its slot
+/// Logits `s[r * lds + t]` of the tile's rows against keys `j0..j1` (one block, from its slot
 /// `slot0`): masked keys `-inf`, ALiBi added. The key products request the lines of `ahead`
-/// (the next step's keys) as they go (by-token keys: a share per group).
+/// (the next read's bytes) as they go (by-token keys: a share per group).
 #[allow(clippy::too_many_arguments)]
 fn block_logits<M: U8Micro + Micro>(
     m: M,
@@ -230,6 +233,7 @@ fn block_logits<M: U8Micro + Micro>(
     (j0, j1): (usize, usize),
     (rows, q): (&[RowRef], &[f32]),
     sc: &mut Scratch,
+    (s, lds): (&mut [f32], usize),
     ahead: &[u8],
 ) {
     let (d, bs, nr) = (plan.d, plan.bs, rows.len());
@@ -243,12 +247,11 @@ fn block_logits<M: U8Micro + Micro>(
             let (sc_, zp) = key_params(slab, d, (&mut sc.sc, &mut sc.zp));
             m.fold(q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
             let data = &slab[PARAM_BYTES * d + slot0 * d..];
-            sc.kzp[..n].fill(0.0);
-            let (kzp, s) = (&sc.kzp[..n], &mut sc.s[..]);
-            U8Micro::qk(m, &sc.qs, d, nr, data, d, kzp, d, s, bs, ahead);
-            for r in 0..nr {
-                for x in &mut sc.s[r * bs..][..n] {
-                    *x -= sc.cst[r];
+            let kzp = &sc.zeros[..n];
+            U8Micro::qk(m, &sc.qs, d, nr, data, d, kzp, d, s, lds, ahead);
+            for (r, &c) in sc.cst[..nr].iter().enumerate() {
+                for x in &mut s[r * lds..][..n] {
+                    *x -= c;
                 }
             }
         }
@@ -257,7 +260,7 @@ fn block_logits<M: U8Micro + Micro>(
             let kr = slab_len / bs;
             let rows_bytes = &slab[slot0 * kr..];
             for r in 0..nr {
-                sc.s[r * bs..][..n].fill(0.0);
+                s[r * lds..][..n].fill(0.0);
             }
             let ngroups = d / g;
             for gi in 0..ngroups {
@@ -282,7 +285,7 @@ fn block_logits<M: U8Micro + Micro>(
                 );
                 for r in 0..nr {
                     for t in 0..n {
-                        sc.s[r * bs + t] += sc.kscale[t] * sc.t2[r * bs + t];
+                        s[r * lds + t] += sc.kscale[t] * sc.t2[r * bs + t];
                     }
                 }
             }
@@ -292,7 +295,7 @@ fn block_logits<M: U8Micro + Micro>(
         if plan.alibi.is_none() && visible(plan, row.pos, j0) && visible(plan, row.pos, j1 - 1) {
             continue; // the visible keys of a row are one range
         }
-        let s = &mut sc.s[r * bs..][..n];
+        let s = &mut s[r * lds..][..n];
         for (t, x) in s.iter_mut().enumerate() {
             let j = j0 + t;
             if !visible(plan, row.pos, j) {
@@ -315,21 +318,29 @@ fn key_range(plan: &Plan, rows: &[RowRef]) -> (usize, usize) {
     (lo, hi)
 }
 
+/// Keys per online-softmax step of decode tiles (whole blocks; at least one).
+const STEP_KEYS: usize = 128;
+
+/// The keys of a decode step: whole blocks, about [`STEP_KEYS`].
+fn step_span(bs: usize) -> usize {
+    (STEP_KEYS / bs).max(1) * bs
+}
+
 /// Attention of one tile of rows over a run of KV heads `kvh0..` (one [`HeadState`] each, the
 /// same tokens of one sequence): writes their outputs and adds the score rows' weights into
 /// `parts` (`ctx` per head, when the tile has score rows).
 ///
-/// The steps go block by block and, within a block, KV head by KV head: the cache's storage
-/// order, so one step's bytes follow the last's and the hardware prefetcher streams whole
-/// blocks. Blocks themselves are scattered, so the next step's key slab and value rows are
-/// also requested while this step computes: the key and value products request them a few
-/// lines before each of their tiles (`U8Micro::qk`/`pv`'s `pf`), one product call per block
-/// and value group. Bursts fill the miss queues and stall the loads being computed on. The
-/// build before requested them between thirds of the key products and quarters of the value
-/// columns (7 product calls per step; 0.86-0.89x the time of half-slab bursts); this, with the
-/// decode scratch kept per thread, took 0.89-0.92x its time (decode 16 x 1024 and 4 x 4096,
-/// AMD EPYC avx2, 2 threads, C ABI) and 7% fewer instructions. Each head's arithmetic is the
-/// same whatever run it is part of, so results do not depend on how heads are grouped.
+/// The keys go in steps of whole blocks, about [`STEP_KEYS`] (the online softmax's step):
+/// the logits of the step's blocks, block by block and within a block KV head by KV head
+/// (the cache's storage order, so the hardware prefetcher streams a block's heads), then each
+/// head's softmax step over all of them, then the values in the same order. Steps of one
+/// block (32 keys) spent about a third of the hot loop on what is done once per step (the
+/// softmax bookkeeping, the exponentials' and sums' calls, the product calls around them);
+/// steps of 128 keys took 17% fewer instructions (callgrind, hot decode probe, AMD EPYC
+/// avx2). Blocks themselves are scattered, so each product call also requests the next
+/// read's bytes (the next key slab or value rows) a few lines before each of its tiles
+/// (`U8Micro::qk`/`pv`'s `pf`). Each head's arithmetic is the same whatever run it is part
+/// of, so results do not depend on how heads are grouped.
 #[allow(clippy::too_many_arguments)]
 fn attend_tile<M: U8Micro + Micro, Q: Float>(
     m: M,
@@ -344,11 +355,12 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     parts: &mut [f32],
 ) {
     let (d, bs) = (plan.d, plan.bs);
+    let span = step_span(bs);
     let vg = if l.value_group == 0 { d } else { l.value_group };
     let ngroups = d / vg;
     let vrow = l.value_row();
     let (lo, hi) = key_range(plan, &heads[0].rows);
-    let nblocks = tiles(lo, hi, bs).count();
+    let nsteps = tiles(lo, hi, span).count();
     for h in heads.iter_mut() {
         let nr = h.rows.len();
         load_queries(plan, b.query, &h.rows, &mut h.q);
@@ -360,85 +372,105 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             // Every weight a score row reads is written by the steps first: no zeroing.
             grow(&mut h.kept, nr * (hi - lo));
             h.kmax.clear();
-            h.kmax.resize(nr * nblocks, f32::NEG_INFINITY);
+            h.kmax.resize(nr * nsteps, f32::NEG_INFINITY);
         }
     }
-    let step_bytes = |(_, (j0, j1), i): (usize, (usize, usize), usize)| {
-        let (block, slot0) = (block_of(b.block_indices, sp.block_begin, bs, j0), j0 % bs);
-        let (slab, at) = (l.key_slab(), block * plan.hkv + kvh0 + i);
-        let vbase = (at * bs + slot0) * vrow;
-        let k = &b.kc[at * slab..][..slab];
-        (block, slot0, k, &b.vc[vbase..vbase + (j1 - j0) * vrow])
-    };
     let nh = heads.len();
-    let steps = || {
-        tiles(lo, hi, bs)
-            .enumerate()
-            .flat_map(move |(kb, t)| (0..nh).map(move |i| (kb, t, i)))
-    };
-    let mut ahead = steps().skip(1);
-    for (kb, (j0, j1), i) in steps() {
-        let (block, slot0, _, vrows) = step_bytes((kb, (j0, j1), i));
-        let next = ahead.next().map(step_bytes);
-        let (knext, vnext) = next.map_or((&[][..], &[][..]), |(_, _, k, v)| (k, v));
-        let h = &mut heads[i];
-        let nr = h.rows.len();
-        let (rows, q) = (&h.rows[..], &h.q[..]);
-        let kvh = kvh0 + i;
-        block_logits(
-            m,
-            plan,
-            l,
-            b.kc,
-            (block, slot0),
-            kvh,
-            (j0, j1),
-            (rows, q),
-            sc,
-            knext,
-        );
-        let n = j1 - j0;
-        let (mut subs, mut sums) = ([0f32; ROWS], [0f32; ROWS]);
-        for (r, st) in h.st.iter_mut().enumerate().take(nr) {
-            let s = &sc.s[r * bs..][..n];
-            let step = st.update(U8Micro::max(m, s));
-            if h.rows[r].scored {
-                h.kmax[r * nblocks + kb] = st.max;
-            }
-            if step.rescale != 1.0 {
-                m.scale(&mut h.acc[r * d..][..d], step.rescale);
-                m.scale(&mut h.zsum[r * ngroups..][..ngroups], step.rescale);
-            }
-            subs[r] = step.sub;
+    let block = |j0: usize| block_of(b.block_indices, sp.block_begin, bs, j0);
+    // Every read of the tile in order (per step: the key slabs of its (block, head)s, then
+    // their value rows), as the bytes the read before it requests.
+    let reads = tiles(lo, hi, span).flat_map(move |(s0, s1)| {
+        let at =
+            move |v: bool| tiles(s0, s1, bs).flat_map(move |t| (0..nh).map(move |i| (v, t, i)));
+        at(false).chain(at(true))
+    });
+    let mut ahead = reads.skip(1).map(|(v, (j0, j1), i)| {
+        let at = block(j0) * plan.hkv + kvh0 + i;
+        if v {
+            value_rows(plan, l, b.vc, (block(j0), kvh0 + i), j0, j1)
+        } else {
+            &b.kc[at * l.key_slab()..][..l.key_slab()]
         }
-        // The rows' weights in one call (their exp chains overlap).
-        m.exp_sum(&mut sc.s, bs, n, &subs[..nr], &mut sums[..nr]);
-        for (r, (st, &sum)) in h.st.iter_mut().zip(&sums[..nr]).enumerate() {
-            st.add(sum);
-            if h.rows[r].scored {
-                let w = &sc.s[r * bs..][..n];
-                h.kept[r * (hi - lo) + j0 - lo..][..n].copy_from_slice(w);
+    });
+    for (step, (s0, s1)) in tiles(lo, hi, span).enumerate() {
+        let n = s1 - s0;
+        for (j0, j1) in tiles(s0, s1, bs) {
+            let (blk, slot0) = (block(j0), j0 % bs);
+            for (i, h) in heads.iter_mut().enumerate() {
+                let next = ahead.next().unwrap_or(&[]);
+                let (rows, q) = (&h.rows[..], &h.q[..]);
+                let s = (&mut h.s[j0 - s0..], span);
+                let (keys, kvh) = ((blk, slot0), kvh0 + i);
+                block_logits(
+                    m,
+                    plan,
+                    l,
+                    b.kc,
+                    keys,
+                    kvh,
+                    (j0, j1),
+                    (rows, q),
+                    sc,
+                    s,
+                    next,
+                );
             }
         }
-        // The value products, group by group, requesting the next step's values as they go.
-        for gi in 0..ngroups {
-            let g0 = gi * (vg + PARAM_BYTES);
-            for ((row, s), z) in vrows
-                .chunks_exact(vrow)
-                .zip(&mut sc.vscale[..n])
-                .zip(&mut sc.vzp[..n])
-            {
-                (*s, *z) = (read_f32(&row[g0..], 0), read_f32(&row[g0..], 1));
+        for h in heads.iter_mut() {
+            let nr = h.rows.len();
+            let (mut subs, mut sums) = ([0f32; ROWS], [0f32; ROWS]);
+            for (r, st) in h.st.iter_mut().enumerate().take(nr) {
+                let s = &h.s[r * span..][..n];
+                let step_ = st.update(U8Micro::max(m, s));
+                if h.rows[r].scored {
+                    h.kmax[r * nsteps + step] = st.max;
+                }
+                if step_.rescale != 1.0 {
+                    m.scale(&mut h.acc[r * d..][..d], step_.rescale);
+                    m.scale(&mut h.zsum[r * ngroups..][..ngroups], step_.rescale);
+                }
+                subs[r] = step_.sub;
             }
-            // Weights times the tokens' scales; the zero points' share of each row, taken
-            // off the group's columns once rather than off every value.
-            let (vs, vz) = (&sc.vscale[..n], &sc.vzp[..n]);
-            m.fold(&sc.s, bs, nr, vs, vz, &mut sc.w, n, &mut sc.cst);
-            let (v, acc) = (&vrows[g0 + PARAM_BYTES..], &mut h.acc[gi * vg..]);
-            let (w, pf) = (&sc.w[..nr * n], share(vnext, (gi, ngroups)));
-            m.pv(acc, d, nr, w, v, vrow, &sc.zeros[..n], vg, pf);
-            for (r, &c) in sc.cst[..nr].iter().enumerate() {
-                h.zsum[r * ngroups + gi] += c;
+            // The rows' weights in one call (their exp chains overlap).
+            m.exp_sum(&mut h.s, span, n, &subs[..nr], &mut sums[..nr]);
+            for (r, (st, &sum)) in h.st.iter_mut().zip(&sums[..nr]).enumerate() {
+                st.add(sum);
+                if h.rows[r].scored {
+                    let w = &h.s[r * span..][..n];
+                    h.kept[r * (hi - lo) + s0 - lo..][..n].copy_from_slice(w);
+                }
+            }
+        }
+        // The value products, block by block and group by group, requesting the next read's
+        // bytes as they go.
+        for (j0, j1) in tiles(s0, s1, bs) {
+            let blk = block(j0);
+            let nb = j1 - j0;
+            for (i, h) in heads.iter_mut().enumerate() {
+                let next = ahead.next().unwrap_or(&[]);
+                let vrows = value_rows(plan, l, b.vc, (blk, kvh0 + i), j0, j1);
+                let nr = h.rows.len();
+                for gi in 0..ngroups {
+                    let g0 = gi * (vg + PARAM_BYTES);
+                    for ((row, s), z) in vrows
+                        .chunks_exact(vrow)
+                        .zip(&mut sc.vscale[..nb])
+                        .zip(&mut sc.vzp[..nb])
+                    {
+                        (*s, *z) = (read_f32(&row[g0..], 0), read_f32(&row[g0..], 1));
+                    }
+                    // Weights times the tokens' scales; the zero points' share of each row,
+                    // taken off the group's columns once rather than off every value.
+                    let (vs, vz) = (&sc.vscale[..nb], &sc.vzp[..nb]);
+                    let w = &h.s[j0 - s0..];
+                    m.fold(w, span, nr, vs, vz, &mut sc.w, nb, &mut sc.cst);
+                    let (v, acc) = (&vrows[g0 + PARAM_BYTES..], &mut h.acc[gi * vg..]);
+                    let (w, pf) = (&sc.w[..nr * nb], share(next, (gi, ngroups)));
+                    m.pv(acc, d, nr, w, v, vrow, &sc.zeros[..nb], vg, pf);
+                    for (r, &c) in sc.cst[..nr].iter().enumerate() {
+                        h.zsum[r * ngroups + gi] += c;
+                    }
+                }
             }
         }
     }
@@ -457,12 +489,12 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                 }
             }
             if row.scored {
-                // Final weight = block weight * factor(block's running max); masked keys
+                // Final weight = step weight * factor(step's running max); masked keys
                 // (weight 0) add 0.
                 let kept = &h.kept[r * (hi - lo)..][..hi - lo];
                 let part = &mut parts[i * ctx..][..ctx];
-                let kmax = &h.kmax[r * nblocks..][..nblocks];
-                for ((j0, j1), &bm) in tiles(lo, hi, bs).zip(kmax) {
+                let kmax = &h.kmax[r * nsteps..][..nsteps];
+                for ((j0, j1), &bm) in tiles(lo, hi, span).zip(kmax) {
                     m.add_scaled(
                         &mut part[j0..j1],
                         &kept[j0 - lo..j1 - lo],
