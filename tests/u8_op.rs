@@ -136,6 +136,16 @@ fn decode_batches_on_u8_caches() {
     check(ElemType::BF16, 1e-2, 70..72, decodes);
 }
 
+/// Decode over long pasts: many online-softmax steps of several blocks each (the steps' rescaling
+/// of the accumulators and of the zero points' share, and each step's running max behind the
+/// scores), with windows and ALiBi as `features` draws them, against float64.
+#[test]
+fn decode_over_many_softmax_steps_on_u8_caches() {
+    let decodes = Some(vec![SeqKind::Decode; 3]);
+    check_past(ElemType::F32, 2e-5, 100..103, decodes.clone(), Some(700));
+    check_past(ElemType::BF16, 1e-2, 110..111, decodes, Some(700));
+}
+
 fn sample(key: KeyQuant, value_group: usize) -> common::call::Call {
     let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
     let c = gen_case(5, &geo, &features());
