@@ -5,17 +5,29 @@
 //! time of the loops alone, without memory stalls. `U8_PROBE_SHUFFLE=1` scatters the blocks
 //! (a random permutation, as tools/bench.py and a serving cache do). `U8_PROBE_COLD=1` writes
 //! 96 MiB between calls, so every call reads its cache from memory (as in a serving loop, where
-//! the model's other layers run in between).
+//! the model's other layers run in between). `U8_PROBE_LONG=1` adds decode 1 x 16384 (one long
+//! context: its keys are cut into chunks when sequences x KV heads are few);
+//! `U8_PROBE_HEADS=8,1` sets the query and KV heads (default 32,8).
 
 use paged_attention::{execute, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
 
-const H: usize = 32;
-const HKV: usize = 8;
+/// Query and KV heads: 32 and 8, or `U8_PROBE_HEADS=H,HKV`.
+fn heads() -> (usize, usize) {
+    std::env::var("U8_PROBE_HEADS")
+        .ok()
+        .and_then(|v| {
+            let (h, k) = v.split_once(',')?;
+            Some((h.parse().ok()?, k.parse().ok()?))
+        })
+        .unwrap_or((32, 8))
+}
 const D: usize = 128;
 const BS: usize = 32;
 
 fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
+    #[allow(non_snake_case)]
+    let (H, HKV) = heads();
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = move || {
         x ^= x << 13;
@@ -110,10 +122,14 @@ fn main() {
         .nth(1)
         .and_then(|r| r.parse().ok())
         .unwrap_or(20);
-    for (label, seqs) in [
+    let mut shapes = vec![
         ("decode 16 x 1024", vec![(1024, 1); 16]),
         ("decode 4 x 4096", vec![(4096, 1); 4]),
-    ] {
+    ];
+    if std::env::var_os("U8_PROBE_LONG").is_some() {
+        shapes.push(("decode 1 x 16384", vec![(16384, 1)]));
+    }
+    for (label, seqs) in shapes {
         println!("{label}: u8 min {:.2} ms", bench(&seqs, reps));
     }
 }

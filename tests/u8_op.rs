@@ -138,12 +138,15 @@ fn decode_batches_on_u8_caches() {
 
 /// Decode over long pasts: many online-softmax steps of several blocks each (the steps' rescaling
 /// of the accumulators and of the zero points' share, and each step's running max behind the
-/// scores), with windows and ALiBi as `features` draws them, against float64.
+/// scores), with windows and ALiBi as `features` draws them, against float64. Pasts up to 700
+/// keep each sequence whole; up to 2500, few sequences and KV heads get their keys cut into
+/// chunks (flash-decoding: each chunk's slot and score weights, merged in chunk order).
 #[test]
 fn decode_over_many_softmax_steps_on_u8_caches() {
     let decodes = Some(vec![SeqKind::Decode; 3]);
     check_past(ElemType::F32, 2e-5, 100..103, decodes.clone(), Some(700));
-    check_past(ElemType::BF16, 1e-2, 110..111, decodes, Some(700));
+    check_past(ElemType::F32, 2e-5, 104..107, decodes.clone(), Some(2500));
+    check_past(ElemType::BF16, 1e-2, 110..111, decodes, Some(2500));
 }
 
 fn sample(key: KeyQuant, value_group: usize) -> common::call::Call {
@@ -506,7 +509,7 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
 /// Long prefills and mixed batches on u8 caches (several prefill items per KV head, partial
 /// scores of several items per sequence, by-channel key blocks re-quantized as chunks land),
 /// and decode-only batches (whose items take runs of KV heads that differ between one and two
-/// threads for 12 sequences): the library's pool at 2 threads gives the same bits as one thread (caches,
+/// threads for 12 sequences; long pasts cut into key chunks): the library's pool at 2 threads gives the same bits as one thread (caches,
 /// outputs and scores), and both stay within the f32 bound of float64 attention over the
 /// dequantized caches.
 #[test]
@@ -521,10 +524,18 @@ fn u8_calls_are_bit_identical_on_one_and_two_threads() {
     };
     set_num_threads(2).unwrap();
     let mut checked = 0;
-    for (hkv, g, d) in [(2, 4, 64), (1, 3, 40), (3, 1, 32), (4, 2, 32)] {
+    // The last geometry's pasts (up to 2500) get decode sequences cut into key chunks.
+    let geometries = [
+        (2, 4, 64, 100),
+        (1, 3, 40, 100),
+        (3, 1, 32, 100),
+        (4, 2, 32, 100),
+        (1, 4, 32, 2500),
+    ];
+    for (hkv, g, d, past) in geometries {
         let mut geo = Geometry::new(ElemType::F32, ElemType::F32, hkv, g, d, 16);
         geo.max_new = 150;
-        geo.max_past = 100;
+        geo.max_past = past;
         let kinds = [
             vec![SeqKind::Prefill],
             vec![SeqKind::ChunkedPrefill, SeqKind::Decode, SeqKind::Prefill],

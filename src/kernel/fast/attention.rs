@@ -90,18 +90,41 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
     (stats, stash)
 }
 
+/// The `[max, sum]` of chunk `c`'s slot.
+fn slot(slots: &[f32], d: usize, c: usize) -> OnlineSoftmax {
+    OnlineSoftmax {
+        max: slots[c * (d + 2)],
+        sum: slots[c * (d + 2) + 1],
+    }
+}
+
+/// The number of chunk slots, and the largest chunk max (a merge raises its running max to it
+/// first).
+fn slots_max(slots: &[f32], d: usize) -> (usize, f32) {
+    let nc = slots.len() / (d + 2);
+    let mx = (0..nc)
+        .map(|c| slot(slots, d, c).max)
+        .fold(f32::NEG_INFINITY, f32::max);
+    (nc, mx)
+}
+
+/// The softmax statistics [`merge`] ends with for these slots, without the accumulators
+/// (what the scores of a row need).
+pub(super) fn merged_stats(slots: &[f32], d: usize) -> OnlineSoftmax {
+    let (nc, mx) = slots_max(slots, d);
+    let mut st = OnlineSoftmax::EMPTY;
+    st.update(mx);
+    for c in 0..nc {
+        st.merge(slot(slots, d, c));
+    }
+    st
+}
+
 /// Merges the `[max, sum, acc]` slots of one row's key chunks into its output: the running
 /// max is raised to the largest chunk max first, so every chunk's accumulator is scaled once.
 /// Columns go 256 at a time through a stack accumulator.
-fn merge<Q: Float>(slots: &[f32], d: usize, orow: &mut [Q]) -> OnlineSoftmax {
-    let part = |c: usize| OnlineSoftmax {
-        max: slots[c * (d + 2)],
-        sum: slots[c * (d + 2) + 1],
-    };
-    let nc = slots.len() / (d + 2);
-    let mx = (0..nc)
-        .map(|c| part(c).max)
-        .fold(f32::NEG_INFINITY, f32::max);
+pub(super) fn merge<Q: Float>(slots: &[f32], d: usize, orow: &mut [Q]) -> OnlineSoftmax {
+    let (nc, mx) = slots_max(slots, d);
     let mut st = OnlineSoftmax::EMPTY;
     let mut acc = [0f32; 256];
     for x0 in (0..d).step_by(256) {
@@ -110,7 +133,7 @@ fn merge<Q: Float>(slots: &[f32], d: usize, orow: &mut [Q]) -> OnlineSoftmax {
         st = OnlineSoftmax::EMPTY;
         st.update(mx);
         for c in 0..nc {
-            let Some((rescale, f)) = st.merge(part(c)) else {
+            let Some((rescale, f)) = st.merge(slot(slots, d, c)) else {
                 continue;
             };
             let v = &slots[c * (d + 2) + 2 + x0..][..w];

@@ -5,7 +5,9 @@
 //! Work items are (sequence, KV heads, query tokens); results do not depend on the thread count:
 //! - decode-like sequences (at most [`PREFILL_MIN_ROWS`] rows of tokens x the G query heads of
 //!   the KV head) get one item per run of KV heads (all of them, unless that leaves threads
-//!   idle), which walks the visible key blocks once per tile of up to [`ROWS`] rows per head,
+//!   idle) and key chunk (one, unless sequences x KV heads are fewer than [`MIN_DECODE_ITEMS`]
+//!   and the context is long: see [`Cut`]), which walks its visible key blocks once per tile
+//!   of up to [`ROWS`] rows per head,
 //!   (block, KV head) in storage order, in online-softmax steps of about [`STEP_KEYS`] keys,
 //!   reading each key and value byte once for all G heads through the [`U8Micro`] loops
 //!   (dequantized in registers). Per block and head:
@@ -30,6 +32,7 @@
 //! values were weighted with and each step's running max (`OnlineSoftmax::factor`: no second
 //! `exp`); prefill items keep the logits.
 
+use super::attention;
 use super::micro::{Micro, TileMicro, U8Micro};
 use super::prefill::{
     self, aligned, attend, prefetch_out, ItemBufs, KvRows, RowState, TileSource, Widened,
@@ -351,15 +354,18 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     kvh0: usize,
     heads: &mut [HeadState],
     sc: &mut Scratch,
-    out: &SharedMut<'_, Q>,
-    parts: &mut [f32],
+    (k0, k1): (usize, usize),
+    mut sink: Sink<'_, '_, Q>,
 ) {
     let (d, bs) = (plan.d, plan.bs);
     let span = step_span(bs);
     let vg = if l.value_group == 0 { d } else { l.value_group };
     let ngroups = d / vg;
     let vrow = l.value_row();
+    // The rows' keys within the item's chunk (none: the chunk's slots say so).
     let (lo, hi) = key_range(plan, &heads[0].rows);
+    let lo = lo.max(k0);
+    let hi = hi.min(k1).max(lo);
     let nsteps = tiles(lo, hi, span).count();
     for h in heads.iter_mut() {
         let nr = h.rows.len();
@@ -477,33 +483,90 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let ctx = sp.ctx();
     for (i, h) in heads.iter().enumerate() {
         for (r, row) in h.rows.iter().enumerate() {
-            let at = row.token * plan.h + row.head;
-            // SAFETY: (token, head) pairs are distinct across rows of all items (an item owns
-            // its sequence's tokens and its KV heads' query heads), so these parts never overlap.
-            let o = unsafe { out.part(at * d, d) };
-            let norm = h.st[r].norm();
+            let st = h.st[r];
             let acc = h.acc[r * d..][..d].chunks_exact(vg);
-            for ((o, a), &z) in o.chunks_exact_mut(vg).zip(acc).zip(&h.zsum[r * ngroups..]) {
-                for (o, &a) in o.iter_mut().zip(a) {
-                    *o = Q::from_f32((a - z) * norm);
+            let zsum = &h.zsum[r * ngroups..][..ngroups];
+            // The score rows' step weights and each step's running max.
+            let kept = || &h.kept[r * (hi - lo)..][..hi - lo];
+            let kmax = || &h.kmax[r * nsteps..][..nsteps];
+            match &mut sink {
+                Sink::Out { out, parts } => {
+                    let at = row.token * plan.h + row.head;
+                    // SAFETY: (token, head) pairs are distinct across rows of all items (an
+                    // item owns its sequence's tokens and its KV heads' query heads), so these
+                    // parts never overlap.
+                    let o = unsafe { out.part(at * d, d) };
+                    let norm = st.norm();
+                    for ((o, a), &z) in o.chunks_exact_mut(vg).zip(acc).zip(zsum) {
+                        for (o, &a) in o.iter_mut().zip(a) {
+                            *o = Q::from_f32((a - z) * norm);
+                        }
+                    }
+                    if row.scored {
+                        // Final weight = step weight * factor(step's running max); masked
+                        // keys (weight 0) add 0.
+                        let part = &mut parts[i * ctx..][..ctx];
+                        for ((j0, j1), &bm) in tiles(lo, hi, span).zip(kmax()) {
+                            let w = &kept()[j0 - lo..j1 - lo];
+                            m.add_scaled(&mut part[j0..j1], w, st.factor(bm));
+                        }
+                    }
                 }
-            }
-            if row.scored {
-                // Final weight = step weight * factor(step's running max); masked keys
-                // (weight 0) add 0.
-                let kept = &h.kept[r * (hi - lo)..][..hi - lo];
-                let part = &mut parts[i * ctx..][..ctx];
-                let kmax = &h.kmax[r * nsteps..][..nsteps];
-                for ((j0, j1), &bm) in tiles(lo, hi, span).zip(kmax) {
-                    m.add_scaled(
-                        &mut part[j0..j1],
-                        &kept[j0 - lo..j1 - lo],
-                        h.st[r].factor(bm),
-                    );
+                Sink::Chunk {
+                    slots,
+                    stash,
+                    cut,
+                    c,
+                } => {
+                    let c = *c;
+                    let (i0, nt) = (row.token - sp.begin, sp.n);
+                    let at = cut.slots + ((i0 * plan.h + row.head) * cut.nchunks + c) * (d + 2);
+                    // SAFETY: one slot per (token, head, chunk), written by the one item of
+                    // that chunk whose run of KV heads holds the head.
+                    let slot = unsafe { slots.part(at, d + 2) };
+                    (slot[0], slot[1]) = (st.max, st.sum);
+                    for ((o, a), &z) in slot[2..].chunks_exact_mut(vg).zip(acc).zip(zsum) {
+                        for (o, &a) in o.iter_mut().zip(a) {
+                            *o = a - z;
+                        }
+                    }
+                    if row.scored {
+                        // Weights relative to the chunk's own max; the merge scales each chunk.
+                        let (c0, c1) = cut.range(c, ctx);
+                        let srow = (i0 - (nt - sp.score_tokens)) * plan.h + row.head;
+                        // SAFETY: the chunk's keys of one stash row (score token, head),
+                        // written by this item only.
+                        let dst = unsafe { stash.part(cut.stash + srow * ctx + c0, c1 - c0) };
+                        dst.fill(0.0);
+                        if st.sum > 0.0 {
+                            for ((j0, j1), &bm) in tiles(lo, hi, span).zip(kmax()) {
+                                let w = &kept()[j0 - lo..j1 - lo];
+                                let f = (bm - st.max).exp();
+                                m.add_scaled(&mut dst[j0 - c0..j1 - c0], w, f);
+                            }
+                        }
+                    }
                 }
             }
         }
     }
+}
+
+/// Where a decode tile's results go.
+enum Sink<'a, 'b, Q> {
+    /// The sequence is not cut: the outputs, and the score rows' final weights added into the
+    /// item's partial scores (`ctx` per KV head of the run).
+    Out {
+        out: &'a SharedMut<'b, Q>,
+        parts: &'a mut [f32],
+    },
+    /// Chunk `c` of a cut sequence: see [`Cut`].
+    Chunk {
+        slots: &'a SharedMut<'b, f32>,
+        stash: &'a SharedMut<'b, f32>,
+        cut: Cut,
+        c: usize,
+    },
 }
 
 /// Query rows above which a sequence's tiles take the prefill path (per KV head: tokens x G).
@@ -820,22 +883,72 @@ struct Work {
     i0: usize,
     i1: usize,
     prefill: bool,
-    /// Offset of the item's partial scores (`ctx` floats per KV head) when it has score rows.
+    /// Offset of the item's partial scores (`ctx` floats per KV head) when it has score rows
+    /// and its sequence is not cut into key chunks.
     part: Option<usize>,
+    /// The item's key chunk (0 when its sequence is not cut, see [`Cut`]).
+    chunk: usize,
 }
 
-/// The call's work items, sequence by sequence, KV head by KV head, in token order (the order
-/// partial scores are summed in), and the length of the partial-score buffer. A decode-like
-/// sequence is one item per run of `decode_heads` KV heads (a run streams its blocks in
-/// storage order); results do not depend on that grouping (each KV head's arithmetic and
-/// partial scores are its own), the rest of the cut depends only on the plan.
-fn work_items(plan: &Plan, decode_heads: usize) -> Result<(Vec<Work>, usize)> {
+/// Decode items a call aims for at least, so that many threads find work even when few
+/// sequences decode: a long context is cut into key chunks (flash-decoding) until sequences x
+/// KV heads x chunks reaches it. Like the rest of the cut, it does not depend on the threads.
+/// Cutting costs where threads had enough work without it (the chunks' slots, stashed score
+/// weights and merge: 4% more instructions over decode 4 x 4096 and 1 x 16384 cut into 2 and
+/// 8 chunks, callgrind), so the aim is 32 (the float path's is 64): 4 x 4096 with 8 KV heads
+/// stays whole, a single sequence of 8 KV heads is cut in 4, one of 1 KV head (MQA) in 32.
+const MIN_DECODE_ITEMS: usize = 32;
+/// Fewest keys of a chunk (below this, the merge and the chunks' start-up costs win).
+const MIN_CHUNK_KEYS: usize = 1024;
+/// Most chunks per sequence.
+const MAX_CHUNKS: usize = 64;
+/// Floats of score weights the chunked sequences of a call may stash beyond `8*T*H*D` (16 MiB);
+/// past that, sequences are not cut.
+const STASH_EXTRA: usize = 1 << 22;
+
+/// How a decode-like sequence's keys are cut: `nchunks` chunks of `len` keys from `first`
+/// (whole online-softmax steps). Cut sequences (`nchunks > 1`) write per row and chunk a
+/// `[max, sum, acc]` slot (at `slots` in the call's partial buffer, rows `[n][H]` of `nchunks`
+/// slots of `D + 2`), merged in chunk order once every item ran, and their score rows' weights
+/// relative to the chunk's max (at `stash`, rows `[score_tokens][H]` of `ctx`).
+#[derive(Clone, Copy, Debug, Default)]
+struct Cut {
+    nchunks: usize,
+    first: usize,
+    len: usize,
+    slots: usize,
+    stash: usize,
+}
+
+impl Cut {
+    /// Keys `[k0, k1)` of chunk `c` of a sequence of `ctx` keys (all of them when not cut).
+    fn range(&self, c: usize, ctx: usize) -> (usize, usize) {
+        if self.nchunks <= 1 {
+            return (0, ctx);
+        }
+        let k0 = self.first + c * self.len;
+        (k0.min(ctx), (k0 + self.len).min(ctx))
+    }
+}
+
+/// The call's cut: work items, sequence by sequence, KV head by KV head, in token order (the
+/// order partial scores are summed in), each sequence's [`Cut`], and the lengths of the
+/// partial-score buffer, the chunk slots and the score stash. A decode-like sequence is one
+/// item per run of `decode_heads` KV heads (a run streams its blocks in storage order) and key
+/// chunk; results do not depend on that grouping (each KV head's arithmetic and partial
+/// scores are its own), the rest of the cut depends only on the plan.
+#[allow(clippy::type_complexity)]
+fn work_items(
+    plan: &Plan,
+    decode_heads: usize,
+) -> Result<(Vec<Work>, Vec<Cut>, (usize, usize, usize))> {
     let mut items = Vec::new();
-    let mut parts = 0usize;
+    let (mut parts, mut slots, mut stash) = (0usize, 0usize, 0usize);
     let too_big = || PaError::OutOfMemory {
         what: "u8 partial scores".into(),
         bytes: usize::MAX,
     };
+    let cuts = cut_keys(plan);
     for (seq, sp) in plan.seqs.iter().enumerate() {
         let prefill = is_prefill(plan, sp);
         let step = if prefill {
@@ -848,28 +961,87 @@ fn work_items(plan: &Plan, decode_heads: usize) -> Result<(Vec<Work>, usize)> {
         } else {
             decode_heads.clamp(1, plan.hkv)
         };
+        let cut = cuts[seq];
         for kvh in (0..plan.hkv).step_by(run) {
             let nkvh = run.min(plan.hkv - kvh);
             for i0 in (0..sp.n).step_by(step) {
                 let i1 = (i0 + step).min(sp.n);
-                let part = (i1 > sp.n - sp.score_tokens).then_some(parts);
-                if part.is_some() {
-                    let len = sp.ctx().checked_mul(nkvh).ok_or_else(too_big)?;
-                    parts = parts.checked_add(len).ok_or_else(too_big)?;
+                for chunk in 0..cut.nchunks.max(1) {
+                    let scored = i1 > sp.n - sp.score_tokens;
+                    let part = (scored && cut.nchunks <= 1).then_some(parts);
+                    if part.is_some() {
+                        let len = sp.ctx().checked_mul(nkvh).ok_or_else(too_big)?;
+                        parts = parts.checked_add(len).ok_or_else(too_big)?;
+                    }
+                    items.push(Work {
+                        seq,
+                        kvh,
+                        nkvh,
+                        i0,
+                        i1,
+                        prefill,
+                        part,
+                        chunk,
+                    });
                 }
-                items.push(Work {
-                    seq,
-                    kvh,
-                    nkvh,
-                    i0,
-                    i1,
-                    prefill,
-                    part,
-                });
             }
         }
     }
-    Ok((items, parts))
+    let mut cuts = cuts;
+    for (cut, sp) in cuts.iter_mut().zip(&plan.seqs) {
+        if cut.nchunks > 1 {
+            cut.slots = slots;
+            cut.stash = stash;
+            slots += sp.n * plan.h * cut.nchunks * (plan.d + 2);
+            stash += sp.score_tokens * plan.h * sp.ctx();
+        }
+    }
+    Ok((items, cuts, (parts, slots, stash)))
+}
+
+/// Each sequence's key chunks (see [`MIN_DECODE_ITEMS`]): decode-like sequences of at least
+/// two chunks of [`MIN_CHUNK_KEYS`] keys past the window's start, while the call's stash of
+/// score weights stays within `8*T*H*D + STASH_EXTRA` floats; `nchunks` 1 (not cut) for the
+/// rest.
+fn cut_keys(plan: &Plan) -> Vec<Cut> {
+    let span = step_span(plan.bs);
+    let decoding = plan
+        .seqs
+        .iter()
+        .filter(|sp| sp.n > 0 && !is_prefill(plan, sp))
+        .count()
+        .max(1);
+    let per_seq = MIN_DECODE_ITEMS.div_ceil(decoding * plan.hkv.max(1));
+    let budget = (8 * plan.t * plan.h * plan.d).saturating_add(STASH_EXTRA);
+    let mut stashed = 0usize;
+    plan.seqs
+        .iter()
+        .map(|sp| {
+            let one = Cut {
+                nchunks: 1,
+                ..Cut::default()
+            };
+            if sp.n == 0 || is_prefill(plan, sp) {
+                return one;
+            }
+            let first = window_start(plan, sp.past) / span * span;
+            let keys = sp.ctx().saturating_sub(first);
+            let want = per_seq.min(keys / MIN_CHUNK_KEYS).min(MAX_CHUNKS);
+            let stash = sp.score_tokens * plan.h * sp.ctx();
+            if want < 2 || stashed.saturating_add(stash) > budget {
+                return one;
+            }
+            stashed += stash;
+            let len = keys.div_ceil(want).div_ceil(span) * span;
+            Cut {
+                nchunks: keys.div_ceil(len),
+                first,
+                len,
+                slots: 0,
+                stash: 0,
+            }
+        })
+        .collect()
 }
 
 /// The read-only side of the bound call.
@@ -908,10 +1080,19 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     // head per item (64 per thread) 1.82-1.96x; the two threads' busy time differed by up to
     // 0.5 ms of 6 with 8 per thread. Decode 4 x 4096 (1-head items) was unchanged, 1 thread too.
     // Fewer than 8 per thread also cost 5-13% on 4 x 4096 (one thread waiting on the other).
-    let decode_seqs = plan.seqs.iter().filter(|sp| !is_prefill(plan, sp)).count();
-    let splits = (32 * runner.max_threads()).div_ceil(decode_seqs.max(1));
-    let (items, parts_len) = work_items(plan, plan.hkv.div_ceil(splits))?;
+    // Cut sequences count once per key chunk.
+    let cuts = cut_keys(plan);
+    let decode_items: usize = (plan.seqs.iter().zip(&cuts))
+        .filter(|(sp, _)| !is_prefill(plan, sp))
+        .map(|(_, c)| c.nchunks.max(1))
+        .sum();
+    let splits = (32 * runner.max_threads()).div_ceil(decode_items.max(1));
+    let (items, cuts, (parts_len, slots_len, stash_len)) =
+        work_items(plan, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
+    // Every slot and stashed weight the merge reads is written by an item first.
+    let mut slots = try_vec(slots_len, 0f32, "u8 decode chunk partials")?;
+    let mut stash = try_vec(stash_len, 0f32, "u8 decode score weights")?;
     {
         let rot = b.rotation.as_ref().map(|r| r.keys());
         let fills = match &rot {
@@ -940,8 +1121,9 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     let prefill = |s: usize| is_prefill(plan, &plan.seqs[s]);
     let wide = dequant_prefill_rows(m, (plan, runner), l, &inputs, prefill);
     {
-        let out = SharedMut::new(b.output);
+        let out = SharedMut::new(&mut *b.output);
         let parts = SharedMut::new(&mut parts);
+        let (slots, stash) = (SharedMut::new(&mut slots), SharedMut::new(&mut stash));
         runner.for_each(items.len(), &|i| {
             let w = &items[i];
             let sp = &plan.seqs[w.seq];
@@ -979,16 +1161,97 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                                 .extend_from_slice(&rows[c0..(c0 + ROWS).min(per_head)]);
                         }
                         let hs = &mut heads[..];
-                        attend_tile(m, plan, l, &inputs, sp, w.kvh, hs, sc, &out, part);
+                        let cut = cuts[w.seq];
+                        let keys = cut.range(w.chunk, sp.ctx());
+                        let sink = if cut.nchunks > 1 {
+                            let (slots, stash, c) = (&slots, &stash, w.chunk);
+                            Sink::Chunk {
+                                slots,
+                                stash,
+                                cut,
+                                c,
+                            }
+                        } else {
+                            Sink::Out {
+                                out: &out,
+                                parts: &mut *part,
+                            }
+                        };
+                        attend_tile(m, plan, l, &inputs, sp, w.kvh, hs, sc, keys, sink);
                     }
                 }
             });
         });
     }
+    let (d, h) = (plan.d, plan.h);
+    // Cut sequences: each row's chunks merged in chunk order into its output (a task per
+    // sequence), and their score rows' stashed weights times each chunk's share, head by head
+    // and token by token (a task per sequence and chunk: its keys; each merges the score rows'
+    // statistics itself, as the output's merge does). One parallel step, or none when small.
+    let cut: Vec<usize> = (0..plan.seqs.len())
+        .filter(|&s| cuts[s].nchunks > 1)
+        .collect();
+    let mut coff = vec![0; plan.seqs.len()];
+    let (mut clen, mut work) = (0usize, 0usize);
+    for &s in &cut {
+        let sp = &plan.seqs[s];
+        coff[s] = clen;
+        clen += sp.ctx();
+        work += (sp.score_tokens * sp.ctx() + sp.n * cuts[s].nchunks * d) * h;
+    }
+    let mut csum = try_vec(clen, 0f32, "u8 decode chunk scores")?;
+    {
+        let tasks: Vec<(usize, Option<usize>)> = (cut.iter())
+            .flat_map(|&s| {
+                let chunks = (0..cuts[s].nchunks).map(move |c| (s, Some(c)));
+                std::iter::once((s, None)).chain(chunks)
+            })
+            .collect();
+        let (out, cw) = (SharedMut::new(&mut *b.output), SharedMut::new(&mut csum));
+        let task = |k: usize| {
+            let (s, chunk) = tasks[k];
+            let (sp, cut) = (&plan.seqs[s], cuts[s]);
+            let row_slots = |i: usize, head: usize| {
+                let base = cut.slots + (i * h + head) * cut.nchunks * (d + 2);
+                &slots[base..base + cut.nchunks * (d + 2)]
+            };
+            let Some(c) = chunk else {
+                for i in 0..sp.n {
+                    let at = (sp.begin + i) * h;
+                    // SAFETY: the sequence's output rows, written by this task only.
+                    let o = unsafe { out.part(at * d, h * d) };
+                    for (head, o) in o.chunks_exact_mut(d).enumerate() {
+                        attention::merge(row_slots(i, head), d, o);
+                    }
+                }
+                return;
+            };
+            let ctx = sp.ctx();
+            let (c0, c1) = cut.range(c, ctx);
+            // SAFETY: the chunk's keys of the sequence's sums, written by this task only.
+            let sum = unsafe { cw.part(coff[s] + c0, c1 - c0) };
+            let first = sp.n - sp.score_tokens;
+            for head in 0..h {
+                for i in first..sp.n {
+                    let row = row_slots(i, head);
+                    let (max, csum) = (row[c * (d + 2)], row[c * (d + 2) + 1]);
+                    if csum > 0.0 {
+                        let st = attention::merged_stats(row, d);
+                        let srow = cut.stash + ((i - first) * h + head) * ctx;
+                        m.add_scaled(sum, &stash[srow + c0..srow + c1], st.factor(max));
+                    }
+                }
+            }
+        };
+        if work < 1 << 18 {
+            (0..tasks.len()).for_each(task);
+        } else {
+            runner.for_each(tasks.len(), &task);
+        }
+    }
     let mut item = 0;
     for (s, sp) in plan.seqs.iter().enumerate() {
         let (ctx, at) = (sp.ctx(), sp.score_offset);
-        let dst = &mut b.scores[at..at + ctx];
         let mut sum = vec![0f32; ctx];
         while item < items.len() && items[item].seq == s {
             if let (Some(p), true) = (items[item].part, ctx > 0) {
@@ -1001,7 +1264,10 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
             }
             item += 1;
         }
-        for (o, &x) in dst.iter_mut().zip(&sum) {
+        if cuts[s].nchunks > 1 {
+            sum.copy_from_slice(&csum[coff[s]..coff[s] + ctx]);
+        }
+        for (o, &x) in b.scores[at..at + ctx].iter_mut().zip(&sum) {
             *o = Q::from_f32(x);
         }
     }
