@@ -34,6 +34,7 @@
 
 use super::attention;
 use super::micro::{Micro, TileMicro, U8Micro};
+use super::pool::Buf;
 use super::prefill::{
     self, aligned, attend, prefetch_out, ItemBufs, KvRows, RowState, TileSource, Widened,
 };
@@ -1090,9 +1091,10 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     let (items, cuts, (parts_len, slots_len, stash_len)) =
         work_items(plan, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
-    // Every slot and stashed weight the merge reads is written by an item first.
-    let mut slots = try_vec(slots_len, 0f32, "u8 decode chunk partials")?;
-    let mut stash = try_vec(stash_len, 0f32, "u8 decode score weights")?;
+    // Every slot and stashed weight the merge reads is written by an item first; the buffers
+    // come back from earlier calls (a fresh mapping would fault in and zero its pages).
+    let mut slots = Buf::<f32>::any(slots_len);
+    let mut stash = Buf::<f32>::any(stash_len);
     {
         let rot = b.rotation.as_ref().map(|r| r.keys());
         let fills = match &rot {
