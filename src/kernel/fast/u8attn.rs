@@ -241,8 +241,8 @@ fn block_logits<M: U8Micro + Micro>(
     ahead: &[u8],
 ) {
     let (d, bs, nr) = (plan.d, plan.bs, rows.len());
-    let slab_len = l.key_slab();
-    let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
+    let slab = key_slab(plan, l, kc, (block, kvh));
+    let slab_len = slab.len();
     let n = j1 - j0;
     match l.key {
         KeyQuant::ByChannel => {
@@ -392,11 +392,11 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         at(false).chain(at(true))
     });
     let mut ahead = reads.skip(1).map(|(v, (j0, j1), i)| {
-        let at = block(j0) * plan.hkv + kvh0 + i;
+        let at = (block(j0), kvh0 + i);
         if v {
-            value_rows(plan, l, b.vc, (block(j0), kvh0 + i), j0, j1)
+            value_rows(plan, l, b.vc, at, j0, j1)
         } else {
-            &b.kc[at * l.key_slab()..][..l.key_slab()]
+            key_slab(plan, l, b.kc, at)
         }
     });
     for (step, (s0, s1)) in tiles(lo, hi, span).enumerate() {
@@ -611,8 +611,8 @@ fn dequant_keys<M: U8Micro>(
     out: &mut [f32],
 ) {
     let d = plan.d;
-    let slab_len = l.key_slab();
-    let slab = &kc[(block * plan.hkv + kvh) * slab_len..][..slab_len];
+    let slab = key_slab(plan, l, kc, (block, kvh));
+    let slab_len = slab.len();
     match l.key {
         KeyQuant::ByChannel => {
             let (sc, zp) = key_params(slab, d, (sc, zp));
@@ -626,6 +626,12 @@ fn dequant_keys<M: U8Micro>(
             dequant_token_rows(m, &slab[slot0 * kr..][..n * kr], kr, d, group, out);
         }
     }
+}
+
+/// The key slab (scales and zero points, then the keys) of (block, KV head).
+fn key_slab<'k>(plan: &Plan, l: &U8Layout, kc: &'k [u8], (block, kvh): (usize, usize)) -> &'k [u8] {
+    let len = l.key_slab();
+    &kc[(block * plan.hkv + kvh) * len..][..len]
 }
 
 /// The value rows of keys `j0..j1` (inside one block) of (block, KV head).
@@ -932,24 +938,19 @@ impl Cut {
     }
 }
 
-/// The call's cut: work items, sequence by sequence, KV head by KV head, in token order (the
-/// order partial scores are summed in), each sequence's [`Cut`], and the lengths of the
-/// partial-score buffer, the chunk slots and the score stash. A decode-like sequence is one
-/// item per run of `decode_heads` KV heads (a run streams its blocks in storage order) and key
-/// chunk; results do not depend on that grouping (each KV head's arithmetic and partial
-/// scores are its own), the rest of the cut depends only on the plan.
-#[allow(clippy::type_complexity)]
-fn work_items(
-    plan: &Plan,
-    decode_heads: usize,
-) -> Result<(Vec<Work>, Vec<Cut>, (usize, usize, usize))> {
+/// The call's work items, sequence by sequence, KV head by KV head, in token order (the order
+/// partial scores are summed in), and the length of the partial-score buffer. A decode-like
+/// sequence is one item per run of `decode_heads` KV heads (a run streams its blocks in
+/// storage order) and key chunk of its [`Cut`]; results do not depend on that grouping (each
+/// KV head's arithmetic and partial scores are its own), the rest of the cut depends only on
+/// the plan.
+fn work_items(plan: &Plan, cuts: &[Cut], decode_heads: usize) -> Result<(Vec<Work>, usize)> {
     let mut items = Vec::new();
-    let (mut parts, mut slots, mut stash) = (0usize, 0usize, 0usize);
+    let mut parts = 0usize;
     let too_big = || PaError::OutOfMemory {
         what: "u8 partial scores".into(),
         bytes: usize::MAX,
     };
-    let cuts = cut_keys(plan);
     for (seq, sp) in plan.seqs.iter().enumerate() {
         let prefill = is_prefill(plan, sp);
         let step = if prefill {
@@ -988,23 +989,14 @@ fn work_items(
             }
         }
     }
-    let mut cuts = cuts;
-    for (cut, sp) in cuts.iter_mut().zip(&plan.seqs) {
-        if cut.nchunks > 1 {
-            cut.slots = slots;
-            cut.stash = stash;
-            slots += sp.n * plan.h * cut.nchunks * (plan.d + 2);
-            stash += sp.score_tokens * plan.h * sp.ctx();
-        }
-    }
-    Ok((items, cuts, (parts, slots, stash)))
+    Ok((items, parts))
 }
 
 /// Each sequence's key chunks (see [`MIN_DECODE_ITEMS`]): decode-like sequences of at least
 /// two chunks of [`MIN_CHUNK_KEYS`] keys past the window's start, while the call's stash of
 /// score weights stays within `8*T*H*D + STASH_EXTRA` floats; `nchunks` 1 (not cut) for the
-/// rest.
-fn cut_keys(plan: &Plan) -> Vec<Cut> {
+/// rest. Also the lengths of the chunk slots and the score stash the cut sequences take.
+fn cut_keys(plan: &Plan) -> (Vec<Cut>, usize, usize) {
     let span = step_span(plan.bs);
     let decoding = plan
         .seqs
@@ -1014,8 +1006,9 @@ fn cut_keys(plan: &Plan) -> Vec<Cut> {
         .max(1);
     let per_seq = MIN_DECODE_ITEMS.div_ceil(decoding * plan.hkv.max(1));
     let budget = (8 * plan.t * plan.h * plan.d).saturating_add(STASH_EXTRA);
-    let mut stashed = 0usize;
-    plan.seqs
+    let (mut stashed, mut slots) = (0usize, 0usize);
+    let cuts = plan
+        .seqs
         .iter()
         .map(|sp| {
             let one = Cut {
@@ -1032,17 +1025,20 @@ fn cut_keys(plan: &Plan) -> Vec<Cut> {
             if want < 2 || stashed.saturating_add(stash) > budget {
                 return one;
             }
-            stashed += stash;
             let len = keys.div_ceil(want).div_ceil(span) * span;
-            Cut {
+            let cut = Cut {
                 nchunks: keys.div_ceil(len),
                 first,
                 len,
-                slots: 0,
-                stash: 0,
-            }
+                slots,
+                stash: stashed,
+            };
+            stashed += stash;
+            slots += sp.n * plan.h * cut.nchunks * (plan.d + 2);
+            cut
         })
-        .collect()
+        .collect();
+    (cuts, slots, stashed)
 }
 
 /// The read-only side of the bound call.
@@ -1082,14 +1078,13 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
     // 0.5 ms of 6 with 8 per thread. Decode 4 x 4096 (1-head items) was unchanged, 1 thread too.
     // Fewer than 8 per thread also cost 5-13% on 4 x 4096 (one thread waiting on the other).
     // Cut sequences count once per key chunk.
-    let cuts = cut_keys(plan);
+    let (cuts, slots_len, stash_len) = cut_keys(plan);
     let decode_items: usize = (plan.seqs.iter().zip(&cuts))
         .filter(|(sp, _)| !is_prefill(plan, sp))
         .map(|(_, c)| c.nchunks.max(1))
         .sum();
     let splits = (32 * runner.max_threads()).div_ceil(decode_items.max(1));
-    let (items, cuts, (parts_len, slots_len, stash_len)) =
-        work_items(plan, plan.hkv.div_ceil(splits))?;
+    let (items, parts_len) = work_items(plan, &cuts, plan.hkv.div_ceil(splits))?;
     let mut parts = try_vec(parts_len, 0f32, "u8 partial scores")?;
     // Every slot and stashed weight the merge reads is written by an item first; the buffers
     // come back from earlier calls (a fresh mapping would fault in and zero its pages).
