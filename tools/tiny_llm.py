@@ -31,7 +31,7 @@ import openvino.opset6 as ops6
 @dataclass(frozen=True)
 class Config:
     name: str
-    vocab: int = 320
+    vocab: int = 512  # the size of tools/model_dir.py's trained byte-level BPE tokenizer
     hidden: int = 256
     layers: int = 2
     heads: int = 4
@@ -43,6 +43,7 @@ class Config:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     seed: int = 0
+    max_position_embeddings: int = 2048  # config.json only (tools/model_dir.py); the graph has no limit
 
 
 # The variants the tests prove: GQA groups 1 and 4, a sliding window, an explicit scale.

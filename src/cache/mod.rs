@@ -27,5 +27,7 @@ pub use manager::{
 };
 pub use pool::{block_hash, BlockId, BlockPool};
 pub use rng::SplitMix64;
-pub use scheduler::{Request, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters, Step};
+pub use scheduler::{
+    FinishReason, Request, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters, Step,
+};
 pub use simulate::{simulate, LengthDist, SimConfig, SimReport};

@@ -21,6 +21,29 @@ use super::manager::{BlockCopy, BlockManager, ManagerConfig, SeqId};
 use crate::error::{PaError, Result};
 use std::collections::HashMap;
 
+/// Why a request stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// It generated `max_new_tokens`.
+    Length,
+    /// The caller ended it early: an end-of-sequence token or a stop string
+    /// ([`Scheduler::finish`]).
+    Stop,
+    /// The caller aborted it ([`Scheduler::abort`]), possibly before it ran.
+    Abort,
+}
+
+impl FinishReason {
+    /// OpenAI's `finish_reason` word: `length`, `stop` or `abort`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
 /// Configuration of a [`Scheduler`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -145,6 +168,8 @@ pub struct Scheduler {
     arrivals: u64,
     /// Sequences of the step handed out and not completed yet.
     in_flight: Option<Vec<ScheduledSeq>>,
+    /// Requests finished since the last [`Scheduler::take_finished`].
+    finished: Vec<(SeqId, FinishReason)>,
     counters: SchedulerCounters,
 }
 
@@ -168,6 +193,7 @@ impl Scheduler {
             running: Vec::new(),
             arrivals: 0,
             in_flight: None,
+            finished: Vec::new(),
             counters: SchedulerCounters::default(),
         })
     }
@@ -325,6 +351,46 @@ impl Scheduler {
         self.running.push(child);
         self.counters.forks += 1;
         Ok(())
+    }
+
+    /// Ends a live request early because the caller decided it is done (it sampled an
+    /// end-of-sequence token, or its text reached a stop string): its blocks are freed at once
+    /// and it is reported by [`take_finished`](Self::take_finished) with
+    /// [`FinishReason::Stop`]. Only between steps.
+    pub fn finish(&mut self, id: SeqId) -> Result<()> {
+        self.remove(id, FinishReason::Stop)
+    }
+
+    /// Aborts a request, waiting or running: its blocks are freed at once and it is reported
+    /// with [`FinishReason::Abort`]. Only between steps (a step in flight is writing its blocks).
+    pub fn abort(&mut self, id: SeqId) -> Result<()> {
+        self.remove(id, FinishReason::Abort)
+    }
+
+    fn remove(&mut self, id: SeqId, reason: FinishReason) -> Result<()> {
+        if self.in_flight.is_some() {
+            return Err(PaError::InvalidState {
+                detail: format!(
+                    "request {id} cannot end while a step is in flight (call complete_step() first)"
+                ),
+            });
+        }
+        self.entry(id)?;
+        if self.mgr.contains(id) {
+            self.mgr.free(id)?;
+        }
+        self.entries.remove(&id);
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        self.finished.push((id, reason));
+        Ok(())
+    }
+
+    /// The requests that finished since the last call, with their reasons, in the order they
+    /// finished: those that reached `max_new_tokens` in [`complete_step`](Self::complete_step),
+    /// and those ended by [`finish`](Self::finish) or [`abort`](Self::abort).
+    pub fn take_finished(&mut self) -> Vec<(SeqId, FinishReason)> {
+        std::mem::take(&mut self.finished)
     }
 
     /// Plans the next op call. Errors if the previous step was not completed.
@@ -514,6 +580,7 @@ impl Scheduler {
             self.mgr.free(id)?;
             self.entries.remove(&id);
             self.running.retain(|&r| r != id);
+            self.finished.push((id, FinishReason::Length));
         }
         Ok(finished)
     }
@@ -550,6 +617,52 @@ mod tests {
             .filter(|s| s.emits)
             .map(|s| (s.id, 7))
             .collect()
+    }
+
+    #[test]
+    fn finish_and_abort_free_blocks_at_once_and_report_reasons() {
+        let mut s = sched(16, 64);
+        s.add_request(req(1, 10, 50, 0)).unwrap();
+        s.add_request(req(2, 6, 50, 0)).unwrap();
+        s.add_request(req(3, 4, 1, 0)).unwrap();
+        let step = s.schedule().unwrap();
+        assert!(
+            s.finish(1).is_err(),
+            "no early end while the step is in flight"
+        );
+        s.complete_step(&sample(&step)).unwrap();
+        let used = s.manager().stats().used_blocks;
+        assert_eq!(
+            used,
+            3 + 2,
+            "request 3 finished by length and freed its block"
+        );
+        s.finish(1).unwrap();
+        assert_eq!(
+            s.manager().stats().used_blocks,
+            2,
+            "request 1's 3 blocks freed at once"
+        );
+        s.add_request(req(4, 5, 5, 0)).unwrap();
+        s.abort(4).unwrap(); // still waiting
+        s.abort(2).unwrap(); // running
+        assert_eq!(s.manager().stats().used_blocks, 0);
+        assert!(s.is_idle());
+        assert_eq!(
+            s.take_finished(),
+            vec![
+                (3, FinishReason::Length),
+                (1, FinishReason::Stop),
+                (4, FinishReason::Abort),
+                (2, FinishReason::Abort)
+            ]
+        );
+        assert!(s.take_finished().is_empty());
+        assert!(matches!(
+            s.abort(2),
+            Err(PaError::UnknownSequence { id: 2 })
+        ));
+        s.manager().check_invariants().unwrap();
     }
 
     #[test]

@@ -444,7 +444,10 @@ fn run(cfg: &SimConfig, w: &Workload, block_size: usize, num_blocks: usize) -> S
             .collect();
         generated += sampled.len() as u64;
         match s.complete_step(&sampled) {
-            Ok(finished) => r.completed += finished.len(),
+            Ok(finished) => {
+                r.completed += finished.len();
+                s.take_finished();
+            }
             Err(e) => {
                 failure = Some(e.to_string());
                 r.trace.push(rec);

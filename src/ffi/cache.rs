@@ -800,6 +800,8 @@ pub unsafe extern "C" fn pa_scheduler_complete_step(
         };
         let sampled: Vec<_> = ids.iter().copied().zip(toks.iter().copied()).collect();
         let fin = s.sched.complete_step(&sampled)?;
+        // The C ABI reports the count only: drop the finished list, which would otherwise grow.
+        s.sched.take_finished();
         // SAFETY: header contract for `out_finished`.
         unsafe { put(out_finished, fin.len()) };
         Ok(())

@@ -1,0 +1,287 @@
+#include "convert.hpp"
+
+#include <array>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <openvino/core/except.hpp>
+#include <openvino/core/rt_info.hpp>
+#include <openvino/op/constant.hpp>
+#include <openvino/op/gather.hpp>
+#include <openvino/op/matmul.hpp>
+#include <openvino/op/parameter.hpp>
+#include <openvino/op/result.hpp>
+#include <openvino/pass/manager.hpp>
+#include <openvino/pass/sdpa_to_paged_attention.hpp>
+
+#include "paged_attention_op.hpp"
+
+namespace paged_attention {
+namespace {
+
+constexpr const char* kBuiltin = "PagedAttentionExtension";
+
+// OpenVINO 2026.4.1's input order of PagedAttentionExtension (docs/contract.md).
+constexpr std::array<const char*, 28> kBuiltinInputs = {
+    "query", "key", "value", "key_cache", "value_cache", "past_lens", "subsequence_begins",
+    "block_indices", "block_indices_begins", "scale", "sliding_window", "alibi_slopes",
+    "max_context_len", "score_aggregation_window", "rotated_block_indices", "rotation_deltas",
+    "rotation_trig_lut", "xattention_threshold", "xattention_block_size", "xattention_stride",
+    "sinks", "adaptive_rkv_start_size", "adaptive_rkv_evictable_sizes",
+    "adaptive_rkv_diversity_block_set_indices", "adaptive_rkv_diversity_block_set_indices_begins",
+    "token_type_ids", "qq_bias", "qq_bias_begins"};
+
+// Our input i is the built-in's input kOursFromBuiltin[i]; built-in 12 (max_context_len) is
+// dropped: our op derives it from past_lens and subsequence_begins.
+constexpr std::array<size_t, 16> kOursFromBuiltin = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16, 13};
+constexpr size_t kFirstExtra = 17;
+
+std::string input_name(size_t i) {
+    return i < kBuiltinInputs.size() ? kBuiltinInputs[i] : "input " + std::to_string(i);
+}
+
+// Reads one bool attribute of a node (PagedAttentionExtension's write_kv_cache).
+class BoolAttribute : public ov::AttributeVisitor {
+public:
+    explicit BoolAttribute(std::string name) : name_(std::move(name)) {}
+    void on_adapter(const std::string&, ov::ValueAccessor<void>&) override {}
+    void on_adapter(const std::string& name, ov::ValueAccessor<bool>& adapter) override {
+        if (name == name_) {
+            value = adapter.get();
+        }
+    }
+    std::optional<bool> value;
+
+private:
+    std::string name_;
+};
+
+// An extra input is neutral when it is a constant that is empty or a zero scalar: the built-in
+// op then does nothing with it, and neither do we.
+void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::string& where) {
+    const std::string name = input_name(i);
+    const auto src = pa->get_input_node_shared_ptr(i);
+    const auto c = ov::as_type_ptr<ov::op::v0::Constant>(src);
+    OPENVINO_ASSERT(c,
+                    where,
+                    ": input ",
+                    i,
+                    " (",
+                    name,
+                    ") is fed by ",
+                    src->get_type_name(),
+                    " `",
+                    src->get_friendly_name(),
+                    "`, not a constant: the model uses ",
+                    name,
+                    ", which the 16-input PagedAttention does not implement");
+    const ov::Shape& shape = c->get_shape();
+    const bool empty = ov::shape_size(shape) == 0;
+    bool zero_scalar = false;
+    if (shape.empty() && c->get_element_type().is_real()) {
+        zero_scalar = c->cast_vector<double>().at(0) == 0.0;
+    } else if (shape.empty()) {
+        zero_scalar = c->cast_vector<int64_t>().at(0) == 0;
+    }
+    OPENVINO_ASSERT(empty || zero_scalar,
+                    where,
+                    ": input ",
+                    i,
+                    " (",
+                    name,
+                    ") is the constant `",
+                    c->get_friendly_name(),
+                    "` of shape ",
+                    shape,
+                    ", not empty or zero: the model uses ",
+                    name,
+                    ", which the 16-input PagedAttention does not implement");
+}
+
+int64_t rt_int(const ov::Node& node, const char* key) {
+    const auto& rt = node.get_rt_info();
+    const auto it = rt.find(key);
+    OPENVINO_ASSERT(it != rt.end(), kBuiltin, " `", node.get_friendly_name(), "` has no rt_info ", key);
+    return std::stoll(it->second.as<std::string>());
+}
+
+ov::element::Type cache_element(const std::string& cache_type) {
+    if (cache_type == "f32") {
+        return ov::element::f32;
+    }
+    if (cache_type == "f16") {
+        return ov::element::f16;
+    }
+    if (cache_type == "bf16") {
+        return ov::element::bf16;
+    }
+    if (cache_type == "u8") {
+        return ov::element::u8;
+    }
+    OPENVINO_THROW("unknown cache type `", cache_type, "` (f32, f16, bf16 or u8)");
+}
+
+// Types a cache Parameter (the pass leaves it dynamic) as our op reads it.
+void type_cache(const std::shared_ptr<ov::Node>& pa,
+                size_t port,
+                int64_t heads,
+                int64_t head_size,
+                const ConvertConfig& cfg,
+                const std::string& where) {
+    const auto src = pa->get_input_node_shared_ptr(port);
+    const auto param = ov::as_type_ptr<ov::op::v0::Parameter>(src);
+    OPENVINO_ASSERT(param,
+                    where,
+                    ": input ",
+                    port,
+                    " (",
+                    input_name(port),
+                    ") is fed by ",
+                    src->get_type_name(),
+                    "; the op writes the caches in place, so they must be model inputs (Parameters)");
+    const ov::element::Type et = cache_element(cfg.cache_type);
+    int64_t rows = cfg.block_size;
+    int64_t cols = head_size;
+    if (et == ov::element::u8) {
+        // OpenVINO's u8 layout: keys by channel (f32 scale and zero point in 8 extra rows of
+        // bytes), values by token (8 extra bytes per token).
+        (port == 3 ? rows : cols) += 8;
+    }
+    param->set_element_type(et);
+    param->set_partial_shape(ov::PartialShape{ov::Dimension::dynamic(), heads, rows, cols});
+    param->validate_and_infer_types();
+}
+
+std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const ConvertConfig& cfg) {
+    const std::string where = std::string(kBuiltin) + " `" + pa->get_friendly_name() + "`";
+    BoolAttribute write_kv("write_kv_cache");
+    pa->visit_attributes(write_kv);
+    OPENVINO_ASSERT(write_kv.value.value_or(true),
+                    where,
+                    ": write_kv_cache=false; our op always writes the new tokens into the caches");
+    const size_t n_in = pa->get_input_size();
+    OPENVINO_ASSERT(n_in >= kFirstExtra && n_in <= kBuiltinInputs.size(),
+                    where,
+                    " has ",
+                    n_in,
+                    " inputs; this converter knows the layouts with ",
+                    kFirstExtra,
+                    " to ",
+                    kBuiltinInputs.size(),
+                    " (OpenVINO 2026.4.1 order)");
+    for (size_t i = kFirstExtra; i < n_in; ++i) {
+        check_neutral(pa, i, where);
+    }
+    for (size_t k = 2; k < pa->get_output_size(); ++k) {
+        OPENVINO_ASSERT(pa->output(k).get_target_inputs().empty(),
+                        where,
+                        ": output ",
+                        k,
+                        " (adaptive_rkv_diversity) is used; the 16-input PagedAttention has no such output");
+    }
+    const int64_t k_heads = rt_int(*pa, "num_k_heads");
+    const int64_t k_size = rt_int(*pa, "k_head_size");
+    const int64_t v_heads = rt_int(*pa, "num_v_heads");
+    const int64_t v_size = rt_int(*pa, "v_head_size");
+    OPENVINO_ASSERT(v_size == k_size && v_heads == k_heads,
+                    where,
+                    ": input 4 (value_cache) has ",
+                    v_heads,
+                    " heads of ",
+                    v_size,
+                    ", the key cache ",
+                    k_heads,
+                    " of ",
+                    k_size,
+                    "; the 16-input PagedAttention needs the same head size for values and keys");
+    type_cache(pa, 3, k_heads, k_size, cfg, where);
+    type_cache(pa, 4, v_heads, v_size, cfg, where);
+
+    ov::OutputVector args;
+    args.reserve(kOursFromBuiltin.size());
+    for (const size_t b : kOursFromBuiltin) {
+        args.push_back(pa->input_value(b));
+    }
+    auto ours = std::make_shared<PagedAttention>(args);
+    ours->set_friendly_name(pa->get_friendly_name());
+    ov::copy_runtime_info(pa, ours);
+    for (size_t k = 0; k < 2 && k < pa->get_output_size(); ++k) {
+        pa->output(k).replace(ours->output(k));
+    }
+    return ours;
+}
+
+// Inserts `Gather(hidden, sampled_tokens_indices, 0)` before the MatMul that makes the logits
+// (the LM head), as GenAI does, so only the rows the sampler reads are computed.
+bool gather_logits(const std::shared_ptr<ov::Model>& model) {
+    for (const auto& result : model->get_results()) {
+        const auto& names = result->get_input_tensor(0).get_names();
+        if (names.count("logits") == 0) {
+            continue;
+        }
+        const auto matmul = ov::as_type_ptr<ov::op::v0::MatMul>(result->get_input_node_shared_ptr(0));
+        if (!matmul || matmul->get_transpose_a() || matmul->get_input_partial_shape(0).rank().is_dynamic()) {
+            return false;
+        }
+        auto indices = std::make_shared<ov::op::v0::Parameter>(ov::element::i64, ov::PartialShape{-1});
+        indices->set_friendly_name("sampled_tokens_indices");
+        indices->get_output_tensor(0).set_names({"sampled_tokens_indices"});
+        const auto axis = ov::op::v0::Constant::create(ov::element::i64, ov::Shape{}, {0});
+        auto gather = std::make_shared<ov::op::v8::Gather>(matmul->input_value(0), indices, axis);
+        matmul->input(0).replace_source_output(gather);
+        model->add_parameters({indices});
+        model->validate_nodes_and_infer_types();
+        return true;
+    }
+    return false;
+}
+
+}  // namespace
+
+ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const ConvertConfig& config) {
+    OPENVINO_ASSERT(config.block_size > 0, "block size must be positive, got ", config.block_size);
+    cache_element(config.cache_type);
+    for (const auto& op : model->get_ops()) {
+        OPENVINO_ASSERT(std::strcmp(op->get_type_name(), PagedAttention::get_type_info_static().name) != 0,
+                        "the model already uses PagedAttention (",
+                        PagedAttention::get_type_info_static().version_id,
+                        "): nothing to convert");
+        OPENVINO_ASSERT(std::strcmp(op->get_type_name(), kBuiltin) != 0,
+                        "the model already holds ",
+                        kBuiltin,
+                        " nodes; convert the stateful model it came from");
+    }
+    OPENVINO_ASSERT(!model->get_sinks().empty() || !model->get_variables().empty(),
+                    "the model is not stateful (no ReadValue/Assign KV cache): export it with "
+                    "`optimum-cli export openvino --task text-generation-with-past`");
+    ov::pass::Manager manager;
+    manager.register_pass<ov::pass::SDPAToPagedAttention>(false,
+                                                          config.serving,
+                                                          config.serving,
+                                                          config.serving);
+    manager.run_passes(model);
+
+    std::vector<std::shared_ptr<ov::Node>> builtin;
+    for (const auto& op : model->get_ordered_ops()) {
+        if (std::strcmp(op->get_type_name(), kBuiltin) == 0) {
+            builtin.push_back(op);
+        }
+    }
+    OPENVINO_ASSERT(!builtin.empty(),
+                    "SDPAToPagedAttention found no ScaledDotProductAttention it could turn into ",
+                    kBuiltin);
+    ConvertReport report;
+    for (const auto& pa : builtin) {
+        replace_one(pa, config);
+        ++report.converted;
+    }
+    model->validate_nodes_and_infer_types();
+    if (config.gather_logits) {
+        report.gathered_logits = gather_logits(model);
+    }
+    return report;
+}
+
+}  // namespace paged_attention

@@ -1,0 +1,41 @@
+// The one converter from OpenVINO's LLM graphs to this project's op, in memory: a stateful SDPA
+// LLM (as optimum-intel exports it) goes through OpenVINO's own SDPAToPagedAttention pass, as GenAI
+// applies it, and every PagedAttentionExtension it makes is replaced by our PagedAttention
+// (ie_internal_opset, 16 inputs, 2 outputs). Used by the engine (through cxx) and exported by the
+// extension module as `pa_ov_convert` for the Python tool.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include <openvino/core/model.hpp>
+
+namespace paged_attention {
+
+struct ConvertConfig {
+    // Token slots per cache block.
+    int block_size = 32;
+    // "f32", "f16", "bf16" or "u8" (OpenVINO's u8 layout: key [?, Hkv, BS + 8, D] by channel,
+    // value [?, Hkv, BS, D + 8] by token).
+    std::string cache_type = "f32";
+    // Also give the graph what score-driven eviction needs: outputs scores.N, inputs
+    // score_aggregation_window and the rotation inputs.
+    bool serving = false;
+    // Compute logits only for the rows named by a new input `sampled_tokens_indices` (i64 [N]),
+    // when the logits come from a MatMul: a prefill chunk then costs one LM-head row, not T.
+    bool gather_logits = true;
+};
+
+struct ConvertReport {
+    size_t converted = 0;
+    bool gathered_logits = false;
+};
+
+// Converts `model` in place. Throws ov::Exception with a message naming the node and the input
+// when the graph uses what our op does not implement (sinks, xattention, adaptive R-KV, token
+// type ids, qq_bias, a Dv != D value cache, write_kv_cache=false), or when it is not a stateful
+// SDPA LLM the pass can transform.
+ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const ConvertConfig& config);
+
+}  // namespace paged_attention

@@ -1,0 +1,115 @@
+#include "session.hpp"
+
+#include <string>
+#include <vector>
+
+#include "convert.hpp"
+#include "paged_attention_engine/src/ov.rs.h"
+
+namespace pa_engine {
+namespace {
+
+std::string str(rust::Str s) {
+    return std::string(s.data(), s.size());
+}
+
+ov::element::Type element(const std::string& name) {
+    if (name == "f32") return ov::element::f32;
+    if (name == "f16") return ov::element::f16;
+    if (name == "bf16") return ov::element::bf16;
+    if (name == "u8") return ov::element::u8;
+    if (name == "i32") return ov::element::i32;
+    if (name == "i64") return ov::element::i64;
+    OPENVINO_THROW("unknown element type `", name, "`");
+}
+
+Port port(const ov::Output<const ov::Node>& out) {
+    Port p;
+    p.name = out.get_names().empty() ? rust::String("") : rust::String(out.get_any_name());
+    p.element_type = out.get_element_type().get_type_name();
+    const ov::PartialShape& ps = out.get_partial_shape();
+    if (ps.rank().is_static()) {
+        for (const auto& d : ps) {
+            p.shape.push_back(d.is_static() ? d.get_length() : -1);
+        }
+    }
+    return p;
+}
+
+}  // namespace
+
+Session::Session(std::shared_ptr<ov::Model> model, size_t converted, bool gathered)
+    : model_(std::move(model)), converted_(converted), gathered_(gathered) {}
+
+rust::Vec<Port> Session::inputs() const {
+    rust::Vec<Port> v;
+    for (const auto& in : std::const_pointer_cast<const ov::Model>(model_)->inputs()) {
+        v.push_back(port(in));
+    }
+    return v;
+}
+
+rust::Vec<Port> Session::outputs() const {
+    rust::Vec<Port> v;
+    for (const auto& out : std::const_pointer_cast<const ov::Model>(model_)->outputs()) {
+        v.push_back(port(out));
+    }
+    return v;
+}
+
+size_t Session::converted_layers() const {
+    return converted_;
+}
+
+bool Session::gathered_logits() const {
+    return gathered_;
+}
+
+void Session::save(rust::Str xml) const {
+    ov::save_model(model_, str(xml), false);
+}
+
+void Session::compile(rust::Str device, rust::Slice<const Property> properties) {
+    ov::AnyMap config;
+    for (const auto& p : properties) {
+        config[str(p.key)] = str(p.value);
+    }
+    compiled_ = core_.compile_model(model_, str(device), config);
+    request_ = compiled_.create_infer_request();
+}
+
+void Session::set_input(size_t index, rust::Str element_type, rust::Slice<const size_t> shape, uint8_t* data) {
+    OPENVINO_ASSERT(index < compiled_.inputs().size(), "no input ", index);
+    const ov::Shape s(shape.begin(), shape.end());
+    request_.set_tensor(compiled_.input(index), ov::Tensor(element(str(element_type)), s, data));
+}
+
+void Session::infer() {
+    request_.infer();
+}
+
+rust::Slice<const float> Session::output_f32(size_t index) const {
+    OPENVINO_ASSERT(index < compiled_.outputs().size(), "no output ", index);
+    const ov::Tensor t = request_.get_tensor(compiled_.output(index));
+    OPENVINO_ASSERT(t.get_element_type() == ov::element::f32,
+                    "output ",
+                    index,
+                    " is ",
+                    t.get_element_type(),
+                    ", not f32");
+    return rust::Slice<const float>(t.data<const float>(), t.get_size());
+}
+
+std::unique_ptr<Session> open_session(rust::Str xml, const ConvertOptions& options) {
+    ov::Core core;
+    std::shared_ptr<ov::Model> model = core.read_model(str(xml));
+    paged_attention::ConvertConfig cfg;
+    cfg.block_size = static_cast<int>(options.block_size);
+    cfg.cache_type = str(options.cache_type);
+    cfg.serving = options.serving;
+    cfg.gather_logits = options.gather_logits;
+    const auto report = paged_attention::convert_to_our_op(model, cfg);
+    return std::make_unique<Session>(model, report.converted, report.gathered_logits);
+}
+
+}  // namespace pa_engine

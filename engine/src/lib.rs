@@ -1,0 +1,60 @@
+//! The engine around the `paged_attention` op: a model directory exported by optimum-intel in,
+//! text out. [`Engine`] converts the stateful graph to our op in memory (OpenVINO's
+//! `SDPAToPagedAttention`, then every `PagedAttentionExtension` replaced by our `PagedAttention`),
+//! owns one KV cache pair per layer, and serves requests with the project's continuous-batching
+//! scheduler and block manager.
+//!
+//! ```no_run
+//! use paged_attention_engine::{Engine, EngineConfig, Event, GenerationParams};
+//! let mut engine = Engine::load("model_dir", &EngineConfig::default())?;
+//! let prompt = engine.encode_prompt("Hello", false)?;
+//! engine.add_request(prompt, GenerationParams { max_new_tokens: 16, ..Default::default() })?;
+//! engine.run_to_completion(|e| if let Event::Token { text, .. } = e { print!("{text}") })?;
+//! # Ok::<(), paged_attention_engine::EngineError>(())
+//! ```
+
+mod engine;
+mod error;
+mod model_dir;
+mod ov;
+mod sampling;
+mod tokenizer;
+
+pub use engine::{
+    CacheType, Engine, EngineConfig, EngineStats, Event, GenerationParams, Precision, RequestId,
+};
+pub use error::{EngineError, Result};
+pub use model_dir::{GenerationDefaults, ModelConfig, ModelDir};
+pub use paged_attention::cache::FinishReason;
+pub use sampling::Sampling;
+pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
+
+/// Converts a stateful LLM IR to a paged IR on our op (`xml_out` and its `.bin`), as the engine
+/// does in memory. Returns the number of attention layers converted.
+pub fn convert_ir(
+    xml_in: &std::path::Path,
+    xml_out: &std::path::Path,
+    block_size: usize,
+    cache_type: CacheType,
+) -> Result<usize> {
+    let s = |p: &std::path::Path| {
+        p.to_str()
+            .map(str::to_owned)
+            .ok_or_else(|| EngineError::Model {
+                path: p.to_path_buf(),
+                detail: "path is not UTF-8".into(),
+            })
+    };
+    let opts = ov::ConvertOptions {
+        block_size: block_size as u32,
+        cache_type: cache_type.as_str().into(),
+        serving: false,
+        gather_logits: false,
+    };
+    let session = ov::ffi::open_session(&s(xml_in)?, &opts).map_err(|e| EngineError::Model {
+        path: xml_in.to_path_buf(),
+        detail: e.what().to_string(),
+    })?;
+    session.save(&s(xml_out)?)?;
+    Ok(session.converted_layers())
+}

@@ -1,0 +1,56 @@
+//! The OpenVINO side of the engine: a compiled paged model and its infer request (C++ in
+//! `cpp/session.cpp`, bridged by cxx). The conversion to our op happens there, in memory, with
+//! the project's one converter (`../cpp/convert.cpp`).
+
+#[cxx::bridge(namespace = "pa_engine")]
+pub(crate) mod ffi {
+    /// How the stateful model is turned into a paged one (`paged_attention::ConvertConfig`).
+    struct ConvertOptions {
+        block_size: u32,
+        cache_type: String,
+        serving: bool,
+        gather_logits: bool,
+    }
+
+    /// A model input or output: its tensor name, element type (OpenVINO's short name: f32, i64,
+    /// u8, ...) and shape (-1 for a dynamic dimension; empty for a scalar).
+    #[derive(Debug, Clone)]
+    struct Port {
+        name: String,
+        element_type: String,
+        shape: Vec<i64>,
+    }
+
+    struct Property {
+        key: String,
+        value: String,
+    }
+
+    unsafe extern "C++" {
+        include!("session.hpp");
+
+        type Session;
+
+        fn open_session(xml: &str, options: &ConvertOptions) -> Result<UniquePtr<Session>>;
+        fn inputs(self: &Session) -> Vec<Port>;
+        fn outputs(self: &Session) -> Vec<Port>;
+        fn converted_layers(self: &Session) -> usize;
+        fn gathered_logits(self: &Session) -> bool;
+        fn save(self: &Session, xml: &str) -> Result<()>;
+        fn compile(self: Pin<&mut Session>, device: &str, properties: &[Property]) -> Result<()>;
+        /// # Safety
+        /// `data` must point to `shape`'s elements of `element_type`, valid and not moved until
+        /// the next `set_input` of this index or the session's end (the request keeps it).
+        unsafe fn set_input(
+            self: Pin<&mut Session>,
+            index: usize,
+            element_type: &str,
+            shape: &[usize],
+            data: *mut u8,
+        ) -> Result<()>;
+        fn infer(self: Pin<&mut Session>) -> Result<()>;
+        fn output_f32(self: &Session, index: usize) -> Result<&[f32]>;
+    }
+}
+
+pub(crate) use ffi::{ConvertOptions, Property, Session};

@@ -1,0 +1,176 @@
+//! Text in and out: `tokenizer.json` through the `tokenizers` crate, the chat template of
+//! `tokenizer_config.json` through minijinja (with Python string methods, as Hugging Face
+//! templates use them), and a streaming decoder that never emits a partial UTF-8 sequence.
+
+use crate::error::{EngineError, Result};
+use crate::model_dir::read_json;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::Path;
+
+/// One chat message (`role`: system, user, assistant, ...).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// The model directory's tokenizer.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// `tokenizer.json`, and from `tokenizer_config.json` (optional) the chat template and the
+    /// special tokens it refers to.
+    pub fn from_dir(dir: &Path) -> Result<TextTokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| EngineError::Model {
+            path: path.clone(),
+            detail: format!("cannot load the tokenizer: {e}"),
+        })?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg = if cfg_path.is_file() {
+            read_json(&cfg_path)?
+        } else {
+            Value::Null
+        };
+        let chat_template = match cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // A list of named templates: the "default" one.
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            _ => None,
+        };
+        let chat_template =
+            chat_template.or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok());
+        Ok(TextTokenizer {
+            inner,
+            chat_template,
+            bos_token: token_text(cfg.get("bos_token")),
+            eos_token: token_text(cfg.get("eos_token")),
+        })
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (a BOS
+    /// token, typically), as Hugging Face and GenAI do for a plain prompt.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| EngineError::Tokenizer(format!("cannot encode: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| EngineError::Tokenizer(format!("cannot decode: {e}")))
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos_token
+            .as_deref()
+            .and_then(|t| self.inner.token_to_id(t))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders the chat template (`messages`, `add_generation_prompt`, `bos_token`,
+    /// `eos_token`). The result already holds the template's special tokens: encode it with
+    /// `add_special_tokens = false`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            EngineError::Tokenizer(
+                "the model directory has no chat template (tokenizer_config.json `chat_template`)"
+                    .into(),
+            )
+        })?;
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_deref().unwrap_or(""),
+            eos_token => self.eos_token.as_deref().unwrap_or(""),
+        };
+        env.render_str(template, ctx)
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e:#}")))
+    }
+}
+
+/// Incremental detokenization: feed generated ids one by one, get the text they complete. Text
+/// is held back while the ids decode to an incomplete UTF-8 sequence (a trailing U+FFFD), so
+/// the concatenated pieces equal the decode of all ids and no piece splits a character.
+#[derive(Clone, Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    /// Start of the ids decoded as context for the next piece.
+    prefix: usize,
+    /// End of the ids already turned into text.
+    read: usize,
+}
+
+impl StreamDecoder {
+    /// The new text `id` completes (possibly empty).
+    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len()
+            && !now.ends_with('\u{FFFD}')
+            && now.is_char_boundary(before.len())
+        {
+            let piece = now[before.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Whatever text is still held back (at the end of a sequence).
+    pub fn flush(&mut self, tok: &TextTokenizer) -> Result<String> {
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
+}
