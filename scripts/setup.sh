@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the tests need: a venv at .venv with OpenVINO 2026.4.1 (pinned, from PyPI), numpy,
 # pytest, matplotlib (tools/bench.py --chart), cmake (the install test builds a CMake project with
-# find_package) and setuptools-rust + wheel (the Python package's build backend: pip wheel .);
+# find_package), setuptools-rust + wheel (the Python package's build backend: pip wheel .), and for
+# the engine's tests and benchmark: OpenVINO GenAI and OpenVINO Tokenizers (same release; the
+# independent reference), tokenizers and transformers (the tiny models' tokenizers are trained and
+# converted at test time);
 # valgrind (tests/valgrind.rs), pkg-config (the install test) and a C/C++ compiler (the C tests,
 # the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent;
 # safe to run on a fresh machine.
@@ -22,8 +25,8 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-want="openvino==2026.4.1 numpy pytest matplotlib cmake setuptools-rust wheel"
-if ! .venv/bin/python -c "import openvino, numpy, pytest, matplotlib, setuptools_rust, wheel, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
+want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers numpy pytest matplotlib cmake setuptools-rust wheel"
+if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, numpy, pytest, matplotlib, setuptools_rust, wheel, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
     || [ ! -x .venv/bin/cmake ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check $want
 fi

@@ -7,10 +7,11 @@ use paged_attention_engine::{
     Precision, Sampling,
 };
 use serde_json::json;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Parser)]
 #[command(
@@ -78,7 +79,8 @@ struct GenerateArgs {
     /// The prompt.
     #[arg(long, conflicts_with = "prompts", required_unless_present = "prompts")]
     prompt: Option<String>,
-    /// A JSON file holding an array of prompt strings, run as one continuous batch.
+    /// A JSON file holding an array of prompts, run as one continuous batch: strings, or objects
+    /// {"text": ..., "token_ids": [...] (instead of text), "arrival": seconds after the start}.
     #[arg(long)]
     prompts: Option<PathBuf>,
     /// Apply the model's chat template (the prompt is one user message).
@@ -113,6 +115,10 @@ struct GenerateArgs {
     /// Print the engine's figures to stderr at the end.
     #[arg(long)]
     stats: bool,
+    /// With --json: each line also gets its request's times (arrival_s, ttft_ms, tpot_ms: mean
+    /// time per output token after the first, e2e_ms).
+    #[arg(long)]
+    timings: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -176,6 +182,63 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     })
 }
 
+/// One prompt of --prompts.
+enum PromptSpec {
+    Text(String),
+    Timed { text: String, arrival: f64 },
+    Ids { ids: Vec<u32>, arrival: f64 },
+}
+
+impl PromptSpec {
+    fn parse(v: &serde_json::Value) -> Result<PromptSpec, String> {
+        if let Some(s) = v.as_str() {
+            return Ok(PromptSpec::Text(s.to_owned()));
+        }
+        let arrival = match v.get("arrival") {
+            None => 0.0,
+            Some(x) => x
+                .as_f64()
+                .filter(|a| *a >= 0.0)
+                .ok_or("`arrival` must be seconds >= 0")?,
+        };
+        if let Some(t) = v.get("text").and_then(|t| t.as_str()) {
+            return Ok(PromptSpec::Timed {
+                text: t.to_owned(),
+                arrival,
+            });
+        }
+        if let Some(ids) = v.get("token_ids").and_then(|t| t.as_array()) {
+            let ids = ids
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or("token ids must be integers")
+                })
+                .collect::<Result<_, _>>()?;
+            return Ok(PromptSpec::Ids { ids, arrival });
+        }
+        Err(
+            "a prompt is a string or an object with `text` or `token_ids` (and optional `arrival`)"
+                .into(),
+        )
+    }
+    fn arrival(&self) -> f64 {
+        match self {
+            PromptSpec::Text(_) => 0.0,
+            PromptSpec::Timed { arrival, .. } | PromptSpec::Ids { arrival, .. } => *arrival,
+        }
+    }
+}
+
+#[derive(Clone, Default)]
+struct Times {
+    arrival: Duration,
+    first: Option<Duration>,
+    last: Duration,
+    tokens: usize,
+}
+
 struct Done {
     token_ids: Vec<u32>,
     text: String,
@@ -183,16 +246,18 @@ struct Done {
 }
 
 fn generate(a: GenerateArgs) -> Result<(), String> {
-    let prompts: Vec<String> = match (&a.prompt, &a.prompts) {
-        (Some(p), _) => vec![p.clone()],
+    let prompts: Vec<PromptSpec> = match (&a.prompt, &a.prompts) {
+        (Some(p), _) => vec![PromptSpec::Text(p.clone())],
         (None, Some(f)) => {
             let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
-            serde_json::from_str(&text).map_err(|e| {
-                format!(
-                    "{}: expected a JSON array of prompt strings: {e}",
-                    f.display()
-                )
-            })?
+            let v: Vec<serde_json::Value> = serde_json::from_str(&text)
+                .map_err(|e| format!("{}: expected a JSON array of prompts: {e}", f.display()))?;
+            v.iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    PromptSpec::parse(p).map_err(|e| format!("{}: prompt {i}: {e}", f.display()))
+                })
+                .collect::<Result<_, _>>()?
         }
         (None, None) => unreachable!("clap requires --prompt or --prompts"),
     };
@@ -218,61 +283,97 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         ignore_eos: a.ignore_eos,
         n: a.n,
     };
-    // Requests in input order; a refused prompt fails alone.
-    let mut ids = Vec::with_capacity(prompts.len());
-    let mut prompt_lens = Vec::with_capacity(prompts.len());
+    // Requests in input order, each at its arrival time; a refused prompt fails alone.
+    let n = prompts.len();
+    let mut ids: Vec<Option<u64>> = vec![None; n];
+    let mut prompt_lens = vec![0usize; n];
+    let mut times = vec![Times::default(); n];
+    let mut by_request: HashMap<u64, usize> = HashMap::new();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&x, &y| prompts[x].arrival().total_cmp(&prompts[y].arrival()));
+    let mut next = 0;
     let mut failed = 0;
-    for (i, p) in prompts.iter().enumerate() {
-        let r = engine.encode_prompt(p, a.chat).and_then(|toks| {
-            let n = toks.len();
-            engine.add_request(toks, params.clone()).map(|id| (id, n))
-        });
-        match r {
-            Ok((id, n)) => {
-                ids.push(Some(id));
-                prompt_lens.push(n);
+    let stream = n == 1 && !a.json;
+    let mut results: HashMap<(u64, usize), Done> = HashMap::new();
+    let stdout = std::io::stdout();
+    let t_gen = Instant::now();
+    let mut first_token: Option<Duration> = None;
+    while next < n || !engine.is_idle() {
+        let now = t_gen.elapsed().as_secs_f64();
+        while next < n && prompts[order[next]].arrival() <= now {
+            let i = order[next];
+            next += 1;
+            let r = match &prompts[i] {
+                PromptSpec::Text(t) | PromptSpec::Timed { text: t, .. } => {
+                    engine.encode_prompt(t, a.chat)
+                }
+                PromptSpec::Ids { ids, .. } => Ok(ids.clone()),
             }
-            Err(e) => {
-                eprintln!("pa-engine: prompt {i}: {e}");
-                failed += 1;
-                ids.push(None);
-                prompt_lens.push(0);
+            .and_then(|toks| {
+                let len = toks.len();
+                engine.add_request(toks, params.clone()).map(|id| (id, len))
+            });
+            match r {
+                Ok((id, len)) => {
+                    ids[i] = Some(id);
+                    prompt_lens[i] = len;
+                    by_request.insert(id, i);
+                    times[i].arrival = t_gen.elapsed();
+                }
+                Err(e) => {
+                    eprintln!("pa-engine: prompt {i}: {e}");
+                    failed += 1;
+                }
+            }
+        }
+        if engine.is_idle() {
+            if next < n {
+                let wait = prompts[order[next]].arrival() - t_gen.elapsed().as_secs_f64();
+                std::thread::sleep(Duration::from_secs_f64(wait.max(0.0)));
+            }
+            continue;
+        }
+        for e in engine.step().map_err(|e| e.to_string())? {
+            match e {
+                Event::Token {
+                    request,
+                    index,
+                    text,
+                    ..
+                } => {
+                    let at = t_gen.elapsed();
+                    first_token.get_or_insert(at);
+                    if index == 0 {
+                        let t = &mut times[by_request[&request]];
+                        t.first.get_or_insert(at);
+                        t.last = at;
+                        t.tokens += 1;
+                    }
+                    if stream && index == 0 && !text.is_empty() {
+                        let mut out = stdout.lock();
+                        let _ = out.write_all(text.as_bytes());
+                        let _ = out.flush();
+                    }
+                }
+                Event::Finished {
+                    request,
+                    index,
+                    reason,
+                    token_ids,
+                    text,
+                } => {
+                    results.insert(
+                        (request, index),
+                        Done {
+                            token_ids,
+                            text,
+                            reason,
+                        },
+                    );
+                }
             }
         }
     }
-    let stream = prompts.len() == 1 && !a.json;
-    let mut results: std::collections::HashMap<(u64, usize), Done> = Default::default();
-    let stdout = std::io::stdout();
-    let t_gen = Instant::now();
-    let mut first_token: Option<std::time::Duration> = None;
-    engine
-        .run_to_completion(|e| match e {
-            Event::Token { index, text, .. } => {
-                first_token.get_or_insert_with(|| t_gen.elapsed());
-                if stream && *index == 0 && !text.is_empty() {
-                    let mut out = stdout.lock();
-                    let _ = out.write_all(text.as_bytes());
-                    let _ = out.flush();
-                }
-            }
-            Event::Finished {
-                request,
-                index,
-                reason,
-                token_ids,
-                text,
-            } => {
-                results.insert(
-                    (*request, *index),
-                    Done {
-                        token_ids: token_ids.clone(),
-                        text: text.clone(),
-                        reason: *reason,
-                    },
-                );
-            }
-        })
-        .map_err(|e| e.to_string())?;
     let gen_time = t_gen.elapsed();
     let mut out = stdout.lock();
     if stream {
@@ -292,6 +393,19 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
                 "text": first.text,
                 "finish_reason": first.reason.as_str(),
             });
+            if a.timings {
+                let t = &times[i];
+                let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                let first = t.first.unwrap_or(t.arrival);
+                obj["arrival_s"] = json!(t.arrival.as_secs_f64());
+                obj["ttft_ms"] = json!(ms(first - t.arrival));
+                obj["tpot_ms"] = json!(if t.tokens > 1 {
+                    ms(t.last - first) / (t.tokens - 1) as f64
+                } else {
+                    0.0
+                });
+                obj["e2e_ms"] = json!(ms(t.last - t.arrival));
+            }
             if a.n > 1 {
                 obj["samples"] = outputs
                     .iter()

@@ -46,6 +46,25 @@ enum Command {
     /// KV-cache manager simulation: paged vs contiguous allocation on the same memory.
     #[command(long_about = SIMULATE_ABOUT)]
     Simulate(SimulateArgs),
+    /// Generate text from a model directory (runs pa-engine; `pa generate --help` shows its options).
+    #[command(long_about = ENGINE_ABOUT, disable_help_flag = true)]
+    Generate(EngineArgs),
+    /// Convert a stateful LLM IR to a paged IR on our op (runs pa-engine).
+    #[command(long_about = ENGINE_ABOUT, disable_help_flag = true)]
+    Convert(EngineArgs),
+}
+
+const ENGINE_ABOUT: &str = "\
+Runs `pa-engine` with the same arguments (`pa generate ARGS` is `pa-engine generate ARGS`).
+The engine links OpenVINO, which this binary and the C library do not; it is its own workspace
+crate. Get it with `scripts/setup.sh && cargo build --release -p paged_attention_engine`
+(target/release/pa-engine, found beside `pa` or on PATH; $PA_ENGINE names another).";
+
+/// The arguments of a command `pa-engine` runs, passed through untouched.
+#[derive(Args)]
+struct EngineArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<std::ffi::OsString>,
 }
 
 const CONFORMANCE_ABOUT: &str = "\
@@ -196,6 +215,8 @@ fn main() -> ExitCode {
         Command::Conformance(a) => conformance(a),
         Command::Run(a) => run(a),
         Command::Simulate(a) => simulate_cmd(a),
+        Command::Generate(a) => engine_cmd("generate", a),
+        Command::Convert(a) => engine_cmd("convert", a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,
@@ -205,6 +226,30 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Replaces this process by `pa-engine COMMAND ARGS` ($PA_ENGINE, else beside this binary,
+/// else on PATH). Returns only when it cannot be started.
+fn engine_cmd(command: &str, a: EngineArgs) -> Result<bool, String> {
+    use std::os::unix::process::CommandExt;
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("pa-engine")))
+        .filter(|p| p.is_file());
+    let exe = std::env::var_os("PA_ENGINE")
+        .map(PathBuf::from)
+        .or(beside)
+        .unwrap_or_else(|| PathBuf::from("pa-engine"));
+    let err = std::process::Command::new(&exe)
+        .arg(command)
+        .args(&a.args)
+        .exec();
+    Err(format!(
+        "`pa {command}` runs the engine, `{}`, which could not be started ({err}). The engine \
+         links OpenVINO, which `pa` and the C library do not: build it with \
+         `scripts/setup.sh && cargo build --release -p paged_attention_engine`, or set PA_ENGINE",
+        exe.display()
+    ))
 }
 
 fn fmt_err(e: Option<f64>) -> String {

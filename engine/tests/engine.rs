@@ -1,0 +1,310 @@
+//! The engine's API on a tiny model made at test time (tools/model_dir.py: random weights, a
+//! tokenizer trained on the spot): early ends (end-of-sequence ids, stop strings) and aborts
+//! free their blocks at once, as the block manager's statistics show; a refused request fails
+//! alone; preemption and forks give what an undisturbed run gives. Token equality with OpenVINO
+//! GenAI is tests/python/test_engine.py's.
+
+use paged_attention_engine::{
+    CacheType, Engine, EngineConfig, EngineError, Event, FinishReason, GenerationParams, Precision,
+    Sampling,
+};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The gqa4 tiny model directory, written once per test run.
+fn model_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = std::env::temp_dir().join(format!("pa_engine_test_{}", std::process::id()));
+        let py = repo().join(".venv/bin/python");
+        assert!(
+            py.is_file(),
+            "{} missing: run scripts/setup.sh",
+            py.display()
+        );
+        let st = std::process::Command::new(py)
+            .arg(repo().join("tools/model_dir.py"))
+            .arg(&out)
+            .args(["--variant", "gqa4"])
+            .output()
+            .expect("run tools/model_dir.py");
+        assert!(
+            st.status.success(),
+            "tools/model_dir.py failed: {}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+        out.join("gqa4")
+    })
+}
+
+fn config(kv_bytes: usize) -> EngineConfig {
+    EngineConfig {
+        cache_type: CacheType::F32,
+        kv_cache_bytes: kv_bytes,
+        block_size: 32,
+        max_batched_tokens: 64,
+        max_seqs: 16,
+        prefix_caching: true,
+        precision: Some(Precision::F32),
+        threads: Some(2),
+        device: "CPU".into(),
+    }
+}
+
+fn engine() -> Engine {
+    Engine::load(model_dir(), &config(64 << 20)).expect("load the tiny model")
+}
+
+fn greedy(n: usize) -> GenerationParams {
+    GenerationParams {
+        max_new_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Runs to the end; the finished outputs by (request, index).
+fn run(e: &mut Engine) -> HashMap<(u64, usize), (FinishReason, Vec<u32>, String)> {
+    let mut done = HashMap::new();
+    e.run_to_completion(|ev| {
+        if let Event::Finished {
+            request,
+            index,
+            reason,
+            token_ids,
+            text,
+        } = ev
+        {
+            done.insert(
+                (*request, *index),
+                (*reason, token_ids.clone(), text.clone()),
+            );
+        }
+    })
+    .unwrap();
+    done
+}
+
+fn blocks_of(tokens: usize) -> usize {
+    tokens.div_ceil(32)
+}
+
+#[test]
+fn end_of_sequence_ends_one_output_early_and_frees_its_blocks_at_once() {
+    let mut e = engine();
+    let a = e
+        .encode_prompt("the river and the garden of the city", false)
+        .unwrap();
+    let b = e.encode_prompt("Paris brings new light", false).unwrap();
+    // The undisturbed greedy run of a, to pick a stop id it reaches at its 6th token.
+    let ra = e.add_request(a.clone(), greedy(40)).unwrap();
+    let full = run(&mut e).remove(&(ra, 0)).unwrap().1;
+    let stop = full[5];
+    let first = full.iter().position(|&t| t == stop).unwrap();
+
+    let mut params = greedy(40);
+    params.stop_token_ids = Some(vec![stop]);
+    let ra = e.add_request(a.clone(), params).unwrap();
+    let rb = e.add_request(b.clone(), greedy(40)).unwrap();
+    let mut seen_end = false;
+    while !e.is_idle() {
+        for ev in e.step().unwrap() {
+            if let Event::Finished {
+                request,
+                reason,
+                token_ids,
+                ..
+            } = &ev
+            {
+                if *request == ra {
+                    assert_eq!(*reason, FinishReason::Stop);
+                    assert_eq!(token_ids[..], full[..=first], "ends with the stop id");
+                    // Only b's blocks are still referenced, right after a ended.
+                    let st = e.cache_stats();
+                    assert_eq!(st.sequences, 1);
+                    let b_len = b.len() + first; // b has as many tokens generated (one per step)
+                    assert!(st.used_blocks <= blocks_of(b_len + 1), "{st:?}");
+                    seen_end = true;
+                }
+            }
+        }
+    }
+    assert!(seen_end);
+    assert_eq!(e.cache_stats().used_blocks, 0);
+    let _ = rb;
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_end_the_output() {
+    let mut e = engine();
+    let p = e.encode_prompt("quiet Tokyo river", false).unwrap();
+    let r = e.add_request(p.clone(), greedy(48)).unwrap();
+    let (_, ids, text) = run(&mut e).remove(&(r, 0)).unwrap();
+    // A stop string from the middle of the text: three ASCII letters.
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    let at = (4..chars.len().saturating_sub(3))
+        .find(|&i| chars[i..i + 3].iter().all(|(_, c)| c.is_ascii_alphabetic()))
+        .expect("three letters in a row in the greedy text");
+    let stop: String = chars[at..at + 3].iter().map(|(_, c)| c).collect();
+    let cut = text.find(&stop).unwrap();
+    let mut params = greedy(48);
+    params.stop = vec!["no such text \u{1F600}".into(), stop.clone()];
+    let r = e.add_request(p, params).unwrap();
+    let mut streamed = String::new();
+    let mut done = None;
+    e.run_to_completion(|ev| match ev {
+        Event::Token { request, text, .. } if *request == r => streamed.push_str(text),
+        Event::Finished {
+            reason,
+            token_ids,
+            text,
+            ..
+        } => done = Some((*reason, token_ids.clone(), text.clone())),
+        _ => {}
+    })
+    .unwrap();
+    let (reason, got_ids, got_text) = done.unwrap();
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(
+        got_text,
+        text[..cut],
+        "text ends before the stop string {stop:?}"
+    );
+    assert_eq!(
+        streamed, got_text,
+        "the streamed pieces never showed the stop string"
+    );
+    assert!(ids.starts_with(&got_ids) && got_ids.len() < ids.len());
+    assert_eq!(e.cache_stats().used_blocks, 0);
+}
+
+#[test]
+fn abort_mid_decode_frees_blocks_and_leaves_the_others_untouched() {
+    let mut e = engine();
+    let a = e
+        .encode_prompt("over would of and may as is", false)
+        .unwrap();
+    let b = e.encode_prompt("the cache of the river", false).unwrap();
+    let rb = e.add_request(b.clone(), greedy(30)).unwrap();
+    let alone = run(&mut e).remove(&(rb, 0)).unwrap().1;
+
+    let ra = e.add_request(a, greedy(200)).unwrap();
+    let rb = e.add_request(b, greedy(30)).unwrap();
+    for _ in 0..10 {
+        e.step().unwrap();
+    }
+    let before = e.cache_stats();
+    assert_eq!(before.sequences, 2);
+    let ev = e.abort(ra).unwrap();
+    assert!(
+        matches!(ev.last(), Some(Event::Finished { request, reason: FinishReason::Abort, .. }) if *request == ra)
+    );
+    let after = e.cache_stats();
+    assert_eq!(after.sequences, 1);
+    assert!(
+        after.used_blocks < before.used_blocks,
+        "{before:?} -> {after:?}"
+    );
+    assert!(e.abort(ra).is_err(), "an aborted request is gone");
+    let out = run(&mut e).remove(&(rb, 0)).unwrap().1;
+    assert_eq!(
+        out, alone,
+        "the other request generates what it generates alone"
+    );
+    assert_eq!(e.cache_stats().used_blocks, 0);
+}
+
+#[test]
+fn a_prompt_over_the_context_or_the_whole_cache_is_refused_alone() {
+    // 4 blocks of KV cache in all (2 layers x (K + V) x 2 heads x 32 x 32 x 4 bytes per block).
+    let mut e = Engine::load(model_dir(), &config(4 * 2 * 2 * 2 * 32 * 32 * 4)).unwrap();
+    assert_eq!(e.num_blocks(), 4);
+    let ok = e
+        .add_request(e.encode_prompt("Paris", false).unwrap(), greedy(8))
+        .unwrap();
+    let ctx = e.context_len().expect("config.json gives the context");
+    let long = vec![5u32; ctx];
+    match e.add_request(long, greedy(8)) {
+        Err(EngineError::Request(m)) => assert!(m.contains("context"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    match e.add_request(vec![5u32; 200], greedy(8)) {
+        Err(EngineError::Request(m)) => assert!(m.contains("blocks"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(e.add_request(vec![], greedy(8)).is_err());
+    let done = run(&mut e);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[&(ok, 0)].1.len(), 8);
+}
+
+#[test]
+fn preemption_and_forks_give_what_an_undisturbed_run_gives() {
+    let prompts = [
+        "the and or of a of",
+        "river garden there the cache",
+        "quiet Tokyo",
+        "new city light over the river",
+    ];
+    let mut big = engine();
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| big.encode_prompt(p, false).unwrap())
+        .collect();
+    let reqs: Vec<u64> = ids
+        .iter()
+        .map(|p| big.add_request(p.clone(), greedy(60)).unwrap())
+        .collect();
+    let want = run(&mut big);
+    assert_eq!(big.counters().preemptions, 0);
+
+    // 6 blocks for 4 sequences that grow to 3 blocks each: preemption and recomputation.
+    let mut small = Engine::load(model_dir(), &config(6 * 2 * 2 * 2 * 32 * 32 * 4)).unwrap();
+    let sreqs: Vec<u64> = ids
+        .iter()
+        .map(|p| small.add_request(p.clone(), greedy(60)).unwrap())
+        .collect();
+    let got = run(&mut small);
+    assert!(
+        small.counters().preemptions > 0,
+        "the small cache must preempt"
+    );
+    for (r, s) in reqs.iter().zip(&sreqs) {
+        assert_eq!(got[&(*s, 0)].1, want[&(*r, 0)].1);
+    }
+
+    // n = 3 sampled outputs: forks of the first; same seed, same tokens.
+    let sampled = |e: &mut Engine, seed| {
+        let params = GenerationParams {
+            max_new_tokens: 20,
+            sampling: Sampling {
+                temperature: 0.9,
+                top_k: 30,
+                top_p: 0.95,
+            },
+            seed: Some(seed),
+            ignore_eos: true,
+            n: 3,
+            ..Default::default()
+        };
+        let r = e.add_request(ids[1].clone(), params).unwrap();
+        let done = run(e);
+        (0..3).map(|i| done[&(r, i)].1.clone()).collect::<Vec<_>>()
+    };
+    let forks = big.counters().forks;
+    let x = sampled(&mut big, 7);
+    assert_eq!(big.counters().forks, forks + 2);
+    assert_eq!(x, sampled(&mut big, 7));
+    assert_ne!(x, sampled(&mut big, 8));
+    assert!(x.iter().all(|o| o.len() == 20));
+    assert!(x[0] != x[1] || x[1] != x[2], "three samples all equal");
+    assert_eq!(big.cache_stats().used_blocks, 0);
+}
