@@ -1,0 +1,296 @@
+"""The LLM engine binary (``pa-engine generate``, engine/) end to end, against OpenVINO GenAI's
+``ContinuousBatchingPipeline`` (tools/genai_ref.py) on tools/model_dir.py's model directories.
+
+Checked: greedy f32 token ids and text of the 8 standard prompts run as one continuous batch (all
+three tiny variants), the chat template, seeded sampling with n=2, stop strings, a refused prompt
+failing alone, a model directory with a missing file, and u8 KV caches.
+
+Needs the release binary: ``$PA_ENGINE``, else <repo>/target/release/pa-engine
+(``cargo build --release -p`` the engine crate). The model directories are written once per
+session into a temporary directory (about 2 s).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import genai_ref
+import model_dir
+import tiny_llm
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = Path(os.environ.get("PA_ENGINE", ROOT / "target/release/pa-engine"))
+VARIANTS = ("gqa1", "gqa4", "sliding_window")
+NEW = 64  # new tokens per prompt
+THREADS = 2
+# The settings the engine and GenAI must agree under: f32 cache, f32 inference, 2 threads,
+# NEW tokens, EOS ignored.
+F32_FLAGS = ["--cache-type", "f32", "--precision", "f32", "--threads", str(THREADS),
+             "--max-new-tokens", str(NEW), "--ignore-eos"]
+REPLACEMENT = "\ufffd"
+
+
+# ------------------------------------------------------------------------------ fixtures, helpers
+
+@pytest.fixture(scope="session")
+def engine():
+    if not ENGINE.is_file():
+        pytest.fail(f"pa-engine not found at {ENGINE}: build it (cargo build --release in the "
+                    f"workspace) or point $PA_ENGINE at the binary")
+    return ENGINE
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """variant name -> model directory (tools/model_dir.py), written once per session."""
+    base = tmp_path_factory.mktemp("engine_models")
+    return {name: model_dir.write_model_dir(base / name, tiny_llm.VARIANTS[name])
+            for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def prompts(models):
+    """variant name -> the 8 standard prompts (tools/genai_ref.py: 1..301 tokens, two sharing a
+    280-token prefix)."""
+    return {name: genai_ref.standard_prompts(d) for name, d in models.items()}
+
+
+class Cache(dict):
+    """Lazily computed results shared by the tests of a session."""
+
+    def get_or(self, key, fn):
+        if key not in self:
+            self[key] = fn()
+        return self[key]
+
+
+@pytest.fixture(scope="session")
+def cache():
+    return Cache()
+
+
+def run_engine(engine, model, prompt_items, *flags, tmp_path, check=True):
+    """Runs ``pa-engine generate MODEL --prompts FILE --json FLAGS``; returns (returncode, list of
+    JSON lines, stderr). ``check``: the run must succeed."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    pfile = tmp_path / f"prompts_{len(list(tmp_path.iterdir()))}.json"
+    pfile.write_text(json.dumps(prompt_items, ensure_ascii=False), encoding="utf-8")
+    cmd = [str(engine), "generate", str(model), "--prompts", str(pfile), "--json", *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", timeout=300)
+    if check:
+        assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr}"
+    lines = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    return p.returncode, lines, p.stderr
+
+
+def engine_f32(cache, engine, models, prompts, name, tmp_path_factory):
+    """The engine's greedy f32 results of the standard prompts of ``name`` (one batch)."""
+    def go():
+        rc, lines, _ = run_engine(engine, models[name], prompts[name], *F32_FLAGS,
+                                  tmp_path=tmp_path_factory.mktemp(f"eng_{name}"))
+        return lines
+    return cache.get_or(("engine_f32", name), go)
+
+
+def genai_f32(cache, models, prompts, name):
+    """GenAI's greedy f32 results of the standard prompts of ``name`` (one batch, same settings)."""
+    opts = genai_ref.Options(max_new_tokens=NEW, cache_type="f32", precision="f32",
+                             threads=THREADS, ignore_eos=True)
+    return cache.get_or(("genai_f32", name), lambda: genai_ref.run(models[name], prompts[name], opts))
+
+
+def hf_tokenizer(model):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+
+
+def first_diff(a, b):
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ------------------------------------------------------------------------------ 1. greedy f32
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_f32_equals_genai(name, engine, models, prompts, cache, tmp_path_factory):
+    ours = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
+    ref = genai_f32(cache, models, prompts, name)
+    tk = hf_tokenizer(models[name])
+    assert [r["index"] for r in ours] == list(range(len(prompts[name])))
+    for o, r in zip(ours, ref):
+        i = o["index"]
+        assert o["prompt_tokens"] == len(r["prompt_ids"]), f"prompt {i}"
+        assert o["token_ids"] == r["token_ids"], (
+            f"{name} prompt {i}: ids differ from token {first_diff(o['token_ids'], r['token_ids'])}")
+        assert len(o["token_ids"]) == NEW and o["finish_reason"] == "length", f"prompt {i}"
+        # The texts: the tiny model emits arbitrary byte tokens, so the generated bytes are often
+        # invalid UTF-8. Ours renders them as `tokenizers`' decode does (one U+FFFD per invalid
+        # sequence, lossy UTF-8); GenAI's detokenizer IR sometimes emits a different number of
+        # U+FFFD for the same bytes (seen on 4 of the 24 texts). So: ours must equal the
+        # `tokenizers` decode of the ids (special tokens skipped) always, and GenAI's text exactly
+        # where it has no U+FFFD difference -- i.e. equal once the U+FFFD are removed from both.
+        want = tk.decode(o["token_ids"], skip_special_tokens=True)
+        assert o["text"] == want, f"{name} prompt {i}: text != tokenizers' decode of the ids"
+        if o["text"] != r["text"]:
+            assert o["text"].replace(REPLACEMENT, "") == r["text"].replace(REPLACEMENT, ""), (
+                f"{name} prompt {i}: text differs from GenAI's beyond U+FFFD rendering:\n"
+                f"ours  {o['text']!r}\ngenai {r['text']!r}")
+
+
+# ------------------------------------------------------------------------------ 2. chat template
+
+def test_chat_template_equals_genai(engine, models, prompts, tmp_path):
+    name = "gqa4"
+    items = [prompts[name][2], prompts[name][3]]  # 12 and 33 tokens
+    _, ours, _ = run_engine(engine, models[name], items, *F32_FLAGS, "--chat", tmp_path=tmp_path)
+    ref = genai_ref.run(models[name], items, genai_ref.Options(
+        max_new_tokens=NEW, cache_type="f32", precision="f32", threads=THREADS, ignore_eos=True,
+        chat=True))
+    assert len(ours) == 2
+    for o, r in zip(ours, ref):
+        # the template adds BOS, <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
+        assert r["prompt_ids"][:2] == [model_dir.BOS_ID, 3]
+        assert o["prompt_tokens"] == len(r["prompt_ids"]), f"prompt {o['index']}"
+        assert o["token_ids"] == r["token_ids"], f"prompt {o['index']}"
+
+
+# ------------------------------------------------------------------------------ 3. sampling
+
+def test_sampling_seeded(engine, models, prompts, tmp_path):
+    name = "gqa4"
+    n_new = 32
+    flags = ["--cache-type", "f32", "--precision", "f32", "--threads", str(THREADS),
+             "--max-new-tokens", str(n_new), "--ignore-eos", "--n", "2", "--temperature", "0.8",
+             "--top-p", "0.9", "--top-k", "20"]
+
+    def samples(seed):
+        _, lines, _ = run_engine(engine, models[name], prompts[name], *flags, "--seed", str(seed),
+                                 tmp_path=tmp_path)
+        assert [r["index"] for r in lines] == list(range(len(prompts[name])))
+        out = []
+        for r in lines:
+            assert len(r["samples"]) == 2, r
+            for s in r["samples"]:
+                assert len(s["token_ids"]) == n_new and s["finish_reason"] == "length"
+            out.append([s["token_ids"] for s in r["samples"]])
+        return out
+
+    a, b, c = samples(42), samples(42), samples(43)
+    assert a == b, "same seed, different samples"
+    assert any(s[0] != s[1] for s in a), "the two samples of every prompt are equal"
+    assert a != c, "seeds 42 and 43 gave the same samples"
+
+
+# ------------------------------------------------------------------------------ 4. stop strings
+
+def test_stop_string(engine, models, prompts, tmp_path):
+    name = "gqa4"
+    item = [prompts[name][3]]
+    _, (greedy,), _ = run_engine(engine, models[name], item, *F32_FLAGS, tmp_path=tmp_path)
+    text = greedy["text"]
+    # a stop string of ASCII letters only (no multi-byte character to split), whose first
+    # occurrence is after the first few characters
+    stop = next(m.group()[:3] for m in re.finditer(r"[A-Za-z]{3,}", text)
+                if text.find(m.group()[:3]) >= 5)
+    cut = text.find(stop)
+    _, (got,), _ = run_engine(engine, models[name], item, *F32_FLAGS, "--stop", stop,
+                              "--stop", "never-seen-stop", tmp_path=tmp_path)
+    assert got["finish_reason"] == "stop"
+    assert got["text"] == text[:cut], f"stop {stop!r}"
+    ids = got["token_ids"]
+    assert ids == greedy["token_ids"][:len(ids)]
+    assert len(ids) < len(greedy["token_ids"])
+    # it stopped at the token that completed the stop string: not before, not after
+    tk = hf_tokenizer(models[name])
+    assert stop in tk.decode(ids, skip_special_tokens=True)
+    assert stop not in tk.decode(ids[:-1], skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------ 5. refused prompt
+
+def test_prompt_over_context_fails_alone(engine, models, prompts, cache, tmp_path):
+    name = "gqa4"
+    ctx = json.loads((models[name] / "config.json").read_text())["max_position_embeddings"]
+    items = [prompts[name][3], {"token_ids": [5] * ctx}, prompts[name][4]]
+    rc, lines, err = run_engine(engine, models[name], items, *F32_FLAGS, tmp_path=tmp_path,
+                                check=False)
+    assert rc == 1, err
+    assert re.search(r"prompt 1\b.*context", err), err
+    assert str(ctx) in err, err
+    assert [r["index"] for r in lines] == [0, 2]
+    ref = genai_f32(cache, models, prompts, name)
+    for r, want in zip(lines, (ref[3], ref[4])):
+        assert len(r["token_ids"]) == NEW and r["finish_reason"] == "length"
+        # the same ids as in the 8-prompt batch (greedy f32 ids do not depend on the batch here)
+        assert r["token_ids"] == want["token_ids"], f"prompt {r['index']}"
+
+
+# ------------------------------------------------------------------------------ 6. missing files
+
+@pytest.mark.parametrize("missing", ["tokenizer.json", "openvino_model.xml"])
+def test_missing_model_file(missing, engine, models, prompts, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(models["gqa4"], d)
+    (d / missing).unlink()
+    rc, lines, err = run_engine(engine, d, prompts["gqa4"][:2], *F32_FLAGS, tmp_path=tmp_path,
+                                check=False)
+    assert rc == 1, err
+    assert lines == []
+    # the generic hint lists every required file; the error itself names the missing one's path
+    assert str(d / missing) in err, err
+    other = ({"tokenizer.json", "openvino_model.xml"} - {missing}).pop()
+    assert str(d / other) not in err, err
+
+
+# ------------------------------------------------------------------------------ 7. u8 caches
+
+def u8_compare(engine, models, prompts, name, tmp_path, engine_flags=()):
+    _, ours, err = run_engine(engine, models[name], prompts[name], "--cache-type", "u8",
+                              "--precision", "f32", "--threads", str(THREADS), "--max-new-tokens",
+                              str(NEW), "--ignore-eos", "--stats", *engine_flags, tmp_path=tmp_path)
+    assert "(u8)" in err, err  # --stats: "N blocks of 32 (u8)"
+    ref = genai_ref.run(models[name], prompts[name], genai_ref.Options(
+        max_new_tokens=NEW, cache_type="u8", precision="f32", threads=THREADS, ignore_eos=True))
+    same = sum(x == y for o, r in zip(ours, ref) for x, y in zip(o["token_ids"], r["token_ids"]))
+    total = sum(len(r["token_ids"]) for r in ref)
+    firsts = [first_diff(o["token_ids"], r["token_ids"]) for o, r in zip(ours, ref)]
+    return ours, same, total, firsts
+
+
+def test_u8_cache_gqa4_equals_genai(engine, models, prompts, cache, tmp_path, capsys,
+                                    tmp_path_factory):
+    """Measured (openvino 2026.4.1): 512/512 identical ids on gqa4. gqa4's greedy ids are also
+    identical to its f32-cache ids, i.e. they are far from ties, so u8 quantization noise does
+    not move them: the full identity is a robust assertion here."""
+    name = "gqa4"
+    ours, same, total, firsts = u8_compare(engine, models, prompts, name, tmp_path)
+    with capsys.disabled():
+        print(f"\n[u8 {name}] ids identical to GenAI u8: {same}/{total} = {same / total:.3f}; "
+              f"first difference per prompt: {firsts}")
+    assert same == total, firsts
+
+
+def test_u8_cache_gqa1_equals_genai_same_schedule(engine, models, prompts, cache, tmp_path, capsys,
+                                                  tmp_path_factory):
+    """gqa1 is where u8 matters: its u8 ids leave its f32 ids on 3 of 8 prompts (from tokens 33, 37,
+    59). With a u8 cache the result also depends on the prefill schedule (OpenVINO quantizes keys
+    by channel over a block, and attention within a prefill chunk uses the chunk's exact K/V), so
+    the engine runs GenAI's schedule: 256 tokens a step, no prefix caching (GenAI's defaults in
+    genai_ref). Then ours writes and reads the same u8 bytes: 512/512 identical ids, including the
+    tokens where u8 and f32 part. (With the engine's default 512 tokens a step and prefix caching,
+    prompt 7 -- which shares 280 tokens with prompt 6 -- leaves GenAI's at token 32; GenAI itself
+    gives that prompt other tokens with 2048 tokens a step.)"""
+    name = "gqa1"
+    ours, same, total, firsts = u8_compare(engine, models, prompts, name, tmp_path,
+                                           ("--max-batched-tokens", "256", "--no-prefix-caching"))
+    with capsys.disabled():
+        print(f"\n[u8 {name}, GenAI's schedule] ids identical to GenAI u8: {same}/{total}; "
+              f"first difference per prompt: {firsts}")
+    assert same == total, firsts
+    # and u8 did change tokens: the comparison above is sensitive to the cache's quantization
+    f32 = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
+    assert any(o["token_ids"] != f["token_ids"] for o, f in zip(ours, f32))
