@@ -294,3 +294,46 @@ def test_u8_cache_gqa1_equals_genai_same_schedule(engine, models, prompts, cache
     # and u8 did change tokens: the comparison above is sensitive to the cache's quantization
     f32 = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
     assert any(o["token_ids"] != f["token_ids"] for o, f in zip(ours, f32))
+
+
+# ------------------------------------------------------------------------------ 8. the converter
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_converter_round_trips_to_an_ir_on_our_op(name, engine, models, prompts, cache,
+                                                   tmp_path, tmp_path_factory):
+    """`pa-engine convert` (the engine's in-memory converter, cpp/convert.cpp) writes a paged IR
+    on our op; read back with the extension it generates, step by step through OpenVINO
+    (tools/paged_model.py, no engine), the engine's greedy tokens for the first prompts."""
+    import numpy as np
+    import openvino as ov
+    from paged_model import F32_CONFIG, PagedModel, Seq
+
+    out = tmp_path / "paged.xml"
+    p = subprocess.run([str(engine), "convert", str(models[name] / "openvino_model.xml"), str(out),
+                        "--cache-type", "f32"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    layers = tiny_llm.VARIANTS[name].layers
+    assert f"{layers} PagedAttention node(s)" in p.stdout
+    xml = out.read_text()
+    assert xml.count('type="PagedAttention" version="ie_internal_opset"') == layers
+    assert 'type="PagedAttentionExtension"' not in xml
+
+    core = ov.Core()
+    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
+                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
+    compiled = core.compile_model(core.read_model(out), "CPU",
+                                  {**F32_CONFIG, "INFERENCE_NUM_THREADS": THREADS})
+    model = PagedModel(compiled, num_blocks=32)
+    ours = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
+    for k in (1, 3):
+        ids = genai_ref.encode(models[name], prompts[name][k]) if hasattr(genai_ref, "encode") \
+            else hf_tokenizer(models[name]).encode(prompts[name][k]).ids
+        assert len(ids) == ours[k]["prompt_tokens"]
+        blocks = list(range(8))
+        tokens, past, got = list(ids), 0, []
+        for _ in range(12):
+            logits = model.step([Seq(tokens, past, blocks)])
+            past += len(tokens)
+            tokens = [int(np.argmax(logits[-1]))]
+            got.append(tokens[0])
+        assert got == ours[k]["token_ids"][:12], f"prompt {k}"
