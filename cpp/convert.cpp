@@ -3,6 +3,8 @@
 #include <array>
 #include <cstring>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,16 @@ constexpr std::array<const char*, 28> kBuiltinInputs = {
 constexpr std::array<size_t, 16> kOursFromBuiltin = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16, 13};
 constexpr size_t kFirstExtra = 17;
 
+// A refusal: a plain message (no source location), the node and input named by the caller.
+template <typename... Args>
+void require(bool ok, const Args&... parts) {
+    if (!ok) {
+        std::ostringstream msg;
+        (msg << ... << parts);
+        throw std::runtime_error(msg.str());
+    }
+}
+
 std::string input_name(size_t i) {
     return i < kBuiltinInputs.size() ? kBuiltinInputs[i] : "input " + std::to_string(i);
 }
@@ -64,7 +76,7 @@ void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::str
     const std::string name = input_name(i);
     const auto src = pa->get_input_node_shared_ptr(i);
     const auto c = ov::as_type_ptr<ov::op::v0::Constant>(src);
-    OPENVINO_ASSERT(c,
+    require(c != nullptr,
                     where,
                     ": input ",
                     i,
@@ -85,7 +97,7 @@ void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::str
     } else if (shape.empty()) {
         zero_scalar = c->cast_vector<int64_t>().at(0) == 0;
     }
-    OPENVINO_ASSERT(empty || zero_scalar,
+    require(empty || zero_scalar,
                     where,
                     ": input ",
                     i,
@@ -103,7 +115,7 @@ void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::str
 int64_t rt_int(const ov::Node& node, const char* key) {
     const auto& rt = node.get_rt_info();
     const auto it = rt.find(key);
-    OPENVINO_ASSERT(it != rt.end(), kBuiltin, " `", node.get_friendly_name(), "` has no rt_info ", key);
+    require(it != rt.end(), kBuiltin, " `", node.get_friendly_name(), "` has no rt_info ", key);
     return std::stoll(it->second.as<std::string>());
 }
 
@@ -120,7 +132,8 @@ ov::element::Type cache_element(const std::string& cache_type) {
     if (cache_type == "u8") {
         return ov::element::u8;
     }
-    OPENVINO_THROW("unknown cache type `", cache_type, "` (f32, f16, bf16 or u8)");
+    require(false, "unknown cache type `", cache_type, "` (f32, f16, bf16 or u8)");
+    return ov::element::dynamic;
 }
 
 // Types a cache Parameter (the pass leaves it dynamic) as our op reads it.
@@ -132,7 +145,7 @@ void type_cache(const std::shared_ptr<ov::Node>& pa,
                 const std::string& where) {
     const auto src = pa->get_input_node_shared_ptr(port);
     const auto param = ov::as_type_ptr<ov::op::v0::Parameter>(src);
-    OPENVINO_ASSERT(param,
+    require(param != nullptr,
                     where,
                     ": input ",
                     port,
@@ -158,11 +171,11 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
     const std::string where = std::string(kBuiltin) + " `" + pa->get_friendly_name() + "`";
     BoolAttribute write_kv("write_kv_cache");
     pa->visit_attributes(write_kv);
-    OPENVINO_ASSERT(write_kv.value.value_or(true),
+    require(write_kv.value.value_or(true),
                     where,
                     ": write_kv_cache=false; our op always writes the new tokens into the caches");
     const size_t n_in = pa->get_input_size();
-    OPENVINO_ASSERT(n_in >= kFirstExtra && n_in <= kBuiltinInputs.size(),
+    require(n_in >= kFirstExtra && n_in <= kBuiltinInputs.size(),
                     where,
                     " has ",
                     n_in,
@@ -175,7 +188,7 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
         check_neutral(pa, i, where);
     }
     for (size_t k = 2; k < pa->get_output_size(); ++k) {
-        OPENVINO_ASSERT(pa->output(k).get_target_inputs().empty(),
+        require(pa->output(k).get_target_inputs().empty(),
                         where,
                         ": output ",
                         k,
@@ -185,7 +198,7 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
     const int64_t k_size = rt_int(*pa, "k_head_size");
     const int64_t v_heads = rt_int(*pa, "num_v_heads");
     const int64_t v_size = rt_int(*pa, "v_head_size");
-    OPENVINO_ASSERT(v_size == k_size && v_heads == k_heads,
+    require(v_size == k_size && v_heads == k_heads,
                     where,
                     ": input 4 (value_cache) has ",
                     v_heads,
@@ -241,19 +254,19 @@ bool gather_logits(const std::shared_ptr<ov::Model>& model) {
 }  // namespace
 
 ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const ConvertConfig& config) {
-    OPENVINO_ASSERT(config.block_size > 0, "block size must be positive, got ", config.block_size);
+    require(config.block_size > 0, "block size must be positive, got ", config.block_size);
     cache_element(config.cache_type);
     for (const auto& op : model->get_ops()) {
-        OPENVINO_ASSERT(std::strcmp(op->get_type_name(), PagedAttention::get_type_info_static().name) != 0,
+        require(std::strcmp(op->get_type_name(), PagedAttention::get_type_info_static().name) != 0,
                         "the model already uses PagedAttention (",
                         PagedAttention::get_type_info_static().version_id,
                         "): nothing to convert");
-        OPENVINO_ASSERT(std::strcmp(op->get_type_name(), kBuiltin) != 0,
+        require(std::strcmp(op->get_type_name(), kBuiltin) != 0,
                         "the model already holds ",
                         kBuiltin,
                         " nodes; convert the stateful model it came from");
     }
-    OPENVINO_ASSERT(!model->get_sinks().empty() || !model->get_variables().empty(),
+    require(!model->get_sinks().empty() || !model->get_variables().empty(),
                     "the model is not stateful (no ReadValue/Assign KV cache): export it with "
                     "`optimum-cli export openvino --task text-generation-with-past`");
     ov::pass::Manager manager;
@@ -269,7 +282,7 @@ ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const C
             builtin.push_back(op);
         }
     }
-    OPENVINO_ASSERT(!builtin.empty(),
+    require(!builtin.empty(),
                     "SDPAToPagedAttention found no ScaledDotProductAttention it could turn into ",
                     kBuiltin);
     ConvertReport report;

@@ -32,7 +32,7 @@ struct ConvertReport {
     bool gathered_logits = false;
 };
 
-// Converts `model` in place. Throws ov::Exception with a message naming the node and the input
+// Converts `model` in place. Throws std::runtime_error with a message naming the node and the input
 // when the graph uses what our op does not implement (sinks, xattention, adaptive R-KV, token
 // type ids, qq_bias, a Dv != D value cache, write_kv_cache=false), or when it is not a stateful
 // SDPA LLM the pass can transform.

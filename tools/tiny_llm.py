@@ -44,7 +44,17 @@ class Config:
     eps: float = 1e-5
     seed: int = 0
     max_position_embeddings: int = 2048  # config.json only (tools/model_dir.py); the graph has no limit
+    # gpt-oss's attention sinks: one learned logit per query head, as SDPA's 6th input
+    # ([1, H, 1, 1]); paged_attention_transformation carries it to PagedAttentionExtension input 20.
+    sinks: bool = False
+    # With sliding_window: only the even layers use it, the odd ones see everything (gpt-oss).
+    alternate_window: bool = False
 
+
+# gpt-oss-shaped: sinks and alternating sliding-window / full layers. Not in VARIANTS: the
+# 16-input op has no sinks, so the converter refuses it (tests/python/test_engine.py).
+GPT_OSS = Config("gpt_oss", heads=8, kv_heads=2, head_size=32, scale=0.2, sliding_window=40,
+                 sinks=True, alternate_window=True)
 
 # The variants the tests prove: GQA groups 1 and 4, a sliding window, an explicit scale.
 VARIANTS = {
@@ -86,7 +96,7 @@ def _rope(x, cos, sin, d):
     return ops.add(ops.multiply(x, cos), ops.multiply(_rotate_half(x, d), sin))
 
 
-def _mask(cfg, input_ids, attention_mask):
+def _mask(cfg, input_ids, attention_mask, window=None):
     """Additive [B,1,S,L] mask: key j is visible to query i (position past+i) when j <= past+i,
     attention_mask[b, j] != 0 and, with a window w, j > past+i-w."""
     total = ops.gather(ops.shape_of(attention_mask), _c(1), _c(0))
@@ -95,8 +105,9 @@ def _mask(cfg, input_ids, attention_mask):
     q_idx = ops.unsqueeze(ops.range(past, total, _c(1), output_type="i64"), _c(1))  # [S,1]
     kv_idx = ops.unsqueeze(ops.range(_c(0), total, _c(1), output_type="i64"), _c(0))  # [1,L]
     causal = ops.less_equal(kv_idx, q_idx)
-    if cfg.sliding_window:
-        in_window = ops.greater(kv_idx, ops.add(q_idx, _c(-cfg.sliding_window)))
+    window = cfg.sliding_window if window is None else window
+    if window:
+        in_window = ops.greater(kv_idx, ops.add(q_idx, _c(-window)))
     else:
         in_window = ops.greater_equal(kv_idx, _c(0))
     pad = ops.unsqueeze(ops.not_equal(attention_mask, _c(0)), _c([1, 2]))  # [B,1,1,L]
@@ -143,6 +154,7 @@ def build(cfg: Config) -> ov.Model:
     cos, sin = ops.cos(emb), ops.sin(emb)
 
     mask = _mask(cfg, input_ids, attention_mask)
+    full_mask = _mask(cfg, input_ids, attention_mask, window=0) if cfg.alternate_window else mask
     batch = ops.gather(ops.shape_of(input_ids), _c([0]), _c(0))
     sinks = []
     for layer in range(cfg.layers):
@@ -166,10 +178,14 @@ def build(cfg: Config) -> ov.Model:
                 full = ops.broadcast(full, target)
                 full = ops.reshape(full, _c([0, H, -1, D]), special_zero=True)
             kv.append(full)
-        sdpa_in = [q, kv[0], kv[1], mask]
-        if cfg.scale is not None:
-            sdpa_in.append(_c(cfg.scale, np.float32))
+        sdpa_in = [q, kv[0], kv[1], mask if layer % 2 == 0 else full_mask]
+        if cfg.scale is not None or cfg.sinks:
+            sdpa_in.append(_c(cfg.scale if cfg.scale is not None else D ** -0.5, np.float32))
         attn = ops.scaled_dot_product_attention(*sdpa_in, causal=False)
+        if cfg.sinks:  # the Python API has no sink argument: the 6th input is set on the node
+            sink = ops.constant((0.5 * rng.standard_normal((1, H, 1, 1))).astype(np.float32))
+            attn.set_arguments([attn.input_value(i) for i in range(5)] + [sink.output(0)])
+            attn.validate_and_infer_types()
         attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, H * D]), special_zero=True)
         x = ops.add(x, _linear(attn, w(E, H * D)))
         h = _rms_norm(x, norm_w(), cfg.eps)

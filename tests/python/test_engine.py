@@ -337,3 +337,18 @@ def test_converter_round_trips_to_an_ir_on_our_op(name, engine, models, prompts,
             tokens = [int(np.argmax(logits[-1]))]
             got.append(tokens[0])
         assert got == ours[k]["token_ids"][:12], f"prompt {k}"
+
+
+def test_a_graph_with_attention_sinks_is_refused_at_load_naming_input_20(engine, tmp_path):
+    """gpt-oss-shaped (tiny_llm.GPT_OSS: SDPA sinks, alternating window): GenAI runs it, but the
+    16-input op has no sinks, so loading fails naming the node's input 20 and nothing runs."""
+    d = model_dir.write_model_dir(tmp_path / "gpt_oss", tiny_llm.GPT_OSS)
+    p = subprocess.run([str(engine), "generate", str(d), "--prompt", "hi", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    assert re.search(r"PagedAttentionExtension `[^`]+`: input 20 \(sinks\) is the constant", p.stderr), p.stderr
+    assert "[1,8,1,1]" in p.stderr
+    out = tmp_path / "paged.xml"
+    p = subprocess.run([str(engine), "convert", str(d / "openvino_model.xml"), str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "input 20 (sinks)" in p.stderr and not out.exists()
