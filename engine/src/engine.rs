@@ -275,6 +275,8 @@ pub struct Engine {
     next_request: RequestId,
     next_seq: SeqId,
     buf: StepBuffers,
+    /// The cache tensors are set once: the caches never move, and the request keeps them.
+    caches_bound: bool,
     scratch: Vec<(f32, u32)>,
     stats: EngineStats,
 }
@@ -399,7 +401,7 @@ impl Engine {
             let make = |[h, r, c]: [usize; 3]| -> Result<CacheBuf> {
                 let block_bytes = h * r * c * eb;
                 let bytes = num_blocks * block_bytes;
-                let words = paged_attention::alloc::try_vec(bytes.div_ceil(8), 0u64, "KV cache")?;
+                let words = zeroed_words(bytes.div_ceil(8))?;
                 Ok(CacheBuf {
                     words,
                     shape: [num_blocks, h, r, c],
@@ -449,6 +451,7 @@ impl Engine {
             next_request: 0,
             next_seq: 0,
             buf: StepBuffers::default(),
+            caches_bound: false,
             scratch: Vec::new(),
             stats: EngineStats::default(),
         })
@@ -714,63 +717,39 @@ impl Engine {
             b.sampled.push(0);
         }
         for (index, feed) in self.feeds.iter().enumerate() {
-            let (ty, shape, ptr): (&str, Vec<usize>, *mut u8) = match *feed {
-                Feed::InputIds => (
-                    "i64",
-                    vec![b.input_ids.len()],
-                    b.input_ids.as_mut_ptr().cast(),
-                ),
-                Feed::PositionIds => (
-                    "i64",
-                    vec![b.position_ids.len()],
-                    b.position_ids.as_mut_ptr().cast(),
-                ),
-                Feed::SampledTokensIndices => {
-                    ("i64", vec![b.sampled.len()], b.sampled.as_mut_ptr().cast())
-                }
-                Feed::PastLens => (
-                    "i32",
-                    vec![b.past_lens.len()],
-                    b.past_lens.as_mut_ptr().cast(),
-                ),
-                Feed::SubsequenceBegins => {
-                    ("i32", vec![b.begins.len()], b.begins.as_mut_ptr().cast())
-                }
-                Feed::BlockIndices => (
-                    "i32",
-                    vec![b.block_indices.len()],
-                    b.block_indices.as_mut_ptr().cast(),
-                ),
-                Feed::BlockIndicesBegins => (
-                    "i32",
-                    vec![b.block_indices_begins.len()],
-                    b.block_indices_begins.as_mut_ptr().cast(),
-                ),
-                Feed::MaxContextLen => ("i32", vec![], b.max_context_len.as_mut_ptr().cast()),
-                Feed::KeyCache(l) => {
-                    let c = &mut self.caches[l].0;
-                    (
-                        self.cache_type.as_str(),
-                        c.shape.to_vec(),
-                        c.words.as_mut_ptr().cast(),
-                    )
-                }
-                Feed::ValueCache(l) => {
-                    let c = &mut self.caches[l].1;
-                    (
-                        self.cache_type.as_str(),
-                        c.shape.to_vec(),
-                        c.words.as_mut_ptr().cast(),
-                    )
+            let mut dims = [0usize; 4];
+            let (ty, rank, ptr): (&str, usize, *mut u8) = match *feed {
+                Feed::InputIds => vec_arg(&mut dims, "i64", &mut b.input_ids),
+                Feed::PositionIds => vec_arg(&mut dims, "i64", &mut b.position_ids),
+                Feed::SampledTokensIndices => vec_arg(&mut dims, "i64", &mut b.sampled),
+                Feed::PastLens => vec_arg(&mut dims, "i32", &mut b.past_lens),
+                Feed::SubsequenceBegins => vec_arg(&mut dims, "i32", &mut b.begins),
+                Feed::BlockIndices => vec_arg(&mut dims, "i32", &mut b.block_indices),
+                Feed::BlockIndicesBegins => vec_arg(&mut dims, "i32", &mut b.block_indices_begins),
+                Feed::MaxContextLen => ("i32", 0, b.max_context_len.as_mut_ptr().cast()),
+                Feed::KeyCache(_) | Feed::ValueCache(_) if self.caches_bound => continue,
+                Feed::KeyCache(l) | Feed::ValueCache(l) => {
+                    let c = match *feed {
+                        Feed::KeyCache(_) => &mut self.caches[l].0,
+                        _ => &mut self.caches[l].1,
+                    };
+                    dims = c.shape;
+                    (self.cache_type.as_str(), 4, c.words.as_mut_ptr().cast())
                 }
             };
-            // SAFETY: `ptr` points to `shape`'s elements of `ty` in a buffer owned by `self` (a
-            // step buffer or a cache). The request keeps the tensor until the next step's
-            // `set_input` of the same index replaces it; the buffers are only changed between
-            // steps, before that, and `session` is declared before them in `Engine`, so it is
-            // dropped first.
-            unsafe { self.session.pin_mut().set_input(index, ty, &shape, ptr)? };
+            // SAFETY: `ptr` points to `dims[..rank]`'s elements of `ty` in a buffer owned by
+            // `self` (a step buffer or a cache). The request keeps the tensor until a later
+            // `set_input` of the same index replaces it: step buffers are re-set every step and
+            // only change between steps, before that; the caches are set once and never move
+            // (their vectors are never resized). `session` is declared before them in `Engine`,
+            // so it is dropped first.
+            unsafe {
+                self.session
+                    .pin_mut()
+                    .set_input(index, ty, &dims[..rank], ptr)?
+            };
         }
+        self.caches_bound = true;
         let t = Instant::now();
         self.session.pin_mut().infer()?;
         self.stats.infer_time += t.elapsed();
@@ -1024,6 +1003,40 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// `n` zero words from the allocator's zeroed memory (fresh pages are mapped zero and only
+/// committed when written, so a large cache costs nothing until used), or an error when the
+/// memory is not available.
+fn zeroed_words(n: usize) -> Result<Vec<u64>> {
+    let oom = || {
+        EngineError::Config(format!(
+            "cannot allocate a KV cache of {} bytes",
+            n.saturating_mul(8)
+        ))
+    };
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u64>(n).map_err(|_| oom())?;
+    // SAFETY: `layout` has a non-zero size (n > 0).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `n` u64s, all
+    // initialised (zero), so it is a valid Vec with length and capacity `n`.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+/// A step buffer as a 1-D input: its element type, rank 1 with its length in `dims[0]`, its data.
+fn vec_arg<T>(
+    dims: &mut [usize; 4],
+    ty: &'static str,
+    v: &mut Vec<T>,
+) -> (&'static str, usize, *mut u8) {
+    dims[0] = v.len();
+    (ty, 1, v.as_mut_ptr().cast())
 }
 
 fn fresh_seed() -> u64 {

@@ -430,7 +430,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         let secs = gen_time.as_secs_f64();
         eprintln!(
             "load {:.2} s; {} prompts, {} prompt tokens, {} generated in {:.3} s ({:.1} tokens/s), first token after {:.1} ms; \
-             {} steps, {:.1}% of step time in infer(); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks",
+             {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks",
             load_time.as_secs_f64(),
             prompts.len(),
             s.prompt_tokens,
@@ -440,6 +440,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             first_token.map_or(0.0, |d| d.as_secs_f64() * 1e3),
             s.steps,
             100.0 * s.infer_time.as_secs_f64() / s.step_time.as_secs_f64().max(1e-9),
+            1e6 * s.step_time.saturating_sub(s.infer_time).as_secs_f64() / (s.steps.max(1) as f64),
             engine.num_blocks(),
             engine.block_size(),
             engine.cache_type().as_str(),
