@@ -352,3 +352,26 @@ def test_a_graph_with_attention_sinks_is_refused_at_load_naming_input_20(engine,
     p = subprocess.run([str(engine), "convert", str(d / "openvino_model.xml"), str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "input 20 (sinks)" in p.stderr and not out.exists()
+
+
+def test_pa_generate_runs_the_engine_and_streams_the_text(engine, models, tmp_path):
+    """`pa generate` (the C library's command line, which does not link OpenVINO) runs pa-engine
+    with the same arguments: the streamed text equals the --json text of the same request, and
+    `pa generate` without an engine says how to build it."""
+    pa = ROOT / "target/release/pa"
+    assert pa.is_file(), f"{pa} missing: cargo build --release --workspace"
+    args = [str(models["gqa4"]), "--prompt", "The river", "--max-new-tokens", "24", "--ignore-eos",
+            *F32_FLAGS[:6]]
+    env = {**os.environ, "PA_ENGINE": str(engine)}
+    js = subprocess.run([str(pa), "generate", *args, "--json"], capture_output=True, text=True,
+                        env=env, timeout=120)
+    assert js.returncode == 0, js.stderr
+    line = json.loads(js.stdout)
+    assert len(line["token_ids"]) == 24 and line["index"] == 0
+    streamed = subprocess.run([str(pa), "generate", *args], capture_output=True, text=True, env=env,
+                              timeout=120)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == line["text"] + "\n"
+    missing = subprocess.run([str(pa), "generate", *args], capture_output=True, text=True,
+                             env={**os.environ, "PA_ENGINE": str(tmp_path / "none")}, timeout=60)
+    assert missing.returncode == 1 and "cargo build --release -p paged_attention_engine" in missing.stderr
