@@ -15,8 +15,8 @@ use crate::ov::{ConvertOptions, Property, Session};
 use crate::sampling::{sample, Sampling};
 use crate::tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
 use paged_attention::cache::{
-    copy_blocks_kv, CacheStats, FinishReason, Request, Scheduler, SchedulerConfig,
-    SchedulerCounters, SeqId, SplitMix64, Step,
+    copy_blocks_kv, rotation_lut, CacheStats, EvictionPolicy, FinishReason, Request,
+    RotationDirection, Scheduler, SchedulerConfig, SchedulerCounters, SeqId, SplitMix64, Step,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -111,6 +111,11 @@ pub struct EngineConfig {
     /// OpenVINO's `INFERENCE_NUM_THREADS`; `None`: all cores.
     pub threads: Option<usize>,
     pub device: String,
+    /// Score-driven cache eviction: a sequence holding more than `budget` blocks drops its
+    /// lowest-scored middle blocks (the op's attention scores, summed over layers and steps),
+    /// keeping `start` leading and `recent` trailing ones; kept keys that move are re-rotated
+    /// by the op. The graph then also has the scores outputs and the rotation inputs.
+    pub eviction: Option<EvictionPolicy>,
 }
 
 impl Default for EngineConfig {
@@ -125,6 +130,7 @@ impl Default for EngineConfig {
             precision: None,
             threads: None,
             device: "CPU".into(),
+            eviction: None,
         }
     }
 }
@@ -227,6 +233,11 @@ enum Feed {
     SampledTokensIndices,
     KeyCache(usize),
     ValueCache(usize),
+    /// Cache eviction's inputs (a graph converted for serving).
+    ScoreWindow,
+    RotatedBlocks,
+    RotationDeltas,
+    RotationLut,
 }
 
 /// A cache buffer: zeroed, 8-byte aligned bytes.
@@ -256,6 +267,11 @@ struct StepBuffers {
     block_indices: Vec<i32>,
     block_indices_begins: Vec<i32>,
     max_context_len: [i32; 1],
+    score_window: Vec<i32>,
+    rotated_blocks: Vec<i32>,
+    rotation_deltas: Vec<i32>,
+    rotation_lut: Vec<f32>,
+    scores: Vec<f32>,
 }
 
 pub struct Engine {
@@ -265,7 +281,12 @@ pub struct Engine {
     session: cxx::UniquePtr<Session>,
     feeds: Vec<Feed>,
     logits_output: usize,
+    /// Outputs `scores.N` (with eviction).
+    score_outputs: Vec<usize>,
     gathered: bool,
+    /// RoPE base and key head size, for the rotation LUT of eviction.
+    rope_theta: f64,
+    head_size: usize,
     caches: Vec<(CacheBuf, CacheBuf)>,
     cache_type: CacheType,
     sched: Scheduler,
@@ -312,7 +333,7 @@ impl Engine {
         let opts = ConvertOptions {
             block_size: cfg.block_size as u32,
             cache_type: cfg.cache_type.as_str().into(),
-            serving: false,
+            serving: cfg.eviction.is_some(),
             gather_logits: true,
         };
         let mut session =
@@ -338,6 +359,10 @@ impl Engine {
                 "block_indices_begins" => Feed::BlockIndicesBegins,
                 "max_context_len" => Feed::MaxContextLen,
                 "sampled_tokens_indices" => Feed::SampledTokensIndices,
+                "score_aggregation_window" => Feed::ScoreWindow,
+                "model_rotation_trig_lut" => Feed::RotationLut,
+                _ if layer("rotated_block_indices.").is_some() => Feed::RotatedBlocks,
+                _ if layer("rotation_deltas.").is_some() => Feed::RotationDeltas,
                 n => {
                     if let Some(l) = layer("key_cache.") {
                         dims.insert((true, l), port_dims(n, &p.shape, &md.xml)?);
@@ -379,6 +404,22 @@ impl Engine {
                 detail: "the model has no output named `logits`".into(),
             })?;
         let gathered = session.gathered_logits();
+        let score_outputs: Vec<usize> = session
+            .outputs()
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.name.starts_with("scores."))
+            .map(|(i, _)| i)
+            .collect();
+        if cfg.eviction.is_some() && score_outputs.len() != layers {
+            return Err(EngineError::Model {
+                path: md.xml.clone(),
+                detail: format!(
+                    "cache eviction needs a scores output per layer; the converted graph has {} for {layers} layers",
+                    score_outputs.len()
+                ),
+            });
+        }
 
         // The caches: as many blocks as the budget holds over all layers.
         let eb = cfg.cache_type.elem_bytes();
@@ -432,9 +473,10 @@ impl Engine {
             prefix_caching: cfg.prefix_caching,
             max_batched_tokens: cfg.max_batched_tokens,
             max_seqs: cfg.max_seqs,
-            eviction: None,
+            eviction: cfg.eviction,
         })?;
         let eos = md.eos_token_ids();
+        let head_size = dims[&(true, 0)][2];
         Ok(Engine {
             context: md.config.max_position_embeddings,
             tokenizer: md.tokenizer,
@@ -442,7 +484,10 @@ impl Engine {
             session,
             feeds,
             logits_output,
+            score_outputs,
             gathered,
+            rope_theta: md.config.rope_theta,
+            head_size,
             caches,
             cache_type: cfg.cache_type,
             sched,
@@ -716,6 +761,26 @@ impl Engine {
             // The LM head still needs a row; nothing reads it.
             b.sampled.push(0);
         }
+        if !self.score_outputs.is_empty() {
+            // Each sequence's scores sum the attention of its new tokens (the window n_s).
+            b.score_window.clear();
+            b.score_window
+                .extend(step.seqs.iter().map(|s| s.num_tokens as i32));
+            b.rotated_blocks.clear();
+            b.rotation_deltas.clear();
+            b.rotation_lut.clear();
+            if let Some(r) = &step.rotation {
+                b.rotated_blocks.extend_from_slice(&r.block_indices);
+                b.rotation_deltas.extend_from_slice(&r.deltas);
+                b.rotation_lut = rotation_lut(
+                    r.lut_rows(),
+                    self.head_size,
+                    self.rope_theta,
+                    RotationDirection::Backward,
+                )?;
+            }
+        }
+        let block_size = self.sched.config().block_size;
         for (index, feed) in self.feeds.iter().enumerate() {
             let mut dims = [0usize; 4];
             let (ty, rank, ptr): (&str, usize, *mut u8) = match *feed {
@@ -727,6 +792,17 @@ impl Engine {
                 Feed::BlockIndices => vec_arg(&mut dims, "i32", &mut b.block_indices),
                 Feed::BlockIndicesBegins => vec_arg(&mut dims, "i32", &mut b.block_indices_begins),
                 Feed::MaxContextLen => ("i32", 0, b.max_context_len.as_mut_ptr().cast()),
+                Feed::ScoreWindow => vec_arg(&mut dims, "i32", &mut b.score_window),
+                Feed::RotatedBlocks => vec_arg(&mut dims, "i32", &mut b.rotated_blocks),
+                Feed::RotationDeltas => {
+                    dims[..2].copy_from_slice(&[b.rotated_blocks.len(), block_size]);
+                    ("i32", 2, b.rotation_deltas.as_mut_ptr().cast())
+                }
+                Feed::RotationLut => {
+                    let rows = b.rotation_lut.len() / self.head_size;
+                    dims[..2].copy_from_slice(&[rows, if rows == 0 { 0 } else { self.head_size }]);
+                    ("f32", 2, b.rotation_lut.as_mut_ptr().cast())
+                }
                 Feed::KeyCache(_) | Feed::ValueCache(_) if self.caches_bound => continue,
                 Feed::KeyCache(l) | Feed::ValueCache(l) => {
                     let c = match *feed {
@@ -753,6 +829,25 @@ impl Engine {
         let t = Instant::now();
         self.session.pin_mut().infer()?;
         self.stats.infer_time += t.elapsed();
+        if !self.score_outputs.is_empty() {
+            // Eviction ranks blocks by the scores summed over the layers.
+            let n = step.scores_len();
+            self.buf.scores.clear();
+            self.buf.scores.resize(n, 0.0);
+            for &o in &self.score_outputs {
+                let layer = self.session.output_f32(o)?;
+                if layer.len() != n {
+                    return Err(EngineError::OpenVino(format!(
+                        "scores output of {} values, {n} expected",
+                        layer.len()
+                    )));
+                }
+                for (acc, v) in self.buf.scores.iter_mut().zip(layer) {
+                    *acc += v;
+                }
+            }
+            self.sched.accumulate_scores(step, &self.buf.scores)?;
+        }
         Ok(())
     }
 

@@ -25,7 +25,7 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use model_dir::{GenerationDefaults, ModelConfig, ModelDir};
-pub use paged_attention::cache::FinishReason;
+pub use paged_attention::cache::{EvictionPolicy, FinishReason};
 pub use sampling::Sampling;
 pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
 

@@ -15,6 +15,8 @@ pub struct ModelConfig {
     /// The model's context: prompt plus generated tokens at most.
     pub max_position_embeddings: Option<usize>,
     pub vocab_size: Option<usize>,
+    /// RoPE base (`rope_theta`, default 10000): cache eviction re-rotates kept keys with it.
+    pub rope_theta: f64,
     /// End-of-sequence ids of `config.json` (used when `generation_config.json` has none).
     pub eos_token_ids: Vec<u32>,
 }
@@ -100,6 +102,10 @@ impl ModelDir {
                 .or_else(|| usize_field(&cfg, "n_positions"))
                 .or_else(|| usize_field(&cfg, "max_sequence_length")),
             vocab_size: usize_field(&cfg, "vocab_size"),
+            rope_theta: cfg
+                .get("rope_theta")
+                .and_then(Value::as_f64)
+                .unwrap_or(10000.0),
             eos_token_ids: ids(cfg.get("eos_token_id")),
         };
         let gen_path = path.join("generation_config.json");

@@ -56,6 +56,7 @@ fn config(kv_bytes: usize) -> EngineConfig {
         precision: Some(Precision::F32),
         threads: Some(2),
         device: "CPU".into(),
+        eviction: None,
     }
 }
 
@@ -307,4 +308,51 @@ fn preemption_and_forks_give_what_an_undisturbed_run_gives() {
     assert!(x.iter().all(|o| o.len() == 20));
     assert!(x[0] != x[1] || x[1] != x[2], "three samples all equal");
     assert_eq!(big.cache_stats().used_blocks, 0);
+}
+
+#[test]
+fn cache_eviction_bounds_every_sequence_and_rotates_kept_keys() {
+    use paged_attention::cache::EvictionPolicy;
+    let prompts = [
+        "the and or of a of the river garden there the cache over would of",
+        "quiet Tokyo",
+    ];
+    let run_with = |eviction| {
+        let mut cfg = config(64 << 20);
+        cfg.eviction = eviction;
+        let mut e = Engine::load(model_dir(), &cfg).unwrap();
+        let reqs: Vec<u64> = prompts
+            .iter()
+            .map(|p| {
+                let ids = e.encode_prompt(p, false).unwrap();
+                e.add_request(ids, greedy(150)).unwrap()
+            })
+            .collect();
+        let mut most = 0;
+        while !e.is_idle() {
+            e.step().unwrap();
+            let st = e.cache_stats();
+            most = most.max(st.used_blocks);
+        }
+        (e.counters(), most, reqs)
+    };
+    // A budget no sequence reaches: nothing is evicted.
+    let (c, most_free, _) = run_with(Some(EvictionPolicy {
+        start: 1,
+        recent: 1,
+        budget: 16,
+    }));
+    assert_eq!((c.evictions, c.rotated_blocks), (0, 0));
+    // 3 blocks per sequence: both are cut back again and again, kept keys are re-rotated, and
+    // the cache never holds more than 2 x (3 + the block being filled).
+    let (c, most, _) = run_with(Some(EvictionPolicy {
+        start: 1,
+        recent: 1,
+        budget: 3,
+    }));
+    assert!(c.evictions >= 4 && c.rotated_blocks > 0, "{c:?}");
+    assert!(
+        most <= 2 * 4 && most < most_free,
+        "{most} blocks at most (without eviction {most_free})"
+    );
 }

@@ -2,6 +2,7 @@
 //! OpenVINO, which the C library and the `pa` binary do not.
 
 use clap::{Args, Parser, Subcommand};
+use paged_attention::cache::EvictionPolicy;
 use paged_attention_engine::{
     convert_ir, CacheType, Engine, EngineConfig, Event, FinishReason, GenerationParams, ModelDir,
     Precision, Sampling,
@@ -71,6 +72,11 @@ struct EngineArgs {
     /// Do not reuse the cached blocks of equal prompt prefixes.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Score-driven cache eviction, START,RECENT,MAX in tokens (multiples of the block size): a
+    /// sequence keeps at most MAX tokens of KV cache: its first START and last RECENT always,
+    /// between them the blocks its attention scores rank highest (kept keys are re-rotated).
+    #[arg(long, value_name = "START,RECENT,MAX")]
+    cache_eviction: Option<String>,
 }
 
 #[derive(Args)]
@@ -169,6 +175,29 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
             a.kv_cache_size
         ));
     }
+    let eviction = match &a.cache_eviction {
+        None => None,
+        Some(spec) => {
+            let v: Vec<usize> = spec
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<Result<_, _>>()
+                .map_err(|_| {
+                    format!("--cache-eviction takes START,RECENT,MAX token counts, got `{spec}`")
+                })?;
+            let bs = a.block_size;
+            if v.len() != 3 || v.iter().any(|x| x % bs != 0) || v[1] == 0 || v[2] < v[0] + v[1] {
+                return Err(format!(
+                    "--cache-eviction {spec}: three multiples of the block size {bs}, RECENT > 0 and MAX >= START + RECENT"
+                ));
+            }
+            Some(EvictionPolicy {
+                start: v[0] / bs,
+                recent: v[1] / bs,
+                budget: v[2] / bs,
+            })
+        }
+    };
     Ok(EngineConfig {
         cache_type: a.cache_type,
         kv_cache_bytes: (a.kv_cache_size * 1e9) as usize,
@@ -179,6 +208,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         precision: a.precision,
         threads: a.threads,
         device: "CPU".into(),
+        eviction,
     })
 }
 
@@ -430,7 +460,8 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         let secs = gen_time.as_secs_f64();
         eprintln!(
             "load {:.2} s; {} prompts, {} prompt tokens, {} generated in {:.3} s ({:.1} tokens/s), first token after {:.1} ms; \
-             {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks",
+             {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks, \
+             {} evictions ({} blocks), {} blocks rotated",
             load_time.as_secs_f64(),
             prompts.len(),
             s.prompt_tokens,
@@ -448,6 +479,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             c.prefix_hits,
             c.prefix_hit_tokens,
             c.forks,
+            c.evictions,
+            c.evicted_blocks,
+            c.rotated_blocks,
         );
     }
     if failed > 0 {
