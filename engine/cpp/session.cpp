@@ -1,5 +1,6 @@
 #include "session.hpp"
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,22 @@ void Session::set_input(size_t index, rust::Str element_type, rust::Slice<const 
     OPENVINO_ASSERT(index < compiled_.inputs().size(), "no input ", index);
     const ov::Shape s(shape.begin(), shape.end());
     request_.set_tensor(compiled_.input(index), ov::Tensor(element(str(element_type)), s, data));
+}
+
+void Session::copy_input(size_t index, rust::Slice<const size_t> shape, rust::Slice<const uint8_t> data) {
+    OPENVINO_ASSERT(index < compiled_.inputs().size(), "no input ", index);
+    if (owned_.size() <= index) {
+        owned_.resize(compiled_.inputs().size());
+    }
+    ov::Tensor& t = owned_[index];
+    if (!t) {
+        t = request_.get_tensor(compiled_.input(index));
+    }
+    t.set_shape(ov::Shape(shape.begin(), shape.end()));
+    OPENVINO_ASSERT(t.get_byte_size() == data.size(), "input ", index, ": ", data.size(), " bytes for ", t.get_byte_size());
+    if (!data.empty()) {
+        std::memcpy(t.data(), data.data(), data.size());
+    }
 }
 
 void Session::infer() {

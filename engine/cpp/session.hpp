@@ -29,6 +29,9 @@ public:
     void save(rust::Str xml) const;
     void compile(rust::Str device, rust::Slice<const Property> properties);
     void set_input(size_t index, rust::Str element_type, rust::Slice<const size_t> shape, uint8_t* data);
+    // Copies `data` into the request's own tensor of input `index`, reshaped to `shape` (for the
+    // small per-step inputs: cheaper than a set_tensor, which looks the port up and checks it).
+    void copy_input(size_t index, rust::Slice<const size_t> shape, rust::Slice<const uint8_t> data);
     void infer();
     rust::Slice<const float> output_f32(size_t index) const;
 
@@ -36,7 +39,8 @@ private:
     ov::Core core_;
     std::shared_ptr<ov::Model> model_;
     ov::CompiledModel compiled_;
-    mutable ov::InferRequest request_;  // get_tensor is not const in OpenVINO's API
+    mutable ov::InferRequest request_;
+    std::vector<ov::Tensor> owned_;  // the request's tensors of copy_input, by input index  // get_tensor is not const in OpenVINO's API
     size_t converted_;
     bool gathered_;
 };

@@ -783,25 +783,25 @@ impl Engine {
         let block_size = self.sched.config().block_size;
         for (index, feed) in self.feeds.iter().enumerate() {
             let mut dims = [0usize; 4];
-            let (ty, rank, ptr): (&str, usize, *mut u8) = match *feed {
-                Feed::InputIds => vec_arg(&mut dims, "i64", &mut b.input_ids),
-                Feed::PositionIds => vec_arg(&mut dims, "i64", &mut b.position_ids),
-                Feed::SampledTokensIndices => vec_arg(&mut dims, "i64", &mut b.sampled),
-                Feed::PastLens => vec_arg(&mut dims, "i32", &mut b.past_lens),
-                Feed::SubsequenceBegins => vec_arg(&mut dims, "i32", &mut b.begins),
-                Feed::BlockIndices => vec_arg(&mut dims, "i32", &mut b.block_indices),
-                Feed::BlockIndicesBegins => vec_arg(&mut dims, "i32", &mut b.block_indices_begins),
-                Feed::MaxContextLen => ("i32", 0, b.max_context_len.as_mut_ptr().cast()),
-                Feed::ScoreWindow => vec_arg(&mut dims, "i32", &mut b.score_window),
-                Feed::RotatedBlocks => vec_arg(&mut dims, "i32", &mut b.rotated_blocks),
+            let (rank, data): (usize, &[u8]) = match *feed {
+                Feed::InputIds => vec_arg(&mut dims, &b.input_ids),
+                Feed::PositionIds => vec_arg(&mut dims, &b.position_ids),
+                Feed::SampledTokensIndices => vec_arg(&mut dims, &b.sampled),
+                Feed::PastLens => vec_arg(&mut dims, &b.past_lens),
+                Feed::SubsequenceBegins => vec_arg(&mut dims, &b.begins),
+                Feed::BlockIndices => vec_arg(&mut dims, &b.block_indices),
+                Feed::BlockIndicesBegins => vec_arg(&mut dims, &b.block_indices_begins),
+                Feed::MaxContextLen => (0, as_bytes(&b.max_context_len)),
+                Feed::ScoreWindow => vec_arg(&mut dims, &b.score_window),
+                Feed::RotatedBlocks => vec_arg(&mut dims, &b.rotated_blocks),
                 Feed::RotationDeltas => {
                     dims[..2].copy_from_slice(&[b.rotated_blocks.len(), block_size]);
-                    ("i32", 2, b.rotation_deltas.as_mut_ptr().cast())
+                    (2, as_bytes(&b.rotation_deltas))
                 }
                 Feed::RotationLut => {
                     let rows = b.rotation_lut.len() / self.head_size;
                     dims[..2].copy_from_slice(&[rows, if rows == 0 { 0 } else { self.head_size }]);
-                    ("f32", 2, b.rotation_lut.as_mut_ptr().cast())
+                    (2, as_bytes(&b.rotation_lut))
                 }
                 Feed::KeyCache(_) | Feed::ValueCache(_) if self.caches_bound => continue,
                 Feed::KeyCache(l) | Feed::ValueCache(l) => {
@@ -809,21 +809,25 @@ impl Engine {
                         Feed::KeyCache(_) => &mut self.caches[l].0,
                         _ => &mut self.caches[l].1,
                     };
-                    dims = c.shape;
-                    (self.cache_type.as_str(), 4, c.words.as_mut_ptr().cast())
+                    // SAFETY: the cache's words hold its `shape` of `cache_type` elements, owned
+                    // by `self`. The caches are set once and never move (their vectors are never
+                    // resized), and `session` is declared before them in `Engine`, so it is
+                    // dropped first: the request's tensor never outlives the memory.
+                    unsafe {
+                        self.session.pin_mut().set_input(
+                            index,
+                            self.cache_type.as_str(),
+                            &c.shape,
+                            c.words.as_mut_ptr().cast(),
+                        )?
+                    };
+                    continue;
                 }
             };
-            // SAFETY: `ptr` points to `dims[..rank]`'s elements of `ty` in a buffer owned by
-            // `self` (a step buffer or a cache). The request keeps the tensor until a later
-            // `set_input` of the same index replaces it: step buffers are re-set every step and
-            // only change between steps, before that; the caches are set once and never move
-            // (their vectors are never resized). `session` is declared before them in `Engine`,
-            // so it is dropped first.
-            unsafe {
-                self.session
-                    .pin_mut()
-                    .set_input(index, ty, &dims[..rank], ptr)?
-            };
+            // The small per-step inputs are copied into the request's own tensors.
+            self.session
+                .pin_mut()
+                .copy_input(index, &dims[..rank], data)?;
         }
         self.caches_bound = true;
         let t = Instant::now();
@@ -1124,14 +1128,22 @@ fn zeroed_words(n: usize) -> Result<Vec<u64>> {
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
-/// A step buffer as a 1-D input: its element type, rank 1 with its length in `dims[0]`, its data.
-fn vec_arg<T>(
-    dims: &mut [usize; 4],
-    ty: &'static str,
-    v: &mut Vec<T>,
-) -> (&'static str, usize, *mut u8) {
+/// A step buffer as a 1-D input: rank 1 with its length in `dims[0]`, its bytes.
+fn vec_arg<'a, T: Plain>(dims: &mut [usize; 4], v: &'a [T]) -> (usize, &'a [u8]) {
     dims[0] = v.len();
-    (ty, 1, v.as_mut_ptr().cast())
+    (1, as_bytes(v))
+}
+
+/// Element types whose values are plain bytes (no padding, every bit pattern valid).
+trait Plain: Copy {}
+impl Plain for i32 {}
+impl Plain for i64 {}
+impl Plain for f32 {}
+
+fn as_bytes<T: Plain>(v: &[T]) -> &[u8] {
+    // SAFETY: `T` is a plain number type (no padding), so its memory is `size_of_val(v)`
+    // initialised bytes; the result borrows `v`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 fn fresh_seed() -> u64 {

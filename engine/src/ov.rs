@@ -48,6 +48,12 @@ pub(crate) mod ffi {
             shape: &[usize],
             data: *mut u8,
         ) -> Result<()>;
+        fn copy_input(
+            self: Pin<&mut Session>,
+            index: usize,
+            shape: &[usize],
+            data: &[u8],
+        ) -> Result<()>;
         fn infer(self: Pin<&mut Session>) -> Result<()>;
         fn output_f32(self: &Session, index: usize) -> Result<&[f32]>;
     }
