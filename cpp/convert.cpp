@@ -273,7 +273,10 @@ ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const C
     manager.register_pass<ov::pass::SDPAToPagedAttention>(false,
                                                           config.serving,
                                                           config.serving,
-                                                          config.serving);
+                                                          config.serving,
+                                                          config.allow_xattention,
+                                                          config.allow_adaptive_rkv,
+                                                          config.allow_qq_bias);
     manager.run_passes(model);
 
     std::vector<std::shared_ptr<ov::Node>> builtin;

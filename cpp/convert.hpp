@@ -25,6 +25,12 @@ struct ConvertConfig {
     // Compute logits only for the rows named by a new input `sampled_tokens_indices` (i64 [N]),
     // when the logits come from a MatMul: a prefill chunk then costs one LM-head row, not T.
     bool gather_logits = true;
+    // Ask the pass for what OpenVINO's op has and ours lacks (xattention inputs 17-19, adaptive
+    // R-KV inputs 21-24 and output 2, qq_bias inputs 26-27): the conversion is then refused,
+    // naming the first such input. For checking the refusals on graphs the pass really makes.
+    bool allow_xattention = false;
+    bool allow_adaptive_rkv = false;
+    bool allow_qq_bias = false;
 };
 
 struct ConvertReport {

@@ -181,16 +181,19 @@ def main(argv=None):
 
     core = ov.Core()
     core.add_extension(str(args.extension))
-    stateful = (core.read_model(args.model) if args.model
+
+    def stateful():
+        return (core.read_model(args.model) if args.model
                 else tiny_llm.build(tiny_llm.VARIANTS[args.variant]))
-    model = pa_convert.to_paged(stateful, BLOCK_SIZE, serving=True)
+
     config = dict(F32_CONFIG)
     if args.threads:
         config["INFERENCE_NUM_THREADS"] = args.threads
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # ours: the project's converter
         ours_xml = Path(tmp) / "ours.xml"
-        pa_convert.convert_model(model, ours_xml)
+        pa_convert.convert_model(stateful(), ours_xml, BLOCK_SIZE, serving=True)
         ours = core.compile_model(core.read_model(ours_xml), "CPU", config)
+    model = pa_convert.to_paged(stateful(), BLOCK_SIZE, serving=True)  # the built-in op's graph
     builtin = core.compile_model(model, "CPU", config)
     vocab = builtin.outputs[0].get_partial_shape()[-1].get_length()
     head_size = int(pa_convert.pa_nodes(model)[0].get_rt_info()["k_head_size"].astype(int))

@@ -4,7 +4,10 @@
 #include <string>
 #include <vector>
 
+#include <openvino/core/op_extension.hpp>
+
 #include "convert.hpp"
+#include "paged_attention_op.hpp"
 #include "paged_attention_engine/src/ov.rs.h"
 
 namespace pa_engine {
@@ -119,12 +122,17 @@ rust::Slice<const float> Session::output_f32(size_t index) const {
 
 std::unique_ptr<Session> open_session(rust::Str xml, const ConvertOptions& options) {
     ov::Core core;
+    // Our op is known to the reader, so an IR already on it is read and refused by name.
+    core.add_extension(std::make_shared<ov::OpExtension<paged_attention::PagedAttention>>());
     std::shared_ptr<ov::Model> model = core.read_model(str(xml));
     paged_attention::ConvertConfig cfg;
     cfg.block_size = static_cast<int>(options.block_size);
     cfg.cache_type = str(options.cache_type);
     cfg.serving = options.serving;
     cfg.gather_logits = options.gather_logits;
+    cfg.allow_xattention = options.allow_xattention;
+    cfg.allow_adaptive_rkv = options.allow_adaptive_rkv;
+    cfg.allow_qq_bias = options.allow_qq_bias;
     const auto report = paged_attention::convert_to_our_op(model, cfg);
     return std::make_unique<Session>(model, report.converted, report.gathered_logits);
 }

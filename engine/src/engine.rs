@@ -335,6 +335,9 @@ impl Engine {
             cache_type: cfg.cache_type.as_str().into(),
             serving: cfg.eviction.is_some(),
             gather_logits: true,
+            allow_xattention: false,
+            allow_adaptive_rkv: false,
+            allow_qq_bias: false,
         };
         let mut session =
             crate::ov::ffi::open_session(xml, &opts).map_err(|e| EngineError::Model {

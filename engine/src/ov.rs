@@ -10,6 +10,10 @@ pub(crate) mod ffi {
         cache_type: String,
         serving: bool,
         gather_logits: bool,
+        /// OpenVINO features to ask the pass for, which the converter then refuses (tests).
+        allow_xattention: bool,
+        allow_adaptive_rkv: bool,
+        allow_qq_bias: bool,
     }
 
     /// A model input or output: its tensor name, element type (OpenVINO's short name: f32, i64,

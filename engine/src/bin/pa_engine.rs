@@ -4,8 +4,8 @@
 use clap::{Args, Parser, Subcommand};
 use paged_attention::cache::EvictionPolicy;
 use paged_attention_engine::{
-    convert_ir, CacheType, Engine, EngineConfig, Event, FinishReason, GenerationParams, ModelDir,
-    Precision, Sampling,
+    convert_ir, CacheType, Conversion, Engine, EngineConfig, Event, FinishReason, GenerationParams,
+    ModelDir, Precision, Sampling,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -137,6 +137,14 @@ struct ConvertArgs {
     block_size: usize,
     #[arg(long, default_value = "f32", value_parser = parse_cache_type)]
     cache_type: CacheType,
+    /// Also give the graph what cache eviction needs: outputs scores.N, inputs
+    /// score_aggregation_window and the rotation inputs.
+    #[arg(long)]
+    serving: bool,
+    /// Ask OpenVINO's pass for one of xattention, adaptive_rkv, qq_bias too (repeatable): the
+    /// conversion is then refused, naming the input our op lacks (to check the refusals).
+    #[arg(long, value_name = "FEATURE", value_parser = ["xattention", "adaptive_rkv", "qq_bias"])]
+    allow: Vec<String>,
 }
 
 fn parse_cache_type(s: &str) -> Result<CacheType, String> {
@@ -162,8 +170,15 @@ fn main() -> ExitCode {
 }
 
 fn convert(a: ConvertArgs) -> Result<(), String> {
-    let n =
-        convert_ir(&a.input, &a.output, a.block_size, a.cache_type).map_err(|e| e.to_string())?;
+    let how = Conversion {
+        block_size: a.block_size,
+        cache_type: a.cache_type,
+        serving: a.serving,
+        allow_xattention: a.allow.iter().any(|f| f == "xattention"),
+        allow_adaptive_rkv: a.allow.iter().any(|f| f == "adaptive_rkv"),
+        allow_qq_bias: a.allow.iter().any(|f| f == "qq_bias"),
+    };
+    let n = convert_ir(&a.input, &a.output, &how).map_err(|e| e.to_string())?;
     println!("{}: {n} PagedAttention node(s)", a.output.display());
     Ok(())
 }
