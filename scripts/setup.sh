@@ -4,7 +4,7 @@
 # find_package), setuptools-rust + wheel (the Python package's build backend: pip wheel .), and for
 # the engine's tests and benchmark: OpenVINO GenAI and OpenVINO Tokenizers (same release; the
 # independent reference), tokenizers and transformers (the tiny models' tokenizers are trained and
-# converted at test time);
+# converted at test time), and the official openai client (the server's tests);
 # valgrind (tests/valgrind.rs), pkg-config (the install test) and a C/C++ compiler (the C tests,
 # the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent;
 # safe to run on a fresh machine.
@@ -15,6 +15,8 @@ command -v valgrind >/dev/null || missing+=(valgrind)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v cc >/dev/null || missing+=(gcc)
 command -v c++ >/dev/null || missing+=(g++)
+# nginx: the load balancer in front of two `pa serve` replicas (tests/python/test_serve.py).
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
 if [ ${#missing[@]} -ne 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -25,8 +27,8 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers numpy pytest matplotlib cmake setuptools-rust wheel"
-if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, numpy, pytest, matplotlib, setuptools_rust, wheel, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
+want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai httpx numpy pytest matplotlib cmake setuptools-rust wheel"
+if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, openai, httpx, numpy, pytest, matplotlib, setuptools_rust, wheel, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
     || [ ! -x .venv/bin/cmake ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check $want
 fi

@@ -18,6 +18,7 @@ mod error;
 mod model_dir;
 mod ov;
 mod sampling;
+pub mod server;
 mod tokenizer;
 
 pub use engine::{

@@ -33,6 +33,43 @@ enum Command {
     Generate(GenerateArgs),
     /// Convert a stateful LLM IR to a paged IR on our op (what `generate` does in memory).
     Convert(ConvertArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    #[command(long_about = SERVE_ABOUT)]
+    Serve(ServeArgs),
+}
+
+const SERVE_ABOUT: &str = "\
+Serves MODEL_DIR over an OpenAI-compatible HTTP API: POST /v1/completions and \
+/v1/chat/completions (streaming as server-sent events with \"stream\": true), GET /v1/models, \
+GET /health (200 once the model is compiled), GET /metrics (Prometheus text). The engine runs \
+on its own thread; a client that disconnects has its request aborted and its KV blocks freed \
+before the next engine step. SIGINT/SIGTERM: new requests get 503, in-flight ones finish (or are \
+ended after --shutdown-timeout), then the process exits 0.";
+
+#[derive(Args)]
+struct ServeArgs {
+    model_dir: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Bearer key every /v1/ request must carry (default: $PA_API_KEY; none when unset).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Name requests use in `model` (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Requests admitted at once; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds in-flight requests may run on after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 const GENERATE_ABOUT: &str = "\
@@ -159,6 +196,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Convert(a) => convert(a),
+        Command::Serve(a) => serve(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -167,6 +205,38 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn serve(a: ServeArgs) -> Result<(), String> {
+    let engine = engine_config(&a.engine)?;
+    if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout.is_finite()) {
+        return Err(format!(
+            "--shutdown-timeout must be seconds >= 0, got {}",
+            a.shutdown_timeout
+        ));
+    }
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        a.model_dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into())
+    });
+    let api_key = a
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("PA_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    let cfg = paged_attention_engine::server::ServeConfig {
+        host: a.host.clone(),
+        port: a.port,
+        api_key,
+        max_queue: a.max_queue.max(1),
+        max_body_bytes: a.max_body_bytes,
+        shutdown_timeout: Duration::from_secs_f64(a.shutdown_timeout),
+        model_name: name,
+    };
+    paged_attention_engine::server::serve(a.model_dir, engine, cfg)
 }
 
 fn convert(a: ConvertArgs) -> Result<(), String> {

@@ -52,6 +52,9 @@ enum Command {
     /// Convert a stateful LLM IR to a paged IR on our op (runs pa-engine).
     #[command(long_about = ENGINE_ABOUT, disable_help_flag = true)]
     Convert(EngineArgs),
+    /// Serve a model directory over an OpenAI-compatible HTTP API (runs pa-engine).
+    #[command(long_about = ENGINE_ABOUT, disable_help_flag = true)]
+    Serve(EngineArgs),
 }
 
 const ENGINE_ABOUT: &str = "\
@@ -217,6 +220,7 @@ fn main() -> ExitCode {
         Command::Simulate(a) => simulate_cmd(a),
         Command::Generate(a) => engine_cmd("generate", a),
         Command::Convert(a) => engine_cmd("convert", a),
+        Command::Serve(a) => engine_cmd("serve", a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,
