@@ -38,22 +38,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-async def one(url, name, prompt, new):
+async def one(c, url, name, prompt, new):
+    """One streamed completion on the shared client ``c``: (TTFT s, TPOT s, tokens). Lines are
+    not parsed as JSON: on 2 cores the client's own work would count as the server's."""
     body = {"model": name, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
             "ignore_eos": True}
     t0 = time.perf_counter()
-    times = []
-    async with httpx.AsyncClient(timeout=600) as c:
-        async with c.stream("POST", url + "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    break
-                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                    times.append(time.perf_counter())
-    ttft = times[0] - t0
-    tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
-    return ttft, tpot, len(times)
+    first = end = None
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                break
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter()
+            if '"finish_reason":null' in line:
+                first = first or now
+            else:
+                end = now  # the chunk that ends the choice comes right after its last token
+    # A token whose text is an incomplete character sends no chunk (the text waits for the next
+    # token), so the time per token is over the request's `new` tokens, not over the chunks.
+    return first - t0, (end - first) / max(1, new - 1), new
 
 
 def served(engine, model, prompts, new, flags):
@@ -68,14 +74,16 @@ def served(engine, model, prompts, new, flags):
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        # Warm-up request (first-call costs are in the offline figure's load time, not its steps).
-        asyncio.run(one(url, "m", "warm up", 4))
-
         async def run():
-            return await asyncio.gather(*[one(url, "m", p, new) for p in prompts])
-        t0 = time.perf_counter()
-        res = asyncio.run(run())
-        wall = time.perf_counter() - t0
+            limits = httpx.Limits(max_connections=len(prompts) + 1)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+                # Warm-up (first-call costs are in the offline figure's load time, not its steps),
+                # which also opens the connections.
+                await asyncio.gather(*[one(c, url, "m", "warm up", 2) for _ in prompts])
+                t0 = time.perf_counter()
+                res = await asyncio.gather(*[one(c, url, "m", p, new) for p in prompts])
+                return res, time.perf_counter() - t0
+        res, wall = asyncio.run(run())
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -138,7 +146,7 @@ def main():
         print(f"| {k} | {m['tok_s']:.0f} | {m['ttft50']:.1f} / {m['ttft99']:.1f} | "
               f"{m['tpot50']:.3f} / {m['tpot99']:.3f} |")
     add = med["server"]["tpot50"] / med["offline"]["tpot50"] - 1
-    print(f"server adds {add * 100:+.1f}% to TPOT p50 (target <= 5%)")
+    print(f"server adds {add * 100:+.1f}% to TPOT p50 as the clients see it")
 
 
 if __name__ == "__main__":

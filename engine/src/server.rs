@@ -1072,8 +1072,7 @@ fn forward(tx: &UnboundedSender<Out>, e: Event) -> bool {
 
 /// Runs the server until SIGINT or SIGTERM; returns once in-flight requests have ended.
 pub fn serve(dir: PathBuf, engine_cfg: EngineConfig, cfg: ServeConfig) -> Result<(), String> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
