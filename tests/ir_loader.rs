@@ -154,6 +154,23 @@ fn malformed_xml_is_reported_with_a_position() {
 }
 
 #[test]
+fn an_element_with_many_attributes_parses_in_linear_time_and_duplicates_are_refused() {
+    let xml = base_xml();
+    let at = xml.find("<layer ").expect("a layer") + "<layer ".len();
+    // 200,000 extra attributes on the first layer (3.5 MB): quadratic duplicate checks took 75 s.
+    let extra: String = (0..200_000).map(|i| format!("x{i}=\"1\" ")).collect();
+    let big = format!("{}{extra}{}", &xml[..at], &xml[at..]);
+    let t = std::time::Instant::now();
+    Model::from_xml(&big, None).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    assert!(secs < 1.0, "200,000 attributes took {secs:.2} s");
+    let dup = format!("{}x=\"1\" y=\"2\" x=\"3\" {}", &xml[..at], &xml[at..]);
+    let e = load_err(&dup, None);
+    assert!(matches!(e, IrError::Xml { .. }));
+    assert_mentions(&e, &["duplicate attribute `x`", "<layer>"]);
+}
+
+#[test]
 fn a_document_that_is_not_an_ir_is_refused() {
     let e = load_err("<model version=\"11\"/>", None);
     assert_mentions(&e, &["<model>", "not <net>"]);
