@@ -3,6 +3,8 @@
 #include "paged_attention_op.hpp"
 
 #include <array>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -217,6 +219,22 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
     // Copies of the handles (not of the data): ov::Tensor::data() is const on a const tensor,
     // and inputs 3 and 4 are written in place.
     std::vector<ov::Tensor> in_tensors(inputs.begin(), inputs.end());
+    // OpenVINO hands Constants straight from the mapped weights file, at any byte offset (a
+    // serializer packs them without padding). Inputs read by value get an aligned copy when
+    // their data is not aligned to their element; the caches (3, 4) are written in place, so
+    // they cannot be copied: they come from the caller's Parameters, whose tensors OpenVINO
+    // allocates aligned (or the caller's own memory, which the contract requires aligned).
+    for (size_t i = 0; i < in_tensors.size(); ++i) {
+        ov::Tensor& t = in_tensors[i];
+        const size_t align = t.get_element_type().size();
+        if (i == 3 || i == 4 || t.get_size() == 0 || align <= 1 ||
+            reinterpret_cast<uintptr_t>(t.data()) % align == 0) {
+            continue;
+        }
+        ov::Tensor aligned(t.get_element_type(), t.get_shape());
+        std::memcpy(aligned.data(), t.data(), t.get_byte_size());
+        t = aligned;
+    }
     std::vector<pa_tensor> in(in_tensors.size());
     std::vector<ov::element::Type> types(in_tensors.size());
     for (size_t i = 0; i < in_tensors.size(); ++i) {
