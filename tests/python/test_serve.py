@@ -142,8 +142,9 @@ def test_n_seed_and_stop(client):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
 
 
-async def _stream(url, prompt, quit_after=None, max_tokens=48):
-    """Raw SSE: the text of a streamed completion, or None after leaving at `quit_after` events."""
+async def _stream(url, prompt, quit_after=None, max_tokens=48, started=None):
+    """Raw SSE: the text of a streamed completion, or None after leaving at `quit_after` events.
+    `started` (an asyncio.Event) is set at the first event."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     text, events = "", 0
@@ -156,6 +157,8 @@ async def _stream(url, prompt, quit_after=None, max_tokens=48):
                 if line == "data: [DONE]":
                     return text
                 events += 1
+                if started is not None:
+                    started.set()
                 text += json.loads(line[6:])["choices"][0]["text"]
                 if quit_after is not None and events >= quit_after:
                     return None  # leaves: the connection closes mid-stream
@@ -240,8 +243,12 @@ def test_sigterm_under_load_ends_streams_cleanly_and_exits_0(model):
     s = Server(model, "--shutdown-timeout", "0.5")
 
     async def run():
-        tasks = [asyncio.create_task(_stream(s.url, f"long {i}", max_tokens=1500)) for i in range(6)]
-        await asyncio.sleep(0.3)
+        started = [asyncio.Event() for _ in range(6)]
+        tasks = [asyncio.create_task(_stream(s.url, f"long {i}", max_tokens=1500, started=e))
+                 for i, e in enumerate(started)]
+        # SIGTERM once every stream is under way: a request still on the wire when the signal lands
+        # may be refused (503) or see its connection closed, which is not what this test is about.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
         s.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.1)
         with pytest.raises(httpx.HTTPError):
