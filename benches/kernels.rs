@@ -102,6 +102,7 @@ impl<C: Float> Call<C> {
             rotation_deltas: None,
             rotation_trig_lut: None,
             score_aggregation_window: None,
+            sinks: None,
         };
         let n_scores = self.scores.len();
         let mut outputs = PaOutputs {

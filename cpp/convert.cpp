@@ -39,6 +39,8 @@ constexpr std::array<const char*, 28> kBuiltinInputs = {
 // dropped: our op derives it from past_lens and subsequence_begins.
 constexpr std::array<size_t, 16> kOursFromBuiltin = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16, 13};
 constexpr size_t kFirstExtra = 17;
+// The built-in's sinks input, our input 16 (the 17th) when the model uses it.
+constexpr size_t kBuiltinSinks = 20;
 
 // A refusal: a plain message (no source location), the node and input named by the caller.
 template <typename... Args>
@@ -70,6 +72,12 @@ private:
     std::string name_;
 };
 
+// True when input i is a constant with no elements (how the pass says "not used").
+bool is_empty_constant(const std::shared_ptr<ov::Node>& pa, size_t i) {
+    const auto c = ov::as_type_ptr<ov::op::v0::Constant>(pa->get_input_node_shared_ptr(i));
+    return c != nullptr && ov::shape_size(c->get_shape()) == 0;
+}
+
 // An extra input is neutral when it is a constant that is empty or a zero scalar: the built-in
 // op then does nothing with it, and neither do we.
 void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::string& where) {
@@ -88,7 +96,7 @@ void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::str
                     src->get_friendly_name(),
                     "`, not a constant: the model uses ",
                     name,
-                    ", which the 16-input PagedAttention does not implement");
+                    ", which our PagedAttention does not implement");
     const ov::Shape& shape = c->get_shape();
     const bool empty = ov::shape_size(shape) == 0;
     bool zero_scalar = false;
@@ -109,7 +117,7 @@ void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::str
                     shape,
                     ", not empty or zero: the model uses ",
                     name,
-                    ", which the 16-input PagedAttention does not implement");
+                    ", which our PagedAttention does not implement");
 }
 
 int64_t rt_int(const ov::Node& node, const char* key) {
@@ -184,15 +192,18 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
                     " to ",
                     kBuiltinInputs.size(),
                     " (OpenVINO 2026.4.1 order)");
+    const bool sinks = n_in > kBuiltinSinks && !is_empty_constant(pa, kBuiltinSinks);
     for (size_t i = kFirstExtra; i < n_in; ++i) {
-        check_neutral(pa, i, where);
+        if (!(sinks && i == kBuiltinSinks)) {
+            check_neutral(pa, i, where);
+        }
     }
     for (size_t k = 2; k < pa->get_output_size(); ++k) {
         require(pa->output(k).get_target_inputs().empty(),
                         where,
                         ": output ",
                         k,
-                        " (adaptive_rkv_diversity) is used; the 16-input PagedAttention has no such output");
+                        " (adaptive_rkv_diversity) is used; our PagedAttention has no such output");
     }
     const int64_t k_heads = rt_int(*pa, "num_k_heads");
     const int64_t k_size = rt_int(*pa, "k_head_size");
@@ -208,7 +219,7 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
                     k_heads,
                     " of ",
                     k_size,
-                    "; the 16-input PagedAttention needs the same head size for values and keys");
+                    "; our PagedAttention needs the same head size for values and keys");
     type_cache(pa, 3, k_heads, k_size, cfg, where);
     type_cache(pa, 4, v_heads, v_size, cfg, where);
 
@@ -216,6 +227,9 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
     args.reserve(kOursFromBuiltin.size());
     for (const size_t b : kOursFromBuiltin) {
         args.push_back(pa->input_value(b));
+    }
+    if (sinks) {
+        args.push_back(pa->input_value(kBuiltinSinks));
     }
     auto ours = std::make_shared<PagedAttention>(args);
     ours->set_friendly_name(pa->get_friendly_name());

@@ -1,7 +1,7 @@
 // The one converter from OpenVINO's LLM graphs to this project's op, in memory: a stateful SDPA
 // LLM (as optimum-intel exports it) goes through OpenVINO's own SDPAToPagedAttention pass, as GenAI
 // applies it, and every PagedAttentionExtension it makes is replaced by our PagedAttention
-// (ie_internal_opset, 16 inputs, 2 outputs). Used by the engine (through cxx) and exported by the
+// (ie_internal_opset, 9 to 17 inputs, 2 outputs). Used by the engine (through cxx) and exported by the
 // extension module as `pa_ov_convert` for the Python tool.
 #pragma once
 

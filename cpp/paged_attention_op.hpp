@@ -1,4 +1,4 @@
-// The OpenVINO op class of PagedAttention (`ie_internal_opset`, 9..16 inputs, 2 outputs).
+// The OpenVINO op class of PagedAttention (`ie_internal_opset`, 9..17 inputs, 2 outputs).
 // A thin shim: shape inference, validation and execution are the Rust library's, reached
 // through include/paged_attention.h. Registration lives in extension.cpp.
 #pragma once

@@ -82,6 +82,7 @@ where
             rotation_deltas: None,
             rotation_trig_lut: None,
             score_aggregation_window: None,
+            sinks: None,
         };
         let n_scores = scores.len();
         let mut outputs = PaOutputs {

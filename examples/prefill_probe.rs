@@ -79,6 +79,7 @@ where
             rotation_deltas: None,
             rotation_trig_lut: None,
             score_aggregation_window: None,
+            sinks: None,
         };
         let mut outputs = PaOutputs {
             output: TensorMut::new(&[T, H * D], &mut out),

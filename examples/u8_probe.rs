@@ -105,6 +105,7 @@ fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
             rotation_deltas: None,
             rotation_trig_lut: None,
             score_aggregation_window: None,
+            sinks: None,
         };
         let mut outputs = PaOutputs {
             output: TensorMut::new(&[t, H * D], &mut out),

@@ -1,7 +1,7 @@
 /*
  * paged_attention.h: C ABI of the PagedAttention op (OpenVINO `ie_internal_opset` semantics).
  *
- * The op's contract (16 inputs, 2 outputs, their order, shapes and meaning) is docs/contract.md
+ * The op's contract (17 inputs, 2 outputs, their order, shapes and meaning) is docs/contract.md
  * in the source repository ("SPEC.md" below); the inputs and outputs are listed below with their
  * PA_INPUT_* / PA_OUTPUT_* indices, and the README shows a complete example. This header is
  * hand-written and committed; the Rust side (src/ffi/) follows it, and tests compile it with
@@ -45,15 +45,15 @@ extern "C" {
 
 /* Largest rank a pa_tensor / pa_partial_shape can describe. */
 #define PA_MAX_RANK 8
-/* The op takes 9 to 16 inputs and produces 2 outputs. */
+/* The op takes 9 to 17 inputs and produces 2 outputs. */
 #define PA_MIN_INPUTS 9
-#define PA_MAX_INPUTS 16
+#define PA_MAX_INPUTS 17
 #define PA_NUM_OUTPUTS 2
 
 /* Inputs, in the order every function below takes them ("SPEC order"), and outputs.
  * T = tokens in the call, B = sequences, H / Hkv = query / KV heads, D = head size, BS = block
  * size, NB = blocks; "float" is f32, f16 or bf16 (the caches also u8, see PA_ELEM_U8).
- * Inputs 9..15 are optional: omitted at the end of the list or given with zero elements. */
+ * Inputs 9..16 are optional: omitted at the end of the list or given with zero elements. */
 #define PA_INPUT_QUERY 0                     /* [T, H*D] float */
 #define PA_INPUT_KEY 1                       /* [T, Hkv*D] float, the new tokens' keys */
 #define PA_INPUT_VALUE 2                     /* [T, Hkv*D] float */
@@ -70,6 +70,7 @@ extern "C" {
 #define PA_INPUT_ROTATION_DELTAS 13          /* [R, BS], [R, 1] or [R] i32 (optional): LUT rows */
 #define PA_INPUT_ROTATION_TRIG_LUT 14        /* [M, D] f32 or f16 (optional): D/2 cos, D/2 sin a row */
 #define PA_INPUT_SCORE_AGGREGATION_WINDOW 15 /* scalar or [B] i32 (optional) */
+#define PA_INPUT_SINKS 16                    /* [H] or [1, H, 1, 1] float (optional): a logit per head */
 #define PA_OUTPUT_OUTPUT 0                   /* [T, H*D], query's type */
 #define PA_OUTPUT_SCORES 1                   /* [sum(past_lens) + T], query's type */
 
@@ -78,7 +79,7 @@ typedef int32_t pa_status;
 #define PA_STATUS_OK 0
 #define PA_STATUS_NULL_POINTER 1     /* a required pointer was NULL */
 #define PA_STATUS_INVALID_ARGUMENT 2 /* bad enum value, negative dim, overlapping buffers, ... */
-#define PA_STATUS_INPUT_COUNT 3      /* fewer than 9 or more than 16 inputs */
+#define PA_STATUS_INPUT_COUNT 3      /* fewer than 9 or more than 17 inputs */
 #define PA_STATUS_RANK 4             /* an input's rank does not match the contract */
 #define PA_STATUS_ELEMENT_TYPE 5     /* an input's element type does not match the contract */
 #define PA_STATUS_SHAPE 6            /* dimensions contradict each other */
@@ -143,7 +144,7 @@ const char *pa_status_name(pa_status status);
 size_t pa_last_error_message(char *buf, size_t len);
 
 /* Shape inference on partial shapes.
- * inputs:  array of n_inputs (9..16) partial shapes in SPEC order; not NULL. An optional input
+ * inputs:  array of n_inputs (9..17) partial shapes in SPEC order; not NULL. An optional input
  *          not provided is passed with a static zero dimension (e.g. rank 1, dims {0}) or
  *          omitted at the end.
  * outputs: array of 2 written on success: output [T, H*D] and scores [sum(past_lens) + T]
@@ -152,7 +153,7 @@ size_t pa_last_error_message(char *buf, size_t len);
 pa_status pa_infer_shapes(const pa_partial_shape *inputs, size_t n_inputs, pa_partial_shape *outputs);
 
 /* Validates a concrete call (every rule of SPEC.md) without writing anything.
- * inputs:        array of n_inputs (9..16) tensors in SPEC order; not NULL.
+ * inputs:        array of n_inputs (9..17) tensors in SPEC order; not NULL.
  * output_shapes: if not NULL, an array of 2 that receives the exact output shapes the call
  *                needs (so the caller can size the output buffers). */
 pa_status pa_validate(const pa_tensor *inputs, size_t n_inputs, pa_partial_shape *output_shapes);
@@ -161,7 +162,7 @@ pa_status pa_validate(const pa_tensor *inputs, size_t n_inputs, pa_partial_shape
  * key_cache / value_cache (inputs 3 and 4, written in place), computes attention into
  * outputs[0] ([T, H*D]) and the scores into outputs[1] ([sum(past_lens) + T]), both of the
  * query's element type and exactly that size.
- * inputs:  n_inputs (9..16) tensors in SPEC order; not NULL.
+ * inputs:  n_inputs (9..17) tensors in SPEC order; not NULL.
  * outputs: n_outputs (must be 2) tensors; not NULL. Output buffers must not overlap any input.
  * Buffers written (caches, outputs) must not overlap each other or the read-only inputs.
  * On any error nothing is written. */

@@ -64,7 +64,7 @@ pub enum PaError {
     #[error("invalid argument: {detail}")]
     InvalidArgument { detail: String },
 
-    #[error("PagedAttention takes 9 to 16 inputs, but {found} were given")]
+    #[error("PagedAttention takes 9 to 17 inputs, but {found} were given")]
     InputCount { found: usize },
 
     #[error("rank of `{input}` should be {expected}, but it is {found}")]

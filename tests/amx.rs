@@ -12,8 +12,8 @@
 
 mod common;
 
-use common::call::{round_to, Call};
-use common::ref64::{gen_case, reference, Case, Features, Geometry, ScoreWindow, Seq, SeqKind};
+use common::call::Call;
+use common::ref64::{reference, with_seqs, Case, Features, Geometry, ScoreWindow};
 use paged_attention::kernel::fast::{
     amx_items_run, execute_with, FastOptions, ScoresMode, SimdLevel,
 };
@@ -87,53 +87,6 @@ fn require_tiles(test: &str, before: u64) {
             SimdLevel::detected()
         );
     }
-}
-
-/// A case with the given sequences (past, new) and fresh values, on the geometry of `geo`.
-fn with_seqs(geo: &Geometry, f: &Features, seqs: &[(usize, usize)], seed: u64) -> Case {
-    let mut case = gen_case(
-        seed,
-        geo,
-        &Features {
-            seqs: Some(vec![SeqKind::Prefill]),
-            rotation: Some(false),
-            ..f.clone()
-        },
-    );
-    let mut rng = common::ref64::Rng::new(seed ^ 0xA3);
-    let bs = case.bs;
-    let need: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(bs)).collect();
-    let nb = need.iter().sum::<usize>() + 1;
-    let mut blocks: Vec<i32> = (0..nb as i32).collect();
-    rng.shuffle(&mut blocks);
-    let (mut bi, mut bib) = (vec![], vec![0i32]);
-    let mut it = blocks.iter();
-    for &n in &need {
-        bi.extend(it.by_ref().take(n));
-        bib.push(bi.len() as i32);
-    }
-    let (h, hkv, d) = (case.h, case.hkv, case.d);
-    let t: usize = seqs.iter().map(|s| s.1).sum();
-    let mut r = |len: usize, ty: ElemType, a: f64| -> Vec<f64> {
-        (0..len).map(|_| round_to(ty, rng.uniform(-a, a))).collect()
-    };
-    case.nb = nb;
-    case.seqs = seqs.iter().map(|&(past, n)| Seq { past, n }).collect();
-    case.query = r(t * h * d, case.qt, 3.0);
-    case.key = r(t * hkv * d, case.qt, 1.0);
-    case.value = r(t * hkv * d, case.qt, 1.0);
-    case.key_cache = r(nb * hkv * bs * d, case.ct, 1.0);
-    case.value_cache = r(nb * hkv * bs * d, case.ct, 1.0);
-    case.block_indices = bi;
-    case.block_indices_begins = bib;
-    if let Some(w) = case.sliding_window {
-        let max_ctx = seqs.iter().map(|s| s.0 + s.1).max().unwrap_or(1);
-        case.sliding_window = Some(w.min(max_ctx as i32));
-    }
-    if let Some(ScoreWindow::PerSeq(_)) = case.score_window {
-        case.score_window = Some(ScoreWindow::PerSeq(vec![-1; seqs.len()]));
-    }
-    case
 }
 
 const BLOCK_SIZES: [usize; 4] = [1, 16, 32, 48];
@@ -210,6 +163,28 @@ fn bf16_long_prefill_and_long_past_match_f64_reference() {
         check(&case);
     }
     require_tiles("long prefill, long past", before);
+}
+
+/// Attention sinks on the tiles: prefill items end their rows with the sink (output and the
+/// scores' statistics), with and without a window.
+#[test]
+fn bf16_prefill_with_sinks_matches_f64_reference() {
+    let _g = lock();
+    let before = amx_items_run();
+    for (k, &ct) in CACHES.iter().enumerate() {
+        let geo = Geometry::new(BF16, ct, 2, 4, 64, 32);
+        let f = Features {
+            sinks: Some(true),
+            sliding_window: Some(k == 1),
+            alibi: Some(false),
+            score_window: Some(Some(ScoreWindow::PerSeq(vec![]))),
+            ..Features::default()
+        };
+        let case = with_seqs(&geo, &f, &[(0, 90), (50, 40)], 47_000 + k as u64);
+        assert!(case.sinks.is_some());
+        check(&case);
+    }
+    require_tiles("sinks", before);
 }
 
 #[test]

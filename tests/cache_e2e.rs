@@ -220,6 +220,7 @@ impl World {
                 rotation_deltas: (r > 0).then(|| Tensor::new(&[r, BS], &rd[..])),
                 rotation_trig_lut: (r > 0).then(|| Tensor::new(&[lut_rows, D], &lut[..])),
                 score_aggregation_window: None,
+                sinks: None,
             };
             let mut outputs = PaOutputs {
                 output: TensorMut::new(&[t, H * D], &mut out[..]),

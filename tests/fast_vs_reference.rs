@@ -105,6 +105,7 @@ struct Case {
     alibi: Option<Vec<f32>>,
     rot: Option<Rot>,
     saw: Option<Vec<i32>>,
+    sinks: Option<Vec<f32>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -119,6 +120,7 @@ struct Spec {
     scale: bool,
     rotation: bool,
     saw: Option<Vec<i32>>,
+    sinks: bool,
 }
 
 fn make(rng: &mut Rng, sp: &Spec, qt: ElemType, ct: ElemType) -> Case {
@@ -200,6 +202,10 @@ fn make(rng: &mut Rng, sp: &Spec, qt: ElemType, ct: ElemType) -> Case {
         alibi: sp.alibi.then(|| rv(rng, h, 0.5)),
         rot,
         saw: sp.saw.clone(),
+        // Around the logits' range: from rows their sink dominates to rows it barely touches.
+        sinks: sp
+            .sinks
+            .then(|| (0..h).map(|_| 1.5 + 4.5 * rng.uniform(1.0)).collect()),
     }
 }
 
@@ -223,6 +229,7 @@ fn run(
     let b = c.past.len();
     let scale_buf = c.scale.as_ref().map(|s| Buf::from_f32(c.qt, s));
     let alibi_buf = c.alibi.as_ref().map(|a| Buf::from_f32(c.qt, a));
+    let sink_buf = c.sinks.as_ref().map(|a| Buf::from_f32(c.qt, a));
     let win = c.window.map(|w| vec![w]);
     let lut_buf = c.rot.as_ref().map(|r| {
         Buf::from_f32(
@@ -262,6 +269,7 @@ fn run(
                     Tensor::new(&[w.len()], w)
                 }
             }),
+            sinks: sink_buf.as_ref().map(|a| a.t(&[1, h, 1, 1])),
         };
         let mut outputs = PaOutputs {
             output: out.tm(&[t, h * d]),
@@ -546,6 +554,50 @@ fn fast_matches_reference_on_long_decode_split_into_chunks() {
     );
     let sp = Spec { window: 1500, ..sp };
     check_spec(&mut rng, &sp, &[(ElemType::F32, ElemType::F16)]);
+}
+
+/// Attention sinks on every tier, every dtype pair, with scores of every new token stashed and
+/// recomputed: decode, prefill, mixed batches, GQA 1 and 8, long decodes cut into key chunks,
+/// a window.
+#[test]
+fn fast_matches_reference_with_sinks() {
+    let mut rng = Rng(21);
+    let saw = Some(vec![-1, -1, -1]);
+    for seqs in [
+        &[(40, 1), (0, 33), (17, 9)][..],
+        &[(0, 70), (3, 1), (0, 0)][..],
+    ] {
+        let sp = Spec {
+            sinks: true,
+            saw: saw.clone(),
+            ..base(seqs)
+        };
+        check_spec(&mut rng, &sp, &all_types());
+        let sp = Spec {
+            h: 8,
+            hkv: 1,
+            window: 20,
+            ..sp
+        };
+        check_spec(&mut rng, &sp, &[(ElemType::BF16, ElemType::F16)]);
+    }
+    let sp = Spec {
+        h: 4,
+        hkv: 4,
+        d: 32,
+        bs: 32,
+        sinks: true,
+        saw: Some(vec![-1, -1]),
+        ..base(&[(5000, 1), (1100, 2)])
+    };
+    check_spec(
+        &mut rng,
+        &sp,
+        &[
+            (ElemType::F32, ElemType::F32),
+            (ElemType::BF16, ElemType::BF16),
+        ],
+    );
 }
 
 #[test]

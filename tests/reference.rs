@@ -646,3 +646,111 @@ fn reference_sampled(case: &Case) -> Vec<(usize, Vec<f64>)> {
         })
         .collect()
 }
+
+/// Attention sinks (input 16, `[H]` or `[1, H, 1, 1]`): one logit per query head in each row's
+/// softmax, with no value. Every (query, cache) type pair and group, on mixed batches (decode,
+/// prefill, chunked prefill, empty), scores in every window form.
+#[test]
+fn sinks_in_every_dtype_pair_and_group_match_f64_reference() {
+    let mut seed = 60_000;
+    for qt in TYPES {
+        for ct in TYPES {
+            for g in GROUPS {
+                let geo = Geometry::new(qt, ct, if g == 8 { 1 } else { 2 }, g, 64, 16);
+                let f = Features {
+                    sinks: Some(true),
+                    seqs: Some(mixed_batch()),
+                    ..Features::default()
+                };
+                let case = gen_case(seed, &geo, &f);
+                assert!(case.sinks.as_ref().is_some_and(|s| s.len() == case.h));
+                check_both(&case);
+                seed += 1;
+            }
+        }
+    }
+}
+
+/// Sinks where the fast kernel takes its other paths: decode over long contexts (cut into key
+/// chunks merged afterwards), a long prefill (tiles of many keys; AMX for a bf16 query where
+/// the CPU has it), scores of every new token (the stashed logits), and a sliding window.
+#[test]
+fn sinks_over_long_contexts_and_long_prefills_match_f64_reference() {
+    let shapes: [&[(usize, usize)]; 4] = [
+        &[(3000, 1)],
+        &[(2100, 1), (700, 1)],
+        &[(0, 300)],
+        &[(900, 40), (1500, 1)],
+    ];
+    let mut seed = 61_000;
+    for (qt, ct) in [(F32, F32), (BF16, BF16), (F16, F32)] {
+        for seqs in shapes {
+            for window in [None, Some(500)] {
+                let geo = Geometry::new(qt, ct, 2, 4, 64, 32);
+                let f = Features {
+                    sinks: Some(true),
+                    alibi: Some(false),
+                    sliding_window: Some(false),
+                    // The last 16 tokens (every token of a long prefill would sum thousands
+                    // of weights per score, past what f32 sums hold to 2e-6).
+                    score_window: Some(Some(ScoreWindow::Scalar(16))),
+                    ..Features::default()
+                };
+                let mut case = common::ref64::with_seqs(&geo, &f, seqs, seed);
+                case.sliding_window = window;
+                check_both(&case);
+                seed += 1;
+            }
+        }
+    }
+}
+
+/// A sink of `-inf` changes nothing (bit for bit against the same call without sinks); a huge
+/// sink takes almost all the weight (outputs and scores near 0); NaN makes the rows NaN.
+#[test]
+fn sinks_of_minus_infinity_change_nothing_and_huge_ones_take_the_weight() {
+    let geo = Geometry::new(F32, F32, 2, 4, 32, 16);
+    let f = Features {
+        seqs: Some(mixed_batch()),
+        score_window: Some(Some(ScoreWindow::Scalar(-1))),
+        ..Features::default()
+    };
+    let plain = gen_case(62_000, &geo, &f);
+    for runner in RUNNERS {
+        let mut a = plain.to_call();
+        a.run(runner).unwrap();
+        let mut with = plain.clone();
+        with.sinks = Some(vec![f64::NEG_INFINITY; plain.h]);
+        let mut b = with.to_call();
+        b.run(runner).unwrap();
+        assert_eq!(
+            a.outputs[0].data.bits(),
+            b.outputs[0].data.bits(),
+            "{runner:?}: output"
+        );
+        assert_eq!(
+            a.outputs[1].data.bits(),
+            b.outputs[1].data.bits(),
+            "{runner:?}: scores"
+        );
+
+        with.sinks = Some(vec![1e30; plain.h]);
+        let mut c = with.to_call();
+        c.run(runner).unwrap();
+        let out = c.outputs[0].data.to_f64();
+        assert!(out.iter().all(|x| x.abs() < 1e-20), "{runner:?}: {out:?}");
+        assert!(c.outputs[1].data.to_f64().iter().all(|x| x.abs() < 1e-20));
+
+        let mut nan = vec![0.0; plain.h];
+        nan[1] = f64::NAN;
+        with.sinks = Some(nan);
+        let mut d = with.to_call();
+        d.run(runner).unwrap();
+        let out = d.outputs[0].data.to_f64();
+        let hd = plain.h * plain.d;
+        for (i, x) in out.iter().enumerate() {
+            let head = (i % hd) / plain.d;
+            assert_eq!(x.is_nan(), head == 1, "{runner:?}: element {i} = {x}");
+        }
+    }
+}

@@ -75,6 +75,18 @@ fn check_past(
     seqs: Option<Vec<SeqKind>>,
     max_past: Option<usize>,
 ) {
+    let f = Features { seqs, ..features() };
+    check_features(qt, tol, seeds, &f, max_past)
+}
+
+/// Every layout and a few geometries, cases drawn with `f`, against float64.
+fn check_features(
+    qt: ElemType,
+    tol: f64,
+    seeds: std::ops::Range<u64>,
+    f: &Features,
+    max_past: Option<usize>,
+) {
     for (key, value_group) in LAYOUTS {
         for (hkv, g, d) in [(2, 2, 64), (1, 4, 32), (2, 1, 128), (1, 3, 40)] {
             if value_group > d || !d.is_multiple_of(value_group.max(1)) {
@@ -83,11 +95,7 @@ fn check_past(
             let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 32);
             geo.max_past = max_past.unwrap_or(geo.max_past);
             for seed in seeds.clone() {
-                let f = Features {
-                    seqs: seqs.clone(),
-                    ..features()
-                };
-                let c = gen_case(seed, &geo, &f);
+                let c = gen_case(seed, &geo, f);
                 let l = layout_for(&c, key, value_group);
                 for runner in RUNNERS {
                     let (o, s) = run_and_check(&c, &l, runner);
@@ -127,6 +135,28 @@ fn prefill_after_a_long_past_and_from_zero_on_u8_caches() {
         Some(vec![SeqKind::Prefill]),
         None,
     );
+}
+
+/// Attention sinks on u8 caches: decode whole and cut into key chunks, prefill from zero and
+/// after a past, mixed batches, every key/value layout, with the scores of all new tokens.
+#[test]
+fn sinks_on_u8_caches_end_to_end() {
+    use common::ref64::ScoreWindow;
+    let runs: [(Option<Vec<SeqKind>>, Option<usize>, u64); 4] = [
+        (None, None, 300),
+        (Some(vec![SeqKind::Decode; 2]), Some(2500), 310),
+        (Some(vec![SeqKind::Prefill]), None, 320),
+        (Some(vec![SeqKind::ChunkedPrefill]), Some(400), 330),
+    ];
+    for (seqs, max_past, seed) in runs {
+        let f = Features {
+            seqs,
+            sinks: Some(true),
+            score_window: Some(Some(ScoreWindow::Scalar(-1))),
+            ..features()
+        };
+        check_features(ElemType::F32, 2e-5, seed..seed + 2, &f, max_past);
+    }
 }
 
 #[test]

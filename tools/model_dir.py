@@ -62,7 +62,7 @@ BENCH_VARIANTS = {
     "attn": Config("attn", heads=32, kv_heads=8, head_size=128, hidden=1024, layers=2,
                    intermediate=1024, max_position_embeddings=8192),
 }
-ALL_VARIANTS = {**VARIANTS, **BENCH_VARIANTS, "gpt_oss": tiny_llm.GPT_OSS}
+ALL_VARIANTS = {**VARIANTS, **BENCH_VARIANTS}
 
 # Texts check_tokenizer compares the two tokenizers on.
 CHECK_TEXTS = [

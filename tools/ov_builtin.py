@@ -18,7 +18,8 @@ op as an oracle"):
   13 rotation_deltas -> 15  i32 [R,BS] or [R,1]; an [R] tensor is reshaped to [R,1] (same meaning,
                             the built-in's type check wants rank 2)
   14 rotation_trig_lut -> 16 f32 [M,D]; absent -> empty [0,D]
-  17..27 xattention / sinks / adaptive-RKV / token_type_ids / qq_bias: empty tensors or zero scalars.
+  16 sinks           -> 20  f32 Constant [1,H,1,1]; absent -> empty [0]
+  17..27 xattention / adaptive-RKV / token_type_ids / qq_bias: empty tensors or zero scalars.
 
 The node carries rt_info num_k_heads / k_head_size / num_v_heads / v_head_size and is compiled with
 {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}. Every input is bound with
@@ -65,7 +66,7 @@ def _i32(x):
 
 
 def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=None, **named):
-    """Run the call through the built-in op. ``inputs``: the 9..16 inputs in SPEC order (the fields
+    """Run the call through the built-in op. ``inputs``: the 9..17 inputs in SPEC order (the fields
     of ``pa_ref.Call``), positional or by name; numpy arrays (None/empty = absent). They are checked
     and normalised by ``pa_ref.normalize_inputs`` (ValueError for a malformed call). The caches are
     copied, never modified. Returns float32 arrays (output, scores, key_cache_after,
@@ -114,7 +115,7 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
 
     feeds = [q, k, v, kc, vc, past, sb, bi, bib, scale_a, sw_a, alibi_a, max_ctx, saw_a,
              rbi_a, rd_a, lut_a]
-    model = build_model(H, Hkv, D, ov.Type.f32, rd_ndim=rd_a.ndim)
+    model = build_model(H, Hkv, D, ov.Type.f32, rd_ndim=rd_a.ndim, sinks=x.sinks)
     config = dict(_CONFIG)
     if threads is not None:
         config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -122,10 +123,11 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
     return out, scores, kc, vc
 
 
-def build_model(H, Hkv, D, cache_type, rd_ndim=2):
+def build_model(H, Hkv, D, cache_type, rd_ndim=2, sinks=None):
     """The 17 Parameters (inputs 0..16 of the built-in op, caches of element type ``cache_type``
     with fully dynamic shape, so the plugin can give them its own layout) -> built-in op -> 2 Results.
-    Inputs 17..27 are empty Constants."""
+    Inputs 17..27 are empty Constants, but for ``sinks`` (H values: input 20 a [1, H, 1, 1]
+    Constant)."""
     f32, i32 = ov.Type.f32, ov.Type.i32
     specs = [
         ("query", f32, [-1, H * D]), ("key", f32, [-1, Hkv * D]), ("value", f32, [-1, Hkv * D]),
@@ -141,7 +143,8 @@ def build_model(H, Hkv, D, cache_type, rd_ndim=2):
         ops.constant(np.zeros([0], np.float32)),  # 17 xattention_threshold
         ops.constant(np.array(0, np.int32)),  # 18 xattention_block_size
         ops.constant(np.array(0, np.int32)),  # 19 xattention_stride
-        ops.constant(np.zeros([0], np.float32)),  # 20 sinks
+        ops.constant(np.zeros([0], np.float32) if sinks is None  # 20 sinks
+                     else np.asarray(sinks, np.float32).reshape(1, H, 1, 1)),
         ops.constant(np.array(0, np.int32)),  # 21 adaptive_rkv_start_size
         ops.constant(np.zeros([0], np.int32)),  # 22 adaptive_rkv_evictable_sizes
         ops.constant(np.zeros([0], np.int32)),  # 23 adaptive_rkv_diversity_block_set_indices

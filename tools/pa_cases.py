@@ -131,4 +131,6 @@ def make_call(
 
 
 def call_args(call):
-    return [call[n] for n in INPUT_NAMES]
+    """The call's inputs in SPEC order: 16, or 17 when it has sinks."""
+    names = INPUT_NAMES if call.get("sinks") is not None else INPUT_NAMES[:16]
+    return [call[n] for n in names]

@@ -81,7 +81,7 @@ def is_absent(x) -> bool:
 
 # ----------------------------------------------------------------------------- the inputs
 class Call(NamedTuple):
-    """The 16 inputs of the op in SPEC order. Optional inputs (9..15) default to None (absent)."""
+    """The 17 inputs of the op in SPEC order. Optional inputs (9..16) default to None (absent)."""
 
     query: Any
     key: Any
@@ -99,6 +99,7 @@ class Call(NamedTuple):
     rotation_deltas: Any = None
     rotation_trig_lut: Any = None
     score_aggregation_window: Any = None
+    sinks: Any = None
 
 
 INPUT_NAMES = list(Call._fields)
@@ -126,6 +127,7 @@ class Inputs:
     scale: float  # as given; 0.0 when absent (0 means 1/sqrt(D))
     sliding_window: int  # 0 when absent
     alibi: np.ndarray | None  # float64 [H], None when absent
+    sinks: np.ndarray | None  # float64 [H] ([1, H, 1, 1] flattened), None when absent
     score_window: np.ndarray  # int64 [B]: absent -> 1, a scalar or [1] broadcast, w < 0 kept
     rotated_blocks: np.ndarray | None  # int64 [R], None when absent
     rotation_deltas: np.ndarray | None  # int64 [R, 1] or [R, BS] ([R] reshaped to [R, 1])
@@ -201,8 +203,15 @@ def normalize_inputs(*inputs, **named) -> Inputs:
         if np.any((deltas < 0) | (deltas >= lshape[0])):
             raise ValueError("rotation delta out of range")
 
+    sinks = None
+    if not is_absent(c.sinks):
+        shape = np.shape(c.sinks)
+        if shape not in ((H,), (1, H, 1, 1)):
+            raise ValueError(f"sinks must be [{H}] or [1, {H}, 1, 1], got {shape}")
+        sinks = np.asarray(c.sinks, dtype=np.float64).reshape(-1)
+
     return Inputs(call=c, NB=NB, Hkv=Hkv, BS=BS, D=D, T=T, H=H, B=B, past=past, sb=sb, bi=bi,
-                  bib=bib, n=np.diff(sb), scale=scale, sliding_window=sw, alibi=alibi,
+                  bib=bib, n=np.diff(sb), scale=scale, sliding_window=sw, alibi=alibi, sinks=sinks,
                   score_window=saw, rotated_blocks=rbi, rotation_deltas=deltas)
 
 
@@ -219,7 +228,7 @@ def f32_logits(logits: np.ndarray) -> np.ndarray:
 
 
 def paged_attention_ref(*inputs, cache_dtype=None, **named):
-    """float64 reference of PagedAttention per SPEC.md. ``inputs``: the 9..16 inputs in SPEC order
+    """float64 reference of PagedAttention per SPEC.md. ``inputs``: the 9..17 inputs in SPEC order
     (the fields of ``Call``), positional or by name. See the module docstring for conventions.
 
     Returns (output [T, H*D], scores [sum(past_lens)+T], key_cache_after, value_cache_after)."""
@@ -308,8 +317,15 @@ def paged_attention_ref(*inputs, cache_dtype=None, **named):
                             logits = logits + alibi[h] * (vis - p)
                         logits = f32_logits(logits)
                         m = logits.max()  # NaN if any is NaN: the row is NaN either way
-                        e = np.exp(logits - m)
-                        wts = e / e.sum()
+                        if x.sinks is None:
+                            e = np.exp(logits - m)
+                            wts = e / e.sum()
+                        else:
+                            # The sink joins the max and the denominator, with no value.
+                            sink = f32_logits(np.array([x.sinks[h]]))[0]
+                            m = max(m, sink) if not np.isnan(m) else m
+                            e = np.exp(logits - m)
+                            wts = e / (e.sum() + np.exp(sink - m))
                         out[sb[s] + i, h] = wts @ Vs[vis, kh, :]
                     if i >= n - nagg:
                         sc_s[vis] += wts

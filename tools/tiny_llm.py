@@ -51,16 +51,17 @@ class Config:
     alternate_window: bool = False
 
 
-# gpt-oss-shaped: sinks and alternating sliding-window / full layers. Not in VARIANTS: the
-# 16-input op has no sinks, so the converter refuses it (tests/python/test_engine.py).
+# gpt-oss-shaped: sinks and alternating sliding-window / full layers.
 GPT_OSS = Config("gpt_oss", heads=8, kv_heads=2, head_size=32, scale=0.2, sliding_window=40,
                  sinks=True, alternate_window=True)
 
-# The variants the tests prove: GQA groups 1 and 4, a sliding window, an explicit scale.
+# The variants the tests prove: GQA groups 1 and 4, a sliding window, an explicit scale, and
+# gpt-oss's sinks with alternating windows.
 VARIANTS = {
     "gqa1": Config("gqa1", heads=4, kv_heads=4, head_size=64),
     "gqa4": Config("gqa4", heads=8, kv_heads=2, head_size=32, scale=0.2),
     "sliding_window": Config("sliding_window", heads=8, kv_heads=2, head_size=32, sliding_window=40),
+    "gpt_oss": GPT_OSS,
 }
 
 _NEG = float(np.finfo(np.float32).min)  # what transformers fills masked scores with
@@ -183,7 +184,8 @@ def build(cfg: Config) -> ov.Model:
             sdpa_in.append(_c(cfg.scale if cfg.scale is not None else D ** -0.5, np.float32))
         attn = ops.scaled_dot_product_attention(*sdpa_in, causal=False)
         if cfg.sinks:  # the Python API has no sink argument: the 6th input is set on the node
-            sink = ops.constant((0.5 * rng.standard_normal((1, H, 1, 1))).astype(np.float32))
+            # Around the logits' size, so each row gives its sink a real share of the weight.
+            sink = ops.constant((1.0 + 1.5 * rng.standard_normal((1, H, 1, 1))).astype(np.float32))
             attn.set_arguments([attn.input_value(i) for i in range(5)] + [sink.output(0)])
             attn.validate_and_infer_types()
         attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, H * D]), special_zero=True)

@@ -5,7 +5,7 @@
     core.add_extension(pa.extension_path())      # the op `PagedAttention` in ie_internal_opset
     output, scores = pa.execute(inputs)           # or without OpenVINO: numpy arrays in, out
 
-``execute`` takes the op's 9 to 16 inputs (docs/contract.md order, ``INPUT_NAMES``) as numpy
+``execute`` takes the op's 9 to 17 inputs (docs/contract.md order, ``INPUT_NAMES``) as numpy
 arrays: float32, float16, uint16 (bf16 bit patterns), int32 (indices, lengths), uint8 (u8
 caches). The caches (inputs 3 and 4) are written in place, so pass writable C-contiguous arrays.
 ``paged_attention.ir`` writes OpenVINO IR models with the op (``paged_attention_ir``).

@@ -96,8 +96,8 @@ def _check(status: int) -> None:
 
 def _tensors(arrays) -> tuple:
     arrays = [np.asarray(a) for a in arrays]
-    if not 9 <= len(arrays) <= 16:
-        raise ValueError(f"{len(arrays)} inputs: the op takes 9 to 16")
+    if not 9 <= len(arrays) <= 17:
+        raise ValueError(f"{len(arrays)} inputs: the op takes 9 to 17")
     ts = (_Tensor * len(arrays))()
     for t, a in zip(ts, arrays):
         if a.ndim > _MAX_RANK:

@@ -7,7 +7,7 @@ import numpy as np
 INPUT_NAMES = [
     "query", "key", "value", "key_cache", "value_cache", "past_lens", "subsequence_begins",
     "block_indices", "block_indices_begins", "scale", "sliding_window", "alibi_slopes",
-    "rotated_block_indices", "rotation_deltas", "rotation_trig_lut", "score_aggregation_window",
+    "rotated_block_indices", "rotation_deltas", "rotation_trig_lut", "score_aggregation_window", "sinks",
 ]
 
 # PA_ELEM_* of include/paged_attention.h.

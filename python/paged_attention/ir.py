@@ -201,6 +201,8 @@ def pa_port_dims(i, shape, H, Hkv, D, BS):
         return [-1, shape[1]]
     if i == 15:
         return [] if len(shape) == 0 else [-1]
+    if i == 16:
+        return [H] if len(shape) == 1 else [1, H, 1, 1]
     raise ValueError(i)
 
 
@@ -218,10 +220,10 @@ def add_paged_attention(b, srcs, in_ports, out_et, q_width, layer_id=None):
 
 def paged_attention_ir(ports, name="paged_attention", out_et=None):
     """IRBuilder of the plain model: one Parameter per input (named as in SPEC.md) feeding the op
-    directly, and two Results. ``ports``: (element type, dims) of the 9..16 inputs in SPEC order;
+    directly, and two Results. ``ports``: (element type, dims) of the 9..17 inputs in SPEC order;
     the outputs have the query's type unless ``out_et`` is given. No Consts: the .bin is empty."""
-    if not 9 <= len(ports) <= 16:
-        raise ValueError(f"{len(ports)} inputs: the op takes 9 to 16")
+    if not 9 <= len(ports) <= 17:
+        raise ValueError(f"{len(ports)} inputs: the op takes 9 to 17")
     b = IRBuilder(name)
     srcs = [b.parameter(INPUT_NAMES[i], et, dims) for i, (et, dims) in enumerate(ports)]
     in_ports = [Port(i, et, list(dims)) for i, (et, dims) in enumerate(ports)]

@@ -9,7 +9,7 @@
 //! - `owned`: [`OwnedTensor`], the tensors the executor and its callers own.
 //!
 //! Supported layers: `Parameter`, `Const`, `Convert` (f32/f16/bf16 among themselves, i32 to
-//! i32), `PagedAttention` (version `ie_internal_opset`, 9 to 16 inputs) and `Result`.
+//! i32), `PagedAttention` (version `ie_internal_opset`, 9 to 17 inputs) and `Result`.
 
 pub mod error;
 pub mod exec;

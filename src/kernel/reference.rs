@@ -143,7 +143,7 @@ pub(crate) fn attention<Q: Float, C: Float>(
                     acc[x] = acc[x] * step.rescale + e * vc[row + x].to_f32();
                 }
             }
-            let norm = st.norm();
+            let norm = st.finish(plan.sink(head));
             for x in 0..d {
                 o[x] = Q::from_f32(acc[x] * norm);
             }

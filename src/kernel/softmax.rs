@@ -151,6 +151,25 @@ impl OnlineSoftmax<f32> {
         1.0 / self.sum
     }
 
+    /// Ends a row: folds in its attention sink, if it has one (a logit `sink` that joins the
+    /// max and the sum and has no value), and returns the factor that turns the accumulator
+    /// into the output. Every kernel ends its rows here, so the sink is written once; the
+    /// state then gives the final weights ([`weight`](Self::weight), [`factor`](Self::factor))
+    /// with the sink in the denominator.
+    ///
+    /// A sink is capped like any logit; a `-inf` sink changes nothing, a NaN one makes the row
+    /// NaN, and a row that saw only masked keys gets output 0 (all weight on the sink).
+    #[inline]
+    pub fn finish(&mut self, sink: Option<f32>) -> f32 {
+        let Some(sink) = sink else {
+            return self.norm();
+        };
+        let sink = sink.cap();
+        let step = self.update(sink);
+        self.add((sink - step.sub).exp());
+        step.rescale * self.norm()
+    }
+
     /// The final softmax weight of a key with logit `s` (the scores).
     #[inline(always)]
     pub fn weight(&self, s: f32) -> f32 {

@@ -1,10 +1,10 @@
-//! The op's 16-input / 2-output contract as data: one table that shape inference, validation,
+//! The op's 17-input / 2-output contract as data: one table that shape inference, validation,
 //! the C ABI and the IR loader all read.
 
 /// Fewest inputs a call may pass (query .. block_indices_begins).
 pub const MIN_INPUTS: usize = 9;
 /// Most inputs a call may pass.
-pub const MAX_INPUTS: usize = 16;
+pub const MAX_INPUTS: usize = 17;
 /// Number of outputs.
 pub const NUM_OUTPUTS: usize = 2;
 
@@ -68,6 +68,7 @@ pub const ROTATED_BLOCK_INDICES: usize = 12;
 pub const ROTATION_DELTAS: usize = 13;
 pub const ROTATION_TRIG_LUT: usize = 14;
 pub const SCORE_AGGREGATION_WINDOW: usize = 15;
+pub const SINKS: usize = 16;
 
 /// The inputs in order. Scalars accept rank 0 or a one-element rank-1 tensor.
 pub const INPUTS: [InputSpec; MAX_INPUTS] = [
@@ -164,6 +165,7 @@ pub const INPUTS: [InputSpec; MAX_INPUTS] = [
         TypeRule::I32,
         true,
     ),
+    spec(SINKS, "sinks", &[1, 4], "1 or 4", TypeRule::AnyFloat, true),
 ];
 
 pub const OUTPUT_NAMES: [&str; NUM_OUTPUTS] = ["output", "scores"];

@@ -2,7 +2,7 @@
 //! must satisfy). Execution is `kernel`'s ([`crate::execute`]), which reads the [`Plan`] made
 //! here; nothing here depends on the kernels.
 //!
-//! - `contract`: the 16-input table every other part reads.
+//! - `contract`: the 17-input table every other part reads.
 //! - `shape`: shape inference on partial shapes (also the shape rules of validation).
 //! - `u8_layout`: the shapes of u8 caches in OpenVINO's layout, and how a call's shapes name one.
 //! - `validate`: concrete checks of values, producing a [`Plan`] the kernels run from.
@@ -57,6 +57,8 @@ pub struct PaInputs<'a> {
     pub rotation_trig_lut: Option<Tensor<'a>>,
     /// scalar or `[B]` i32
     pub score_aggregation_window: Option<Tensor<'a>>,
+    /// `[H]` or `[1, H, 1, 1]`
+    pub sinks: Option<Tensor<'a>>,
 }
 
 /// Where the op writes its two outputs.
@@ -95,7 +97,7 @@ impl<'a> InputArg<'a> {
 }
 
 impl<'a> PaInputs<'a> {
-    /// Builds the inputs from the positional form (9 to 16 entries, in SPEC order). Entries 3 and
+    /// Builds the inputs from the positional form (9 to 17 entries, in SPEC order). Entries 3 and
     /// 4 (the caches) must be [`InputArg::Mut`].
     pub fn from_list(list: Vec<InputArg<'a>>) -> Result<PaInputs<'a>> {
         if list.len() < MIN_INPUTS || list.len() > MAX_INPUTS {
@@ -142,6 +144,7 @@ impl<'a> PaInputs<'a> {
             rotation_deltas: opt(),
             rotation_trig_lut: opt(),
             score_aggregation_window: opt(),
+            sinks: opt(),
         })
     }
 
@@ -164,6 +167,7 @@ impl<'a> PaInputs<'a> {
             ROTATION_DELTAS => self.rotation_deltas.as_ref()?,
             ROTATION_TRIG_LUT => self.rotation_trig_lut.as_ref()?,
             SCORE_AGGREGATION_WINDOW => self.score_aggregation_window.as_ref()?,
+            SINKS => self.sinks.as_ref()?,
             _ => return None,
         };
         Some(t.clone())

@@ -356,6 +356,29 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
+    // Sinks: one logit per query head, as `[H]` or OpenVINO's `[1, H, 1, 1]`.
+    if let Some(inp) = sure(SINKS) {
+        let dims = inp.shape.0.as_deref().unwrap_or(&[]);
+        let n = match dims {
+            [n] => Some(*n),
+            [1, n, 1, 1] => Some(*n),
+            [_, _, _, _] => {
+                return Err(PaError::shape(
+                    "sinks",
+                    format!("sinks shape {}: it must be [H] or [1, H, 1, 1]", inp.shape),
+                ))
+            }
+            _ => None,
+        };
+        if let (Some(n), Some(h)) = (n, k.h) {
+            if n != h {
+                return Err(PaError::shape(
+                    "sinks",
+                    format!("sinks has {n} elements, but there are num_heads = {h} query heads"),
+                ));
+            }
+        }
+    }
     // Rotation: only when rotated_block_indices is non-empty (SPEC), and then all three inputs
     // together. Deltas and a LUT next to an empty block list (a model that rotates on some
     // steps only) are not an error: there is nothing to rotate.

@@ -68,6 +68,9 @@ pub struct Plan {
     pub sliding_window: usize,
     /// ALiBi slopes per query head, widened to f32.
     pub alibi: Option<Vec<f32>>,
+    /// Attention sinks per query head, widened to f32: a logit that joins each row's softmax
+    /// and adds nothing to the output.
+    pub sinks: Option<Vec<f32>>,
     pub rotation: Option<Rotation>,
     pub seqs: Vec<SeqPlan>,
     /// Length of the scores output: `sum(past_lens) + T`.
@@ -78,6 +81,12 @@ impl Plan {
     /// Shapes of the two outputs.
     pub fn output_shapes(&self) -> [Vec<usize>; 2] {
         [vec![self.t, self.h * self.d], vec![self.scores_len]]
+    }
+
+    /// The attention sink of query head `head`, if the call has sinks.
+    #[inline]
+    pub fn sink(&self, head: usize) -> Option<f32> {
+        self.sinks.as_ref().map(|s| s[head])
     }
 
     /// True when the call has nothing to write: no new tokens, no scores, no rotation. Such a
@@ -287,6 +296,11 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
             .map(|i| a.data.get_f64(i).unwrap_or(0.0) as f32)
             .collect()
     });
+    let sinks = get(SINKS).map(|a| {
+        (0..h)
+            .map(|i| a.data.get_f64(i).unwrap_or(0.0) as f32)
+            .collect()
+    });
 
     let rotation = match (
         get(ROTATED_BLOCK_INDICES),
@@ -351,6 +365,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         scale,
         sliding_window,
         alibi,
+        sinks,
         rotation,
         seqs,
         scores_len: score_offset,

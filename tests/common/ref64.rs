@@ -125,6 +125,10 @@ pub struct Case {
     pub scale: Option<f64>,
     pub sliding_window: Option<i32>,
     pub alibi: Option<Vec<f64>>,
+    /// One sink logit per query head (input 16), given as `[H]` or, with `sinks_4d`,
+    /// `[1, H, 1, 1]`.
+    pub sinks: Option<Vec<f64>>,
+    pub sinks_4d: bool,
     pub rotation: Option<RotationCase>,
     pub score_window: Option<ScoreWindow>,
     /// Give absent optional inputs as empty tensors up to input 15 (instead of omitting the
@@ -172,7 +176,7 @@ impl Case {
     }
     pub fn describe(&self) -> String {
         format!(
-            "q={} c={} H={} Hkv={} D={} BS={} NB={} seqs={:?} scale={:?} window={:?} alibi={} rot={:?} scorew={:?} all16={}",
+            "q={} c={} H={} Hkv={} D={} BS={} NB={} seqs={:?} scale={:?} window={:?} alibi={} sinks={} rot={:?} scorew={:?} all16={}",
             self.qt,
             self.ct,
             self.h,
@@ -184,6 +188,7 @@ impl Case {
             self.scale,
             self.sliding_window,
             self.alibi.is_some(),
+            self.sinks.is_some(),
             self.rotation.as_ref().map(|r| (r.blocks.len(), r.form, r.m, r.lut_type)),
             self.score_window,
             self.all_16,
@@ -207,7 +212,7 @@ impl Case {
             Owned::i32s(&[b + 1], self.block_indices_begins.clone()),
         ];
         let scalar_shape: &[usize] = if self.rank1_scalars { &[1] } else { &[] };
-        let mut opt: Vec<Option<Owned>> = vec![None; 7];
+        let mut opt: Vec<Option<Owned>> = vec![None; 8];
         if let Some(s) = self.scale {
             opt[0] = Some(Owned::new(scalar_shape, Data::from_f64(qt, &[s])));
         }
@@ -240,10 +245,19 @@ impl Case {
             }
             Some(ScoreWindow::PerSeq(v)) => opt[6] = Some(Owned::i32s(&[b], v.clone())),
         }
+        if let Some(sk) = &self.sinks {
+            let shape = if self.sinks_4d {
+                vec![1, self.h, 1, 1]
+            } else {
+                vec![self.h]
+            };
+            opt[7] = Some(Owned::new(&shape, Data::from_f64(qt, sk)));
+        }
+        let last = opt.iter().rposition(|o| o.is_some());
         let last = if self.all_16 {
-            Some(6)
+            Some(last.map_or(6, |l| l.max(6)))
         } else {
-            opt.iter().rposition(|o| o.is_some())
+            last
         };
         let empty_types = [
             qt,
@@ -253,6 +267,7 @@ impl Case {
             ElemType::I32,
             ElemType::F32,
             ElemType::I32,
+            qt,
         ];
         if let Some(last) = last {
             for (i, o) in opt.into_iter().enumerate().take(last + 1) {
@@ -416,9 +431,14 @@ pub fn reference(c: &Case) -> Expected {
                     }
                     logits.push(f32_logit(l));
                 }
-                let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let mut m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                // A sink joins the max and the denominator and has no value.
+                let sink = c.sinks.as_ref().map(|sk| f32_logit(sk[head]));
+                if let Some(sk) = sink {
+                    m = m.max(sk);
+                }
                 let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
-                let sum: f64 = e.iter().sum();
+                let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |sk| (sk - m).exp());
                 let o = &mut out[(tok * h + head) * d..][..d];
                 for (k, j) in (lo..=p).enumerate() {
                     let wgt = e[k] / sum;
@@ -458,6 +478,9 @@ pub struct Features {
     pub seqs: Option<Vec<SeqKind>>,
     /// Fill slots that hold no token with NaN (rather than large finite garbage).
     pub nan_garbage: Option<bool>,
+    /// Attention sinks: only when `Some(true)` (no random draw otherwise, so the cases of
+    /// seeds chosen before sinks existed stay the same).
+    pub sinks: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -594,6 +617,8 @@ pub fn gen_case(seed: u64, geo: &Geometry, f: &Features) -> Case {
         scale: None,
         sliding_window: None,
         alibi: None,
+        sinks: None,
+        sinks_4d: false,
         rotation: None,
         score_window: None,
         all_16: false,
@@ -706,5 +731,61 @@ pub fn gen_case(seed: u64, geo: &Geometry, f: &Features) -> Case {
         });
     case.all_16 = rng.chance(0.3);
     case.rank1_scalars = rng.chance(0.3);
+    if f.sinks == Some(true) {
+        // Around the logits' range: some rows dominated by their sink, most not.
+        case.sinks = Some(
+            (0..h)
+                .map(|_| round_to(qt, rng.uniform(-3.0, 6.0)))
+                .collect(),
+        );
+        case.sinks_4d = rng.chance(0.5);
+    }
+    case
+}
+
+/// A case with the given sequences (past, new) and fresh values, on the geometry of `geo`.
+pub fn with_seqs(geo: &Geometry, f: &Features, seqs: &[(usize, usize)], seed: u64) -> Case {
+    let mut case = gen_case(
+        seed,
+        geo,
+        &Features {
+            seqs: Some(vec![SeqKind::Prefill]),
+            rotation: Some(false),
+            ..f.clone()
+        },
+    );
+    let mut rng = Rng::new(seed ^ 0xA3);
+    let bs = case.bs;
+    let need: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(bs)).collect();
+    let nb = need.iter().sum::<usize>() + 1;
+    let mut blocks: Vec<i32> = (0..nb as i32).collect();
+    rng.shuffle(&mut blocks);
+    let (mut bi, mut bib) = (vec![], vec![0i32]);
+    let mut it = blocks.iter();
+    for &n in &need {
+        bi.extend(it.by_ref().take(n));
+        bib.push(bi.len() as i32);
+    }
+    let (h, hkv, d) = (case.h, case.hkv, case.d);
+    let t: usize = seqs.iter().map(|s| s.1).sum();
+    let mut r = |len: usize, ty: ElemType, a: f64| -> Vec<f64> {
+        (0..len).map(|_| round_to(ty, rng.uniform(-a, a))).collect()
+    };
+    case.nb = nb;
+    case.seqs = seqs.iter().map(|&(past, n)| Seq { past, n }).collect();
+    case.query = r(t * h * d, case.qt, 3.0);
+    case.key = r(t * hkv * d, case.qt, 1.0);
+    case.value = r(t * hkv * d, case.qt, 1.0);
+    case.key_cache = r(nb * hkv * bs * d, case.ct, 1.0);
+    case.value_cache = r(nb * hkv * bs * d, case.ct, 1.0);
+    case.block_indices = bi;
+    case.block_indices_begins = bib;
+    if let Some(w) = case.sliding_window {
+        let max_ctx = seqs.iter().map(|s| s.0 + s.1).max().unwrap_or(1);
+        case.sliding_window = Some(w.min(max_ctx as i32));
+    }
+    if let Some(ScoreWindow::PerSeq(_)) = case.score_window {
+        case.score_window = Some(ScoreWindow::PerSeq(vec![-1; seqs.len()]));
+    }
     case
 }

@@ -58,8 +58,9 @@ def core():
 
 def make_case(rng, *, H=4, Hkv=2, D=16, BS=32, past=(0,), new=(1,), spare_blocks=2, scale=None,
               sliding_window=None, alibi=False, rotation=None, window=None, n_inputs=None,
-              cache_dtype=np.float32, extra_tokens=0):
-    """The 16 inputs (trimmed to the last given one, or `n_inputs`) for sequences with `past[s]`
+              cache_dtype=np.float32, extra_tokens=0, sinks=False):
+    """The 16 inputs (17 with `sinks`: a [1, H, 1, 1] logit per head; trimmed to the last given
+    one, or `n_inputs`) for sequences with `past[s]`
     cached and `new[s]` new tokens. Blocks are a random permutation with `spare_blocks`
     unreferenced ones and a -1 pad after each sequence's list; each sequence gets blocks for
     `extra_tokens` more tokens (for later steps). rotation: None, or the form of
@@ -95,6 +96,8 @@ def make_case(rng, *, H=4, Hkv=2, D=16, BS=32, past=(0,), new=(1,), spare_blocks
         inputs[14] = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
     if window is None:
         inputs[15] = np.zeros(0, np.int32)
+    if sinks:
+        inputs.append((1.0 + 1.5 * rng.standard_normal((1, H, 1, 1))).astype(np.float32))
     last = n_inputs or max(i + 1 for i, a in enumerate(inputs) if i < 9 or a.size)
     return inputs[:last]
 
@@ -192,6 +195,11 @@ CASES = {
     "window_scalar": dict(past=(5, 8), new=(6, 2), window=3),
     "window_per_seq_all_forms": dict(past=(5, 8, 2, 0), new=(6, 2, 3, 40), window=[3, 0, -1, 35]),
     "window_larger_than_new": dict(past=(5,), new=(4,), window=[10]),
+    "sinks_decode": dict(past=(37, 5, 64), new=(1, 1, 1), sinks=True),
+    "sinks_mixed_scores": dict(H=8, Hkv=2, past=(0, 40, 7), new=(33, 1, 9), window=[-1, 1, 4],
+                               sinks=True),
+    "sinks_window_rotation": dict(past=(50, 20), new=(3, 40), sliding_window=7, rotation="per_token",
+                                  sinks=True),
 }
 
 

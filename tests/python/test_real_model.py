@@ -63,7 +63,7 @@ def pair(request, core, tmp_path_factory):
     assert len(ours_nodes) == cfg.layers
     assert not pa_convert.pa_nodes(ours_model)
     for n in ours_nodes:
-        assert (n.get_input_size(), n.get_output_size()) == (16, 2)
+        assert (n.get_input_size(), n.get_output_size()) == (16 + cfg.sinks, 2)
     ours = core.compile_model(ours_model, "CPU", F32_CONFIG)
     return cfg, builtin, ours, out
 
@@ -280,20 +280,26 @@ def test_converter_refuses_unsupported_input(tmp_path, feature, port, name):
     assert not (tmp_path / "out.xml").exists()
 
 
-def test_converter_refuses_sinks_and_cli_names_the_input(tmp_path):
-    """gpt-oss's sinks (SDPA's 6th input) reach PagedAttentionExtension input 20 as a constant."""
-    bad = tmp_path / "sinks.xml"
-    ov.save_model(tiny_llm.build(tiny_llm.GPT_OSS), bad, compress_to_fp16=False)
-    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), str(bad), str(tmp_path / "o.xml")],
+def test_cli_converts_a_model_with_sinks(core, tmp_path):
+    """gpt-oss's sinks (SDPA's 6th input) reach PagedAttentionExtension input 20 as a constant;
+    the CLI's converter passes them on as our input 16 (they were refused before the op had
+    sinks)."""
+    stateful = tmp_path / "sinks.xml"
+    ov.save_model(tiny_llm.build(tiny_llm.GPT_OSS), stateful, compress_to_fp16=False)
+    out = tmp_path / "o.xml"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), str(stateful), str(out)],
                        capture_output=True, text=True)
-    assert r.returncode == 2
-    assert "input 20 (sinks)" in r.stderr and "does not implement" in r.stderr
-    assert not (tmp_path / "o.xml").exists()
+    assert r.returncode == 0, r.stderr
+    nodes = pa_convert.pa_nodes(core.read_model(out), "PagedAttention")
+    assert len(nodes) == tiny_llm.GPT_OSS.layers
+    for n in nodes:
+        assert n.get_input_size() == 17
+        assert list(n.get_input_partial_shape(16).to_shape()) == [1, tiny_llm.GPT_OSS.heads, 1, 1]
 
 
 def test_converted_ir_structure(pair):
-    """Every converted node: 16 input ports fed in our order, 2 output ports, nothing of the
-    built-in op left."""
+    """Every converted node: 16 input ports fed in our order (17 with sinks: the built-in's input
+    20 as our 16, a [1, H, 1, 1] constant), 2 output ports, nothing of the built-in op left."""
     cfg, _, _, path = pair
     root = ET.parse(path).getroot()
     layers = {lay.get("id"): lay for lay in root.iter("layer")}
@@ -301,11 +307,15 @@ def test_converted_ir_structure(pair):
     assert len(pas) == cfg.layers and all(lay.get("version") == "ie_internal_opset" for lay in pas)
     assert not [lay for lay in layers.values() if lay.get("type") == "PagedAttentionExtension"]
     for lay in pas:
-        assert [p.get("id") for p in lay.find("input")] == [str(i) for i in range(16)]
-        assert [p.get("id") for p in lay.find("output")] == ["16", "17"]
+        n_in = 16 + cfg.sinks
+        assert [p.get("id") for p in lay.find("input")] == [str(i) for i in range(n_in)]
+        assert [p.get("id") for p in lay.find("output")] == [str(n_in), str(n_in + 1)]
         feeds = {e.get("to-port"): layers[e.get("from-layer")] for e in root.iter("edge")
                  if e.get("to-layer") == lay.get("id")}
-        assert sorted(feeds, key=int) == [str(i) for i in range(16)]
+        assert sorted(feeds, key=int) == [str(i) for i in range(n_in)]
+        if cfg.sinks:
+            sink = feeds["16"]
+            assert sink.get("type") == "Const" and sink.find("data").get("shape").replace(" ", "") == f"1,{cfg.heads},1,1"
         assert feeds["3"].get("name").startswith("key_cache.")
         assert feeds["4"].get("name").startswith("value_cache.")
         for port, name in ((5, "past_lens"), (6, "subsequence_begins"), (7, "block_indices"),

@@ -74,7 +74,7 @@ case = Path({str(case)!r})
 assert np.max(np.abs(output - np.load(case / "out_0_output.npy"))) <= {tol["output"]!r}
 assert np.max(np.abs(scores - np.load(case / "out_1_scores.npy"))) <= {tol["scores"]!r}
 # the same call through the numpy binding of the C library (fresh caches from the files)
-fresh = [np.load(case / f"in_{{i}}_{{n}}.npy") for i, n in enumerate(pa.INPUT_NAMES)]
+fresh = [np.load(case / f"in_{{i}}_{{n}}.npy") for i, n in enumerate(pa.INPUT_NAMES[:16])]
 o, s = pa.execute(fresh)
 assert np.max(np.abs(o - np.load(case / "out_0_output.npy"))) <= {tol["output"]!r}
 mask = np.load(case / "cache_mask.npy")

@@ -24,7 +24,7 @@ use paged_attention::ir::{CacheLocation, Model};
 #[command(
     name = "pa",
     version,
-    about = "PagedAttention (OpenVINO ie_internal_opset, 16 inputs / 2 outputs) on IR models",
+    about = "PagedAttention (OpenVINO ie_internal_opset, 17 inputs / 2 outputs) on IR models",
     after_help = ".npy element types: <f4 (f32), <f2 (f16), <u2 (bf16 raw bits), <i4 (i32), \
                   |u1 (u8 cache bytes); masks |b1 or |u1.\n\
                   Exit status: 0 success, 1 a failure (failed case, unreadable file, model \

@@ -81,7 +81,8 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
                     let base =
                         lay.part_base + ((token - sp.begin) * h + head) * lay.nchunks * (d + 2);
                     let slots = &partials[base..base + lay.nchunks * (d + 2)];
-                    st[head] = merge(slots, d, &mut o[head * d..(head + 1) * d]);
+                    let o = &mut o[head * d..(head + 1) * d];
+                    st[head] = merge(slots, d, plan.sink(head), o);
                 }
             }
         });
@@ -108,22 +109,28 @@ fn slots_max(slots: &[f32], d: usize) -> (usize, f32) {
     (nc, mx)
 }
 
-/// The softmax statistics [`merge`] ends with for these slots, without the accumulators
-/// (what the scores of a row need).
-pub(super) fn merged_stats(slots: &[f32], d: usize) -> OnlineSoftmax {
+/// The softmax statistics [`merge`] ends with for these slots (and the row's sink), without
+/// the accumulators (what the scores of a row need).
+pub(super) fn merged_stats(slots: &[f32], d: usize, sink: Option<f32>) -> OnlineSoftmax {
     let (nc, mx) = slots_max(slots, d);
     let mut st = OnlineSoftmax::EMPTY;
     st.update(mx);
     for c in 0..nc {
         st.merge(slot(slots, d, c));
     }
+    st.finish(sink);
     st
 }
 
 /// Merges the `[max, sum, acc]` slots of one row's key chunks into its output: the running
 /// max is raised to the largest chunk max first, so every chunk's accumulator is scaled once.
-/// Columns go 256 at a time through a stack accumulator.
-pub(super) fn merge<Q: Float>(slots: &[f32], d: usize, orow: &mut [Q]) -> OnlineSoftmax {
+/// Columns go 256 at a time through a stack accumulator. The row ends with its `sink`.
+pub(super) fn merge<Q: Float>(
+    slots: &[f32],
+    d: usize,
+    sink: Option<f32>,
+    orow: &mut [Q],
+) -> OnlineSoftmax {
     let (nc, mx) = slots_max(slots, d);
     let mut st = OnlineSoftmax::EMPTY;
     let mut acc = [0f32; 256];
@@ -144,7 +151,7 @@ pub(super) fn merge<Q: Float>(slots: &[f32], d: usize, orow: &mut [Q]) -> Online
                 *a += v * f;
             }
         }
-        let norm = st.norm();
+        let norm = st.finish(sink);
         for (x, a) in orow[x0..x0 + w].iter_mut().zip(&acc[..w]) {
             *x = Q::from_f32(a * norm);
         }

@@ -15,6 +15,7 @@ use super::shared::SharedMut;
 use super::tile::{finite_outside, grow, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
+use crate::kernel::softmax::OnlineSoftmax;
 use crate::op::{Plan, SeqPlan};
 use crate::threads::Runner;
 use std::any::TypeId;
@@ -379,10 +380,14 @@ pub(super) fn write_rows<Q: Float, C>(
                 out.part((sp.begin * h + row) * d, d),
             )
         };
-        slot[0] = mb[r];
-        slot[1] = lb[r];
+        let mut st = OnlineSoftmax {
+            max: mb[r],
+            sum: lb[r],
+        };
         // One reciprocal per row (a multiply per element, not a divide: within 1 ulp of a / l).
-        let inv = 1.0 / lb[r];
+        let inv = st.finish(plan.sink(kvh * g + gi));
+        slot[0] = st.max;
+        slot[1] = st.sum;
         for (o, a) in orow.iter_mut().zip(&acc[r * lda..r * lda + d]) {
             *o = Q::from_f32(a * inv);
         }

@@ -126,6 +126,9 @@ pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(m: M, ctx: &Ctx<'_, Q, C>,
                     });
                 }
             });
+            for (r, row) in st.iter_mut().enumerate() {
+                row.finish(plan.sink(kvh * g + r % g));
+            }
             for ti in 0..nt {
                 // SAFETY: the statistics of (token, heads of kvh) belong to this task only.
                 let dst = unsafe { sw.part((sp.begin + t0 + ti) * h + kvh * g, g) };

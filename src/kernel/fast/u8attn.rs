@@ -44,11 +44,11 @@ use crate::alloc::try_vec;
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::kernel::bind::Bound;
-use crate::kernel::layout::{block_of, tiles, visible, window_start};
+use crate::kernel::layout::{block_of, tiles, visible, visible_span, window_start};
 use crate::kernel::quant::{
     self, read_f32, CacheRows, InsertScratch, KeyQuant, U8Layout, PARAM_BYTES,
 };
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 use crate::op::{Plan, SeqPlan};
 use crate::threads::Runner;
 use std::cell::RefCell;
@@ -212,19 +212,22 @@ impl DecodeScratch {
     }
 }
 
-/// Loads the tile's query rows, scaled by the softmax scale, into `q`.
+/// Loads the tile's query rows into `q`, widened to f32. The softmax scale is applied to the
+/// products (`scale * <q, k>`, as the contract computes a logit): a query scaled first can
+/// overflow where the logit does not.
 fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f32]) {
     let (d, h) = (plan.d, plan.h);
     for (r, row) in rows.iter().enumerate() {
         let src = &query[(row.token * h + row.head) * d..][..d];
         for (o, x) in q[r * d..][..d].iter_mut().zip(src) {
-            *o = x.to_f32() * plan.scale;
+            *o = x.to_f32();
         }
     }
 }
 
 /// Logits `s[r * lds + t]` of the tile's rows against keys `j0..j1` (one block, from its slot
-/// `slot0`): masked keys `-inf`, ALiBi added. The key products request the lines of `ahead`
+/// `slot0`): `scale * <q, k>` capped at the f32 range, masked keys `-inf`, ALiBi added (and
+/// capped again), as every other path makes a logit. The key products request the lines of `ahead`
 /// (the next read's bytes) as they go (by-token keys: a share per group).
 #[allow(clippy::too_many_arguments)]
 fn block_logits<M: U8Micro + Micro>(
@@ -296,16 +299,19 @@ fn block_logits<M: U8Micro + Micro>(
         }
     }
     for (r, row) in rows.iter().enumerate() {
+        let s = &mut s[r * lds..][..n];
+        for x in s.iter_mut() {
+            *x = (plan.scale * *x).cap();
+        }
         if plan.alibi.is_none() && visible(plan, row.pos, j0) && visible(plan, row.pos, j1 - 1) {
             continue; // the visible keys of a row are one range
         }
-        let s = &mut s[r * lds..][..n];
         for (t, x) in s.iter_mut().enumerate() {
             let j = j0 + t;
             if !visible(plan, row.pos, j) {
                 *x = f32::NEG_INFINITY;
             } else if let Some(al) = &plan.alibi {
-                *x += al[row.head] * (j as f32 - row.pos as f32);
+                *x = (*x + al[row.head] * (j as f32 - row.pos as f32)).cap();
             }
         }
     }
@@ -497,19 +503,23 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     // item owns its sequence's tokens and its KV heads' query heads), so these
                     // parts never overlap.
                     let o = unsafe { out.part(at * d, d) };
-                    let norm = st.norm();
+                    let mut st = st;
+                    let norm = st.finish(plan.sink(row.head));
                     for ((o, a), &z) in o.chunks_exact_mut(vg).zip(acc).zip(zsum) {
                         for (o, &a) in o.iter_mut().zip(a) {
                             *o = Q::from_f32((a - z) * norm);
                         }
                     }
                     if row.scored {
-                        // Final weight = step weight * factor(step's running max); masked
-                        // keys (weight 0) add 0.
+                        // Final weight = step weight * factor(step's running max), over the
+                        // keys the row sees only (a NaN row must not reach a masked key).
                         let part = &mut parts[i * ctx..][..ctx];
                         for ((j0, j1), &bm) in tiles(lo, hi, span).zip(kmax()) {
-                            let w = &kept()[j0 - lo..j1 - lo];
-                            m.add_scaled(&mut part[j0..j1], w, st.factor(bm));
+                            let (a, b) = visible_span(plan, row.pos, j0, j1);
+                            if a < b {
+                                let w = &kept()[a - lo..b - lo];
+                                m.add_scaled(&mut part[a..b], w, st.factor(bm));
+                            }
                         }
                     }
                 }
@@ -541,9 +551,12 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                         dst.fill(0.0);
                         if st.sum > 0.0 {
                             for ((j0, j1), &bm) in tiles(lo, hi, span).zip(kmax()) {
-                                let w = &kept()[j0 - lo..j1 - lo];
-                                let f = (bm - st.max).exp();
-                                m.add_scaled(&mut dst[j0 - c0..j1 - c0], w, f);
+                                let (a, b) = visible_span(plan, row.pos, j0, j1);
+                                if a < b {
+                                    let w = &kept()[a - lo..b - lo];
+                                    let f = (bm - st.max).exp();
+                                    m.add_scaled(&mut dst[a - c0..b - c0], w, f);
+                                }
                             }
                         }
                     }
@@ -857,6 +870,15 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
     let RowState {
         acc, m: mb, l: lb, ..
     } = state;
+    // Row r's final statistics (with its sink), for the output and the scores.
+    let stats = |r: usize| {
+        let mut st = OnlineSoftmax {
+            max: mb[r],
+            sum: lb[r],
+        };
+        let norm = st.finish(plan.sink(kvh * g + r % g));
+        (st, norm)
+    };
     for r in 0..rows {
         let (ti, gi) = (r / g, r % g);
         let at = ((sp.begin + i0 + ti) * h + kvh * g + gi) * d;
@@ -864,19 +886,20 @@ fn prefill_item<M: U8Micro + TileMicro, Q: Float>(
         // tokens and its KV head's query heads), so these parts never overlap.
         let o = unsafe { out.part(at, d) };
         // One reciprocal per row, as `fast::prefill` writes its rows.
-        let inv = 1.0 / lb[r];
+        let inv = stats(r).1;
         for (o, &a) in o.iter_mut().zip(&acc[r * d..][..d]) {
             *o = Q::from_f32(a * inv);
         }
     }
     if let Some(part) = part {
         for r in r_sc..rows {
-            let st = OnlineSoftmax {
-                max: mb[r],
-                sum: lb[r],
-            };
+            let st = stats(r).0;
             let kept = &kept[(r - r_sc) * span..][..span];
-            m.add_exp_scaled(&mut part[lo..hi], kept, st.max, st.norm());
+            // The keys the row sees only: a NaN row must not reach a masked key.
+            let (a, b) = visible_span(plan, pos0 + r / g, lo, hi);
+            if a < b {
+                m.add_exp_scaled(&mut part[a..b], &kept[a - lo..b - lo], st.max, st.norm());
+            }
         }
     }
 }
@@ -1218,7 +1241,7 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                     // SAFETY: the sequence's output rows, written by this task only.
                     let o = unsafe { out.part(at * d, h * d) };
                     for (head, o) in o.chunks_exact_mut(d).enumerate() {
-                        attention::merge(row_slots(i, head), d, o);
+                        attention::merge(row_slots(i, head), d, plan.sink(head), o);
                     }
                 }
                 return;
@@ -1231,11 +1254,16 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
             for head in 0..h {
                 for i in first..sp.n {
                     let row = row_slots(i, head);
-                    let (max, csum) = (row[c * (d + 2)], row[c * (d + 2) + 1]);
-                    if csum > 0.0 {
-                        let st = attention::merged_stats(row, d);
-                        let srow = cut.stash + ((i - first) * h + head) * ctx;
-                        m.add_scaled(sum, &stash[srow + c0..srow + c1], st.factor(max));
+                    // A chunk whose keys all have weight 0 (stashed as 0) still takes the
+                    // row's factor: NaN when the row has no distribution (a NaN logit in
+                    // another chunk), so every key the row sees gets NaN, as in the reference.
+                    let max = row[c * (d + 2)];
+                    let st = attention::merged_stats(row, d, plan.sink(head));
+                    let srow = cut.stash + ((i - first) * h + head) * ctx;
+                    let (a, b) = visible_span(plan, sp.past + i, c0, c1);
+                    if a < b {
+                        let f = st.factor(max);
+                        m.add_scaled(&mut sum[a - c0..b - c0], &stash[srow + a..srow + b], f);
                     }
                 }
             }
