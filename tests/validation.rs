@@ -120,19 +120,54 @@ fn fewer_than_9_inputs_are_rejected() {
         assert_rejected(
             call,
             |e| matches!(e, PaError::InputCount { found } if *found == n),
-            &["9 to 16", &n.to_string()],
+            &["9 to 17", &n.to_string()],
         );
     }
 }
 
 #[test]
-fn more_than_16_inputs_are_rejected() {
+fn more_than_17_inputs_are_rejected() {
     let mut call = base();
+    let h = call.inputs[QUERY].shape[1] / call.inputs[KEY_CACHE].shape[3];
+    call.inputs.push(Owned::new(
+        &[h],
+        Data::from_f64(ElemType::F32, &vec![0.5; h]),
+    ));
     call.inputs.push(Owned::i32s(&[1], vec![0]));
     assert_rejected(
         call,
-        |e| matches!(e, PaError::InputCount { found: 17 }),
-        &["17"],
+        |e| matches!(e, PaError::InputCount { found: 18 }),
+        &["18"],
+    );
+}
+
+/// Sinks (input 16) of the wrong length, another 4-D shape or an integer type are refused,
+/// naming the input, with nothing written.
+#[test]
+fn sinks_of_the_wrong_shape_or_type_are_rejected() {
+    let h = base().inputs[QUERY].shape[1] / base().inputs[KEY_CACHE].shape[3];
+    let f32s = |n: usize| Data::from_f64(ElemType::F32, &vec![0.5; n]);
+    for (sinks, needles) in [
+        (
+            Owned::new(&[h + 1], f32s(h + 1)),
+            vec!["sinks", "num_heads"],
+        ),
+        (
+            Owned::new(&[h, 1, 1, 1], f32s(h)),
+            vec!["sinks", "[1, H, 1, 1]"],
+        ),
+        (Owned::new(&[1, h], f32s(h)), vec!["sinks", "rank"]),
+    ] {
+        let mut call = base();
+        call.inputs.push(sinks);
+        assert_rejected(call, |_| true, &needles);
+    }
+    let mut call = base();
+    call.inputs.push(Owned::i32s(&[h], vec![1; h]));
+    assert_rejected(
+        call,
+        |e| matches!(e, PaError::ElementType { .. }),
+        &["sinks"],
     );
 }
 

@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: %s <extension library> <model.xml>\n", argv[0]);
         return 2;
     }
-    static_assert(PA_MIN_INPUTS == 9 && PA_MAX_INPUTS == 16 && PA_NUM_OUTPUTS == 2, "header constants");
+    static_assert(PA_MIN_INPUTS == 9 && PA_MAX_INPUTS == 17 && PA_NUM_OUTPUTS == 2, "header constants");
     try {
         ov::Core core;
         core.add_extension(argv[1]);
