@@ -209,17 +209,20 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
     const int64_t k_size = rt_int(*pa, "k_head_size");
     const int64_t v_heads = rt_int(*pa, "num_v_heads");
     const int64_t v_size = rt_int(*pa, "v_head_size");
-    require(v_size == k_size && v_heads == k_heads,
+    require(v_heads == k_heads,
                     where,
                     ": input 4 (value_cache) has ",
                     v_heads,
-                    " heads of ",
-                    v_size,
-                    ", the key cache ",
+                    " heads, the key cache ",
                     k_heads,
-                    " of ",
+                    "; our PagedAttention needs as many value heads as key heads");
+    require(v_size == k_size || cfg.cache_type != "u8",
+                    where,
+                    ": value head size ",
+                    v_size,
+                    " differs from the key head size ",
                     k_size,
-                    "; our PagedAttention needs the same head size for values and keys");
+                    "; with u8 caches our PagedAttention needs them equal (f32, f16 and bf16 caches take any)");
     type_cache(pa, 3, k_heads, k_size, cfg, where);
     type_cache(pa, 4, v_heads, v_size, cfg, where);
 

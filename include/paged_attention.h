@@ -56,9 +56,9 @@ extern "C" {
  * Inputs 9..16 are optional: omitted at the end of the list or given with zero elements. */
 #define PA_INPUT_QUERY 0                     /* [T, H*D] float */
 #define PA_INPUT_KEY 1                       /* [T, Hkv*D] float, the new tokens' keys */
-#define PA_INPUT_VALUE 2                     /* [T, Hkv*D] float */
+#define PA_INPUT_VALUE 2                     /* [T, Hkv*Dv] float (Dv: value head size, often D) */
 #define PA_INPUT_KEY_CACHE 3                 /* [NB, Hkv, BS, D], written in place */
-#define PA_INPUT_VALUE_CACHE 4               /* [NB, Hkv, BS, D], written in place */
+#define PA_INPUT_VALUE_CACHE 4               /* [NB, Hkv, BS, Dv], written in place */
 #define PA_INPUT_PAST_LENS 5                 /* [B] i32: tokens already cached per sequence */
 #define PA_INPUT_SUBSEQUENCE_BEGINS 6        /* [B+1] i32: each sequence's first row in query */
 #define PA_INPUT_BLOCK_INDICES 7             /* [N] i32: physical blocks of all sequences */
@@ -71,7 +71,7 @@ extern "C" {
 #define PA_INPUT_ROTATION_TRIG_LUT 14        /* [M, D] f32 or f16 (optional): D/2 cos, D/2 sin a row */
 #define PA_INPUT_SCORE_AGGREGATION_WINDOW 15 /* scalar or [B] i32 (optional) */
 #define PA_INPUT_SINKS 16                    /* [H] or [1, H, 1, 1] float (optional): a logit per head */
-#define PA_OUTPUT_OUTPUT 0                   /* [T, H*D], query's type */
+#define PA_OUTPUT_OUTPUT 0                   /* [T, H*Dv], query's type */
 #define PA_OUTPUT_SCORES 1                   /* [sum(past_lens) + T], query's type */
 
 /* Status codes (pa_status). Numbers are stable. */

@@ -103,7 +103,7 @@ fn check_against(
     }
 
     // Caches, row by row, by what each row holds.
-    let d = case.d;
+    let (d, dv) = (case.d, case.dv);
     let kc_before = before.inputs[3].data.bits();
     let vc_before = before.inputs[4].data.bits();
     let kc_bits = after.inputs[3].data.bits();
@@ -113,6 +113,7 @@ fn check_against(
     let rot_tol = 2.0 * ulp(case.ct);
     for (r, rule) in exp.rows.iter().enumerate() {
         let span = r * d..(r + 1) * d;
+        let vspan = r * dv..(r + 1) * dv;
         let (blk, kh, slot) = (
             r / (case.hkv * case.bs),
             r / case.bs % case.hkv,
@@ -133,7 +134,7 @@ fn check_against(
                     at()
                 );
                 assert!(
-                    vc_bits[span.clone()] == vc_before[span.clone()],
+                    vc_bits[vspan.clone()] == vc_before[vspan.clone()],
                     "value_cache changed at an untouched {}",
                     at()
                 );
@@ -141,20 +142,28 @@ fn check_against(
             RowRule::Inserted => {
                 for x in span {
                     assert!(
-                        kc[x] == exp.key_cache[x] && vc[x] == exp.value_cache[x],
-                        "inserted {}: element {} is k={} v={}, expected k={} v={}",
+                        kc[x] == exp.key_cache[x],
+                        "inserted {}: key element {} is {}, expected {}",
                         at(),
                         x % d,
                         kc[x],
+                        exp.key_cache[x]
+                    );
+                }
+                for x in vspan {
+                    assert!(
+                        vc[x] == exp.value_cache[x],
+                        "inserted {}: value element {} is {}, expected {}",
+                        at(),
+                        x % dv,
                         vc[x],
-                        exp.key_cache[x],
                         exp.value_cache[x]
                     );
                 }
             }
             RowRule::Rotated => {
                 assert!(
-                    vc_bits[span.clone()] == vc_before[span.clone()],
+                    vc_bits[vspan.clone()] == vc_before[vspan.clone()],
                     "value_cache changed at a rotated {} (values are never rotated)",
                     at()
                 );
@@ -751,6 +760,31 @@ fn sinks_of_minus_infinity_change_nothing_and_huge_ones_take_the_weight() {
         for (i, x) in out.iter().enumerate() {
             let head = (i % hd) / plain.d;
             assert_eq!(x.is_nan(), head == 1, "{runner:?}: element {i} = {x}");
+        }
+    }
+}
+
+/// A value head size other than the key head size (OpenVINO's `v_head_size`; value cache
+/// `[NB, Hkv, BS, Dv]`, output `[T, H*Dv]`): wider and narrower values, every dtype pair, GQA,
+/// windows, ALiBi, rotation of the keys, sinks, scores, on mixed batches.
+#[test]
+fn value_head_size_other_than_key_head_size_matches_f64_reference() {
+    let mut seed = 63_000;
+    for (d, dv) in [(64, 32), (32, 96), (16, 8), (48, 128)] {
+        for (qt, ct) in [(F32, F32), (BF16, F16), (F16, BF16)] {
+            for g in [1, 4] {
+                let mut geo = Geometry::new(qt, ct, 2, g, d, 16);
+                geo.dv = dv;
+                let f = Features {
+                    seqs: Some(mixed_batch()),
+                    sinks: Some(seed % 2 == 0),
+                    ..Features::default()
+                };
+                let case = gen_case(seed, &geo, &f);
+                assert_eq!((case.d, case.dv), (d, dv));
+                check_both(&case);
+                seed += 1;
+            }
         }
     }
 }

@@ -247,6 +247,28 @@ fn caches_of_different_shapes_are_reported() {
     assert!(matches!(e, PaError::Shape { .. }), "{e:?}");
 }
 
+/// A value head size Dv other than D (value_cache dim 3, value `[T, Hkv*Dv]`) makes the output
+/// `[T, H*Dv]`; with a value cache of dynamic shape, value.dim1 gives Dv. With u8 caches Dv
+/// must equal D (not supported yet: refused, saying so).
+#[test]
+fn a_value_head_size_other_than_d_gives_an_output_h_times_dv_wide() {
+    let dv = 2 * D;
+    let mut inputs = static_inputs(F32, F32);
+    inputs[2].shape = PartialShape::from_dims(&[T, HKV * dv]);
+    inputs[4].shape = PartialShape::from_dims(&[NB, HKV, BS, dv]);
+    expect_outputs(&inputs, Some(F32), &[T, H * dv], &[DYN]);
+    inputs[4].shape = PartialShape::dynamic();
+    expect_outputs(&inputs, Some(F32), &[T, H * dv], &[DYN]);
+    inputs[2].shape = PartialShape::from_dims(&[T, HKV * D]);
+    inputs[4].shape = PartialShape::from_dims(&[NB, HKV, BS, dv]);
+    expect_error(&inputs, "value.dim1", "value head size");
+    let mut u8s = static_inputs(F32, F32);
+    u8s[2].shape = PartialShape::from_dims(&[T, HKV * dv]);
+    u8s[3] = p(ElemType::U8, &[NB, HKV, BS + 8, D]);
+    u8s[4] = p(ElemType::U8, &[NB, HKV, BS, dv + 8]);
+    expect_error(&u8s, "u8 caches", "not supported yet");
+}
+
 #[test]
 fn token_counts_that_disagree_are_reported() {
     let mut inputs = static_inputs(F32, F32);
@@ -397,4 +419,21 @@ fn zero_cache_dimensions_are_reported() {
         inputs[i].shape = PartialShape::from_dims(&[NB, HKV, 0, D]);
     }
     expect_error(&inputs, "key_cache", "block_size");
+}
+
+/// Sinks (input 16): `[H]` or `[1, H, 1, 1]`; another length, or another 4-D shape, is refused
+/// naming the input.
+#[test]
+fn sinks_have_one_logit_per_query_head() {
+    let mut inputs = static_inputs(F32, F32);
+    inputs.push(p(F32, &[H]));
+    expect_outputs(&inputs, Some(F32), &[T, H * D], &[DYN]);
+    inputs[16] = p(F16, &[1, H, 1, 1]);
+    expect_outputs(&inputs, Some(F32), &[T, H * D], &[DYN]);
+    inputs[16] = p(F32, &[H + 1]);
+    expect_error(&inputs, "sinks", &format!("{}", H + 1));
+    inputs[16] = p(F32, &[H, 1, 1, 1]);
+    expect_error(&inputs, "sinks", "[1, H, 1, 1]");
+    inputs[16] = p(I32, &[H]);
+    expect_error(&inputs, "sinks", "i32");
 }

@@ -115,7 +115,7 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
 
     feeds = [q, k, v, kc, vc, past, sb, bi, bib, scale_a, sw_a, alibi_a, max_ctx, saw_a,
              rbi_a, rd_a, lut_a]
-    model = build_model(H, Hkv, D, ov.Type.f32, rd_ndim=rd_a.ndim, sinks=x.sinks)
+    model = build_model(H, Hkv, D, ov.Type.f32, rd_ndim=rd_a.ndim, sinks=x.sinks, Dv=x.Dv)
     config = dict(_CONFIG)
     if threads is not None:
         config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -123,14 +123,15 @@ def run_builtin(*inputs, raw_score_window=False, native_r_deltas=False, threads=
     return out, scores, kc, vc
 
 
-def build_model(H, Hkv, D, cache_type, rd_ndim=2, sinks=None):
+def build_model(H, Hkv, D, cache_type, rd_ndim=2, sinks=None, Dv=None):
     """The 17 Parameters (inputs 0..16 of the built-in op, caches of element type ``cache_type``
     with fully dynamic shape, so the plugin can give them its own layout) -> built-in op -> 2 Results.
     Inputs 17..27 are empty Constants, but for ``sinks`` (H values: input 20 a [1, H, 1, 1]
-    Constant)."""
+    Constant). ``Dv``: the value head size (rt_info v_head_size), D when not given."""
+    Dv = D if Dv is None else Dv
     f32, i32 = ov.Type.f32, ov.Type.i32
     specs = [
-        ("query", f32, [-1, H * D]), ("key", f32, [-1, Hkv * D]), ("value", f32, [-1, Hkv * D]),
+        ("query", f32, [-1, H * D]), ("key", f32, [-1, Hkv * D]), ("value", f32, [-1, Hkv * Dv]),
         ("key_cache", cache_type, [-1, -1, -1, -1]), ("value_cache", cache_type, [-1, -1, -1, -1]),
         ("past_lens", i32, [-1]), ("subsequence_begins", i32, [-1]), ("block_indices", i32, [-1]),
         ("block_indices_begins", i32, [-1]), ("scale", f32, []), ("sliding_window", i32, []),
@@ -158,7 +159,7 @@ def build_model(H, Hkv, D, cache_type, rd_ndim=2, sinks=None):
     rt["num_k_heads"] = Hkv
     rt["k_head_size"] = D
     rt["num_v_heads"] = Hkv
-    rt["v_head_size"] = D
+    rt["v_head_size"] = Dv
     return ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_oracle")
 
 

@@ -116,6 +116,7 @@ class Inputs:
     Hkv: int
     BS: int
     D: int
+    Dv: int  # value head size (value_cache dim 3)
     T: int
     H: int
     B: int
@@ -141,10 +142,11 @@ def normalize_inputs(*inputs, **named) -> Inputs:
     """Check one call's inputs (positional in SPEC order and/or by ``Call`` field name) against
     SPEC.md and normalise the optional ones. Raises ValueError for a malformed call."""
     c = Call(*inputs, **named)
-    kshape = np.shape(c.key_cache)
-    if len(kshape) != 4 or np.shape(c.value_cache) != kshape:
-        raise ValueError(f"bad cache shapes {kshape} {np.shape(c.value_cache)}")
+    kshape, vshape = np.shape(c.key_cache), np.shape(c.value_cache)
+    if len(kshape) != 4 or len(vshape) != 4 or vshape[:3] != kshape[:3]:
+        raise ValueError(f"bad cache shapes {kshape} {vshape}")
     NB, Hkv, BS, D = kshape
+    Dv = vshape[3]  # the value head size may differ from the key's
     qshape = np.shape(c.query)
     if len(qshape) != 2 or qshape[1] % D:
         raise ValueError("query.dim1 must be a multiple of D")
@@ -152,8 +154,8 @@ def normalize_inputs(*inputs, **named) -> Inputs:
     H = qshape[1] // D
     if H % Hkv:
         raise ValueError("H must be a multiple of Hkv")
-    if np.shape(c.key) != (T, Hkv * D) or np.shape(c.value) != (T, Hkv * D):
-        raise ValueError(f"key/value must be [{T}, {Hkv * D}]")
+    if np.shape(c.key) != (T, Hkv * D) or np.shape(c.value) != (T, Hkv * Dv):
+        raise ValueError(f"key/value must be [{T}, {Hkv * D}] / [{T}, {Hkv * Dv}]")
     past, sb, bi, bib = (np.asarray(a, dtype=np.int64).reshape(-1) for a in
                          (c.past_lens, c.subsequence_begins, c.block_indices, c.block_indices_begins))
     B = past.shape[0]
@@ -210,7 +212,7 @@ def normalize_inputs(*inputs, **named) -> Inputs:
             raise ValueError(f"sinks must be [{H}] or [1, {H}, 1, 1], got {shape}")
         sinks = np.asarray(c.sinks, dtype=np.float64).reshape(-1)
 
-    return Inputs(call=c, NB=NB, Hkv=Hkv, BS=BS, D=D, T=T, H=H, B=B, past=past, sb=sb, bi=bi,
+    return Inputs(call=c, NB=NB, Hkv=Hkv, BS=BS, D=D, Dv=Dv, T=T, H=H, B=B, past=past, sb=sb, bi=bi,
                   bib=bib, n=np.diff(sb), scale=scale, sliding_window=sw, alibi=alibi, sinks=sinks,
                   score_window=saw, rotated_blocks=rbi, rotation_deltas=deltas)
 
@@ -271,8 +273,9 @@ def paged_attention_ref(*inputs, cache_dtype=None, **named):
             raise ValueError(f"sequence {s}: block id {blk} out of range")
         return blk, p % BS
 
+    Dv = x.Dv
     kr = k.reshape(T, Hkv, D)
-    vr = v.reshape(T, Hkv, D)
+    vr = v.reshape(T, Hkv, Dv)
     for s in range(B):
         n = int(sb[s + 1] - sb[s])
         for i in range(n):
@@ -281,7 +284,7 @@ def paged_attention_ref(*inputs, cache_dtype=None, **named):
             vc[blk, :, slot, :] = round_to(vr[sb[s] + i], cache_dtype)
 
     # ---- 3. attention and 4. scores
-    out = np.zeros((T, H, D), dtype=np.float64)
+    out = np.zeros((T, H, Dv), dtype=np.float64)
     score_blocks = []
     qr = q.reshape(T, H, D)
     for s in range(B):
@@ -291,7 +294,7 @@ def paged_attention_ref(*inputs, cache_dtype=None, **named):
         if n > 0:
             pos = np.arange(L)
             Ks = np.empty((L, Hkv, D))
-            Vs = np.empty((L, Hkv, D))
+            Vs = np.empty((L, Hkv, Dv))
             for j in range(L):
                 blk, slot = slot_of(s, j)
                 Ks[j] = kc[blk, :, slot, :]
@@ -331,7 +334,7 @@ def paged_attention_ref(*inputs, cache_dtype=None, **named):
                         sc_s[vis] += wts
         score_blocks.append(sc_s)
     scores = np.concatenate(score_blocks) if score_blocks else np.zeros(0)
-    return out.reshape(T, H * D), scores, kc, vc
+    return out.reshape(T, H * Dv), scores, kc, vc
 
 
 def cache_compare_mask(key_cache_shape, past_lens, subsequence_begins, block_indices,

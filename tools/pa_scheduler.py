@@ -112,6 +112,8 @@ class Library:
             ("pa_scheduler_counts", [ct.c_void_p, _P(ct.c_size_t), _P(ct.c_size_t)]),
             ("pa_cache_copy_blocks", [ct.c_void_p, ct.c_void_p, ct.c_size_t, ct.c_size_t, _P(_Copy),
                                       ct.c_size_t]),
+            ("pa_cache_copy_blocks_kv", [ct.c_void_p, ct.c_void_p, ct.c_size_t, ct.c_size_t, ct.c_size_t,
+                                         _P(_Copy), ct.c_size_t]),
             ("pa_cache_rotation_lut", [ct.c_size_t, ct.c_size_t, ct.c_double, ct.c_int32, _P(ct.c_float),
                                        ct.c_size_t]),
         ):
@@ -125,17 +127,19 @@ class Library:
             raise SchedulerError(what, status, buf.value.decode(errors="replace"))
 
     def copy_blocks(self, key_cache: np.ndarray, value_cache: np.ndarray, copies):
-        """``cache[dst] = cache[src]`` on both caches (C-contiguous, [NB, ...]) for each copy, in
+        """``cache[dst] = cache[src]`` on both caches (C-contiguous, [NB, ...], the same number of
+        blocks; their rows may differ: a value head size other than the key's) for each copy, in
         order."""
         if not copies:
             return
-        for c in (key_cache, value_cache):
-            if not c.flags.c_contiguous or c.shape != key_cache.shape or c.dtype != key_cache.dtype:
-                raise ValueError("the caches must be C-contiguous arrays of one shape and type")
-        arr = (_Copy * len(copies))(*[_Copy(s, d) for s, d in copies])
         nb = key_cache.shape[0]
-        self.check("pa_cache_copy_blocks", self.lib.pa_cache_copy_blocks(
-            key_cache.ctypes.data, value_cache.ctypes.data, nb, key_cache.nbytes // nb, arr, len(copies)))
+        for c in (key_cache, value_cache):
+            if not c.flags.c_contiguous or c.shape[0] != nb:
+                raise ValueError("the caches must be C-contiguous arrays of the same number of blocks")
+        arr = (_Copy * len(copies))(*[_Copy(s, d) for s, d in copies])
+        self.check("pa_cache_copy_blocks_kv", self.lib.pa_cache_copy_blocks_kv(
+            key_cache.ctypes.data, value_cache.ctypes.data, nb, key_cache.nbytes // nb,
+            value_cache.nbytes // nb, arr, len(copies)))
 
     def rotation_lut(self, rows: int, head_size: int, base: float) -> np.ndarray:
         """The op's ``rotation_trig_lut`` [rows, head_size] that rotates keys back by the

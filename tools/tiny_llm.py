@@ -49,6 +49,8 @@ class Config:
     sinks: bool = False
     # With sliding_window: only the even layers use it, the odd ones see everything (gpt-oss).
     alternate_window: bool = False
+    # Value head size when it differs from head_size (0: the same; DeepSeek-style attention).
+    v_head_size: int = 0
 
 
 # gpt-oss-shaped: sinks and alternating sliding-window / full layers.
@@ -62,6 +64,8 @@ VARIANTS = {
     "gqa4": Config("gqa4", heads=8, kv_heads=2, head_size=32, scale=0.2),
     "sliding_window": Config("sliding_window", heads=8, kv_heads=2, head_size=32, sliding_window=40),
     "gpt_oss": GPT_OSS,
+    # Values narrower than keys (DeepSeek-V2-style head sizes, scaled down).
+    "value_head": Config("value_head", heads=8, kv_heads=2, head_size=64, v_head_size=32),
 }
 
 _NEG = float(np.finfo(np.float32).min)  # what transformers fills masked scores with
@@ -127,6 +131,7 @@ def build(cfg: Config) -> ov.Model:
     """The stateful SDPA model of ``cfg`` (weights from ``np.random.default_rng(cfg.seed)``)."""
     rng = np.random.default_rng(cfg.seed)
     H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
+    Dv = cfg.v_head_size or D
     G = H // Hkv
     assert H % Hkv == 0 and D % 2 == 0
 
@@ -162,13 +167,13 @@ def build(cfg: Config) -> ov.Model:
         h = _rms_norm(x, norm_w(), cfg.eps)
         q = _rope(_heads(_linear(h, w(H * D, E)), H, D), cos, sin, D)
         k = _rope(_heads(_linear(h, w(Hkv * D, E)), Hkv, D), cos, sin, D)
-        v = _heads(_linear(h, w(Hkv * D, E)), Hkv, D)
+        v = _heads(_linear(h, w(Hkv * Dv, E)), Hkv, Dv)
         kv = []
-        for what, cur in (("key", k), ("value", v)):
+        for what, cur, width in (("key", k, D), ("value", v, Dv)):
             var_id = f"past_key_values.{layer}.{what}"
             init = ops.broadcast(_c(0.0, np.float32),
-                                 ops.concat([batch, _c([Hkv, 0, D])], axis=0))
-            past = ops6.read_value(init, var_id, ov.Type.f32, ov.PartialShape([-1, Hkv, -1, D]))
+                                 ops.concat([batch, _c([Hkv, 0, width])], axis=0))
+            past = ops6.read_value(init, var_id, ov.Type.f32, ov.PartialShape([-1, Hkv, -1, width]))
             past = ops.gather(past, beam_idx, _c(0))
             full = ops.concat([past, cur], axis=2)
             sinks.append(ops6.assign(full, var_id))
@@ -177,7 +182,7 @@ def build(cfg: Config) -> ov.Model:
                 target = ops.concat([ops.gather(ops.shape_of(full), _c([0, 1]), _c(0)), _c([G]),
                                      ops.gather(ops.shape_of(full), _c([3, 4]), _c(0))], axis=0)
                 full = ops.broadcast(full, target)
-                full = ops.reshape(full, _c([0, H, -1, D]), special_zero=True)
+                full = ops.reshape(full, _c([0, H, -1, width]), special_zero=True)
             kv.append(full)
         sdpa_in = [q, kv[0], kv[1], mask if layer % 2 == 0 else full_mask]
         if cfg.scale is not None or cfg.sinks:
@@ -188,8 +193,8 @@ def build(cfg: Config) -> ov.Model:
             sink = ops.constant((1.0 + 1.5 * rng.standard_normal((1, H, 1, 1))).astype(np.float32))
             attn.set_arguments([attn.input_value(i) for i in range(5)] + [sink.output(0)])
             attn.validate_and_infer_types()
-        attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, H * D]), special_zero=True)
-        x = ops.add(x, _linear(attn, w(E, H * D)))
+        attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, H * Dv]), special_zero=True)
+        x = ops.add(x, _linear(attn, w(E, H * Dv)))
         h = _rms_norm(x, norm_w(), cfg.eps)
         gate = ops.swish(_linear(h, w(cfg.intermediate, E)))
         up = _linear(h, w(cfg.intermediate, E))

@@ -185,10 +185,14 @@ def pa_port_dims(i, shape, H, Hkv, D, BS):
     dimensions (T, NB, B, R, M, ...), as in the seed example."""
     if i == 0:
         return [-1, H * D]
-    if i in (1, 2):
+    if i == 1:
         return [-1, Hkv * D]
-    if i in (3, 4):
+    if i == 2:  # [T, Hkv * Dv]: the value head size may differ from D
+        return [-1, shape[1]]
+    if i == 3:
         return [-1, Hkv, BS, D]
+    if i == 4:
+        return [-1, Hkv, BS, shape[3]]
     if i in (5, 6, 7, 8, 12):
         return [-1]
     if i in (9, 10):

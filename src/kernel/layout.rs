@@ -4,10 +4,31 @@
 
 use crate::op::{Plan, SeqPlan};
 
-/// Offset of row (block, kv head, slot) in a cache `[NB, Hkv, BS, D]`.
+/// Offset of row (block, kv head, slot) in a cache `[NB, Hkv, BS, width]`.
+#[inline(always)]
+fn row_at(plan: &Plan, width: usize, block: usize, head: usize, slot: usize) -> usize {
+    ((block * plan.hkv + head) * plan.bs + slot) * width
+}
+
+/// Offset of row (block, kv head, slot) in a key cache `[NB, Hkv, BS, D]`.
 #[inline(always)]
 pub(crate) fn cache_row(plan: &Plan, block: usize, head: usize, slot: usize) -> usize {
-    ((block * plan.hkv + head) * plan.bs + slot) * plan.d
+    row_at(plan, plan.d, block, head, slot)
+}
+
+/// Offset of the row of KV head `head` at logical position `pos` of sequence `sp` in a cache
+/// whose rows are `width` wide (`plan.d` for keys, `plan.dv` for values).
+#[inline(always)]
+pub(crate) fn seq_row_of(
+    plan: &Plan,
+    width: usize,
+    block_indices: &[i32],
+    sp: &SeqPlan,
+    head: usize,
+    pos: usize,
+) -> usize {
+    let block = block_of(block_indices, sp.block_begin, plan.bs, pos);
+    row_at(plan, width, block, head, pos % plan.bs)
 }
 
 /// Physical block of logical position `pos` of a sequence whose block list starts at `block_begin`.
@@ -16,7 +37,7 @@ pub(crate) fn block_of(block_indices: &[i32], block_begin: usize, bs: usize, pos
     block_indices[block_begin + pos / bs] as usize
 }
 
-/// Offset of the cache row of KV head `head` at logical position `pos` of sequence `sp`.
+/// Offset of the key cache row of KV head `head` at logical position `pos` of sequence `sp`.
 #[inline(always)]
 pub(crate) fn seq_row(
     plan: &Plan,
@@ -25,12 +46,7 @@ pub(crate) fn seq_row(
     head: usize,
     pos: usize,
 ) -> usize {
-    cache_row(
-        plan,
-        block_of(block_indices, sp.block_begin, plan.bs, pos),
-        head,
-        pos % plan.bs,
-    )
+    seq_row_of(plan, plan.d, block_indices, sp, head, pos)
 }
 
 /// Sequence index of every token.

@@ -3,7 +3,7 @@
 //! are rounded to the storage type once, when stored.
 
 use super::bind::{Bound, BoundRotation, TypedOp};
-use super::layout::{cache_row, seq_row, token_seqs, visible, window_start};
+use super::layout::{cache_row, seq_row, seq_row_of, token_seqs, visible, window_start};
 use super::softmax::{Lanes, OnlineSoftmax};
 use crate::dtype::Float;
 use crate::error::Result;
@@ -19,8 +19,8 @@ impl TypedOp for Reference {
         if let Some(rot) = &b.rotation {
             rotate(plan, rot, &mut *b.key_cache);
         }
-        insert(plan, b.key, &mut *b.key_cache, b.block_indices);
-        insert(plan, b.value, &mut *b.value_cache, b.block_indices);
+        insert(plan, plan.d, b.key, &mut *b.key_cache, b.block_indices);
+        insert(plan, plan.dv, b.value, &mut *b.value_cache, b.block_indices);
         let (kc, vc) = (&*b.key_cache, &*b.value_cache);
         let stats = attention(plan, b.query, kc, vc, b.block_indices, b.output);
         scores_ref(plan, b.query, kc, b.block_indices, &stats, b.scores);
@@ -67,19 +67,20 @@ pub(crate) fn rotate<C: Float>(plan: &Plan, rot: &BoundRotation<'_>, kc: &mut [C
     }
 }
 
-/// Step 2: writes each new token's rows (`[T, Hkv*D]`) at its logical position.
+/// Step 2: writes each new token's rows (`[T, Hkv*width]`: keys `D`, values `Dv` wide) at its
+/// logical position.
 pub(crate) fn insert<Q: Float, C: Float>(
     plan: &Plan,
+    d: usize,
     src: &[Q],
     cache: &mut [C],
     block_indices: &[i32],
 ) {
-    let d = plan.d;
     for sp in &plan.seqs {
         for i in 0..sp.n {
             let (pos, token) = (sp.past + i, sp.begin + i);
             for head in 0..plan.hkv {
-                let dst = seq_row(plan, block_indices, sp, head, pos);
+                let dst = seq_row_of(plan, d, block_indices, sp, head, pos);
                 let s = (token * plan.hkv + head) * d;
                 for x in 0..d {
                     cache[dst + x] = C::from_f32(src[s + x].to_f32());
@@ -114,13 +115,13 @@ pub(crate) fn attention<Q: Float, C: Float>(
     block_indices: &[i32],
     out: &mut [Q],
 ) -> Vec<OnlineSoftmax> {
-    let (h, d) = (plan.h, plan.d);
+    let (h, d, dv) = (plan.h, plan.d, plan.dv);
     let seq_of = token_seqs(plan);
     let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * h];
-    if d == 0 || plan.t == 0 {
+    if d == 0 || dv == 0 || plan.t == 0 {
         return stats;
     }
-    out.par_chunks_mut(d)
+    out.par_chunks_mut(dv)
         .zip(stats.par_iter_mut())
         .enumerate()
         .for_each(|(idx, (o, st))| {
@@ -132,19 +133,20 @@ pub(crate) fn attention<Q: Float, C: Float>(
                 .iter()
                 .map(|v| v.to_f32())
                 .collect();
-            let mut acc = vec![0f32; d];
+            let mut acc = vec![0f32; dv];
             for j in window_start(plan, pos)..=pos {
                 let row = seq_row(plan, block_indices, sp, kvh, j);
                 let s = logit(plan, &q, &kc[row..row + d], head, pos, j);
                 let step = st.update(s);
                 let e = (s - step.sub).exp();
                 st.add(e);
-                for x in 0..d {
-                    acc[x] = acc[x] * step.rescale + e * vc[row + x].to_f32();
+                let vrow = seq_row_of(plan, dv, block_indices, sp, kvh, j);
+                for x in 0..dv {
+                    acc[x] = acc[x] * step.rescale + e * vc[vrow + x].to_f32();
                 }
             }
             let norm = st.finish(plan.sink(head));
-            for x in 0..d {
+            for x in 0..dv {
                 o[x] = Q::from_f32(acc[x] * norm);
             }
         });

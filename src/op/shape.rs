@@ -96,6 +96,8 @@ pub struct Dims {
     pub h: Option<i64>,
     pub hkv: Option<i64>,
     pub d: Option<i64>,
+    /// Value head size: value_cache dim 3 with float caches, value.dim1 / Hkv with u8.
+    pub dv: Option<i64>,
     pub bs: Option<i64>,
     pub nb: Option<i64>,
     /// Number of rotated blocks, when rotation inputs are present.
@@ -234,25 +236,27 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
     if k.cache_type == Some(ElemType::U8) {
         u8_geometry(inputs, &mut k)?;
     } else {
-        // Cache geometry: [NB, Hkv, BS, D], identical for both caches.
-        for (i, slot) in [&mut k.nb, &mut k.hkv, &mut k.bs, &mut k.d]
-            .into_iter()
-            .enumerate()
-        {
+        // Cache geometry: key [NB, Hkv, BS, D], value [NB, Hkv, BS, Dv]: the same blocks,
+        // heads and block size; the value head size may differ from the key's (OpenVINO's
+        // v_head_size).
+        for (i, slot) in [&mut k.nb, &mut k.hkv, &mut k.bs].into_iter().enumerate() {
             *slot = kc.dim(i);
             unify(slot, vc.dim(i), "value_cache", |v, known| {
                 format!("value_cache shape {vc} differs from key_cache shape {kc} (dim {i}: {v} vs {known})")
             })?;
         }
+        k.d = kc.dim(3);
+        k.dv = vc.dim(3);
         for (name, v) in [
             ("num_kv_heads (cache dim 1)", k.hkv),
             ("block_size (cache dim 2)", k.bs),
             ("head_size (cache dim 3)", k.d),
+            ("value head_size (value_cache dim 3)", k.dv),
         ] {
             if v == Some(0) {
                 return Err(PaError::shape(
                     "key_cache",
-                    format!("key_cache shape {kc} has {name} = 0"),
+                    format!("key_cache shape {kc} / value_cache shape {vc}: {name} = 0"),
                 ));
             }
         }
@@ -284,17 +288,39 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         })?),
         _ => None,
     };
-    for i in [KEY, VALUE] {
-        let s = &inputs[i].shape;
-        if let (Some(w), Some(kvw), Some(hkv), Some(d)) = (s.dim(1), kv_width, k.hkv, k.d) {
-            if w != kvw {
-                let name = INPUTS[i].name;
+    if let (Some(w), Some(kvw), Some(hkv), Some(d)) =
+        (inputs[KEY].shape.dim(1), kv_width, k.hkv, k.d)
+    {
+        if w != kvw {
+            return Err(PaError::shape(
+                "key",
+                format!("key.dim1 = {w}, but num_kv_heads * head_size = {hkv} * {d} = {kvw}"),
+            ));
+        }
+    }
+    // Values: Dv from the value cache, else from value.dim1 (a cache of dynamic shape).
+    if let (Some(w), Some(hkv)) = (inputs[VALUE].shape.dim(1), k.hkv) {
+        match k.dv {
+            Some(dv) => {
+                let vw = hkv.checked_mul(dv).ok_or_else(|| {
+                    PaError::shape(
+                        "value_cache",
+                        format!("value_cache shape {vc}: num_kv_heads * value head_size = {hkv} * {dv} overflows"),
+                    )
+                })?;
+                if w != vw {
+                    return Err(PaError::shape(
+                        "value",
+                        format!("value.dim1 = {w}, but num_kv_heads * value head_size = {hkv} * {dv} = {vw} (value_cache dim 3 is the value head size)"),
+                    ));
+                }
+            }
+            None if w % hkv == 0 && w > 0 => k.dv = Some(w / hkv),
+            None => {
                 return Err(PaError::shape(
-                    name,
-                    format!(
-                        "{name}.dim1 = {w}, but num_kv_heads * head_size = {hkv} * {d} = {kvw}"
-                    ),
-                ));
+                    "value",
+                    format!("value.dim1 = {w} is not a positive multiple of num_kv_heads = {hkv}"),
+                ))
             }
         }
     }
@@ -457,7 +483,8 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
             ));
         }
     }
-    // A u8 cache's last dimension is bytes, not channels: the head size comes from key/value.
+    // A u8 cache's last dimension is bytes, not channels: the head sizes come from key and
+    // value.
     for i in [KEY, VALUE] {
         let name = INPUTS[i].name;
         if let (Some(w), Some(hkv)) = (inputs[i].shape.dim(1), k.hkv) {
@@ -467,11 +494,20 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
                     format!("{name}.dim1 = {w} is not a positive multiple of num_kv_heads = {hkv} (cache dim 1); with u8 caches it gives head_size"),
                 ));
             }
-            unify(&mut k.d, Some(w / hkv), name, |v, known| {
-                format!("{name}.dim1 / num_kv_heads gives head_size {v}, but another input gives {known}")
-            })?;
+            let slot = if i == KEY { &mut k.d } else { &mut k.dv };
+            *slot = Some(w / hkv);
         }
     }
+    if let (Some(d), Some(dv)) = (k.d, k.dv) {
+        if d != dv {
+            return Err(PaError::shape(
+                "value",
+                format!("with u8 caches the value head size (value.dim1 / num_kv_heads = {dv}) must equal the key head size ({d}): u8 caches with Dv != D are not supported yet (f32, f16 and bf16 caches are)"),
+            ));
+        }
+    }
+    k.d = k.d.or(k.dv);
+    k.dv = k.dv.or(k.d);
     if let (Some(rows), Some(bs)) = (kc.dim(2), k.bs) {
         // Checked: a declared block size near i64::MAX must be refused, not wrap.
         let with_params = bs.checked_add(PARAM_BYTES as i64);
@@ -521,8 +557,14 @@ pub fn infer_shapes_with_past_lens(
     past_lens: Option<&[i32]>,
 ) -> Result<[OutputInfo; 2]> {
     let k = check(inputs)?;
-    let hd = match (k.h, k.d) {
-        (Some(h), Some(d)) => Some(h * d),
+    // The output is [T, H * Dv]; with Dv unknown, H * D (the query's width) is all there is.
+    let hd = match (k.h, k.dv.or(k.d)) {
+        (Some(h), Some(dv)) => Some(h.checked_mul(dv).ok_or_else(|| {
+            PaError::shape(
+                "value_cache",
+                format!("num_heads * value head_size = {h} * {dv} overflows"),
+            )
+        })?),
         _ => inputs[QUERY].shape.dim(1),
     };
     let t = k.t.unwrap_or(DYN);

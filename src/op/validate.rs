@@ -52,7 +52,10 @@ pub struct Plan {
     pub b: usize,
     pub h: usize,
     pub hkv: usize,
+    /// Key (and query) head size.
     pub d: usize,
+    /// Value head size (the output's per head): `d` unless the value cache says otherwise.
+    pub dv: usize,
     pub bs: usize,
     pub nb: usize,
     /// Query heads per KV head.
@@ -80,7 +83,7 @@ pub struct Plan {
 impl Plan {
     /// Shapes of the two outputs.
     pub fn output_shapes(&self) -> [Vec<usize>; 2] {
-        [vec![self.t, self.h * self.d], vec![self.scores_len]]
+        [vec![self.t, self.h * self.dv], vec![self.scores_len]]
     }
 
     /// The attention sink of query head `head`, if the call has sinks.
@@ -158,6 +161,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         dim(k.bs),
         dim(k.nb),
     );
+    let dv = k.dv.map_or(d, |v| v as usize);
 
     let past_lens = i32s(&inputs.past_lens);
     let begins = i32s(&inputs.subsequence_begins);
@@ -356,6 +360,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         h,
         hkv,
         d,
+        dv,
         bs,
         nb,
         g: h.checked_div(hkv).unwrap_or(0),

@@ -108,6 +108,9 @@ pub struct Case {
     pub h: usize,
     pub hkv: usize,
     pub d: usize,
+    /// Value head size (`d` unless a test sets another: value `[T, Hkv*Dv]`, value cache
+    /// `[NB, Hkv, BS, Dv]`, output `[T, H*Dv]`).
+    pub dv: usize,
     pub bs: usize,
     pub nb: usize,
     pub seqs: Vec<Seq>,
@@ -162,6 +165,9 @@ impl Case {
         self.seqs.iter().map(|s| s.past + s.n).sum()
     }
     /// Offset of row (block, kv head, slot) in a cache.
+    pub fn vrow(&self, block: usize, head: usize, slot: usize) -> usize {
+        ((block * self.hkv + head) * self.bs + slot) * self.dv
+    }
     pub fn row(&self, block: usize, head: usize, slot: usize) -> usize {
         ((block * self.hkv + head) * self.bs + slot) * self.d
     }
@@ -203,9 +209,12 @@ impl Case {
         let mut inputs = vec![
             Owned::new(&[t, self.h * self.d], Data::from_f64(qt, &self.query)),
             Owned::new(&[t, self.hkv * self.d], Data::from_f64(qt, &self.key)),
-            Owned::new(&[t, self.hkv * self.d], Data::from_f64(qt, &self.value)),
+            Owned::new(&[t, self.hkv * self.dv], Data::from_f64(qt, &self.value)),
             Owned::new(&cache_shape, Data::from_f64(ct, &self.key_cache)),
-            Owned::new(&cache_shape, Data::from_f64(ct, &self.value_cache)),
+            Owned::new(
+                &[self.nb, self.hkv, self.bs, self.dv],
+                Data::from_f64(ct, &self.value_cache),
+            ),
             Owned::i32s(&[b], self.past_lens()),
             Owned::i32s(&[b + 1], self.subsequence_begins()),
             Owned::i32s(&[self.block_indices.len()], self.block_indices.clone()),
@@ -277,7 +286,10 @@ impl Case {
         Call {
             inputs,
             outputs: [
-                Owned::new(&[t, self.h * self.d], Data::poison(qt, t * self.h * self.d)),
+                Owned::new(
+                    &[t, self.h * self.dv],
+                    Data::poison(qt, t * self.h * self.dv),
+                ),
                 Owned::new(&[self.scores_len()], Data::poison(qt, self.scores_len())),
             ],
         }
@@ -324,7 +336,7 @@ fn f32_logit(l: f64) -> f64 {
 
 /// The op, in f64, in SPEC order.
 pub fn reference(c: &Case) -> Expected {
-    let (d, bs, hkv, h, g) = (c.d, c.bs, c.hkv, c.h, c.g());
+    let (d, dv, bs, hkv, h, g) = (c.d, c.dv, c.bs, c.hkv, c.h, c.g());
     let mut kc = c.key_cache.clone();
     let mut vc = c.value_cache.clone();
     let nrows = c.nb * hkv * bs;
@@ -390,6 +402,9 @@ pub fn reference(c: &Case) -> Expected {
                 let src = (tok * hkv + kh) * d;
                 for x in 0..d {
                     kc[dst + x] = round_to(c.ct, c.key[src + x]);
+                }
+                let (dst, src) = (c.vrow(b, kh, pos % bs), (tok * hkv + kh) * dv);
+                for x in 0..dv {
                     vc[dst + x] = round_to(c.ct, c.value[src + x]);
                 }
             }
@@ -403,7 +418,7 @@ pub fn reference(c: &Case) -> Expected {
     };
     let window = c.sliding_window.filter(|&w| w > 0).map(|w| w as usize);
     let t = c.t();
-    let mut out = vec![0.0; t * h * d];
+    let mut out = vec![0.0; t * h * dv];
     let mut scores = vec![0.0; c.scores_len()];
     let mut score_off = 0;
     for (s, sq) in c.seqs.iter().enumerate() {
@@ -439,11 +454,11 @@ pub fn reference(c: &Case) -> Expected {
                 }
                 let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
                 let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |sk| (sk - m).exp());
-                let o = &mut out[(tok * h + head) * d..][..d];
+                let o = &mut out[(tok * h + head) * dv..][..dv];
                 for (k, j) in (lo..=p).enumerate() {
                     let wgt = e[k] / sum;
-                    let row = c.row(c.block_of(s, j), kh, j % bs);
-                    for x in 0..d {
+                    let row = c.vrow(c.block_of(s, j), kh, j % bs);
+                    for x in 0..dv {
                         o[x] += wgt * vc[row + x];
                     }
                     if i >= sq.n - score_tokens {
@@ -499,6 +514,8 @@ pub struct Geometry {
     pub h: usize,
     pub hkv: usize,
     pub d: usize,
+    /// Value head size (`d` from [`Geometry::new`]).
+    pub dv: usize,
     pub bs: usize,
     /// Most new tokens of a prefill / chunk.
     pub max_new: usize,
@@ -514,6 +531,7 @@ impl Geometry {
             h: hkv * g,
             hkv,
             d,
+            dv: d,
             bs,
             max_new: 12,
             max_past: 40,
@@ -594,9 +612,10 @@ pub fn gen_case(seed: u64, geo: &Geometry, f: &Features) -> Case {
     };
     let query = rand_vec(t * h * d, qt, amp);
     let key = rand_vec(t * hkv * d, qt, 1.0);
-    let value = rand_vec(t * hkv * d, qt, 1.0);
+    let dv = geo.dv;
+    let value = rand_vec(t * hkv * dv, qt, 1.0);
     let mut key_cache = rand_vec(nb * hkv * bs * d, ct, 1.0);
-    let mut value_cache = rand_vec(nb * hkv * bs * d, ct, 1.0);
+    let mut value_cache = rand_vec(nb * hkv * bs * dv, ct, 1.0);
 
     let mut case = Case {
         qt,
@@ -604,6 +623,7 @@ pub fn gen_case(seed: u64, geo: &Geometry, f: &Features) -> Case {
         h,
         hkv,
         d,
+        dv,
         bs,
         nb,
         seqs,
@@ -635,13 +655,15 @@ pub fn gen_case(seed: u64, geo: &Geometry, f: &Features) -> Case {
             for kh in 0..hkv {
                 let row = case.row(b, kh, pos % bs);
                 for x in 0..d {
-                    let (gk, gv) = if nan {
-                        (f64::NAN, f64::NAN)
+                    key_cache[row + x] = if nan { f64::NAN } else { round_to(ct, 60.0) };
+                }
+                let row = case.vrow(b, kh, pos % bs);
+                for x in 0..dv {
+                    value_cache[row + x] = if nan {
+                        f64::NAN
                     } else {
-                        (round_to(ct, 60.0), round_to(ct, -1000.0 - x as f64))
+                        round_to(ct, -1000.0 - x as f64)
                     };
-                    key_cache[row + x] = gk;
-                    value_cache[row + x] = gv;
                 }
             }
         }
@@ -766,7 +788,7 @@ pub fn with_seqs(geo: &Geometry, f: &Features, seqs: &[(usize, usize)], seed: u6
         bi.extend(it.by_ref().take(n));
         bib.push(bi.len() as i32);
     }
-    let (h, hkv, d) = (case.h, case.hkv, case.d);
+    let (h, hkv, d, dv) = (case.h, case.hkv, case.d, case.dv);
     let t: usize = seqs.iter().map(|s| s.1).sum();
     let mut r = |len: usize, ty: ElemType, a: f64| -> Vec<f64> {
         (0..len).map(|_| round_to(ty, rng.uniform(-a, a))).collect()
@@ -775,9 +797,9 @@ pub fn with_seqs(geo: &Geometry, f: &Features, seqs: &[(usize, usize)], seed: u6
     case.seqs = seqs.iter().map(|&(past, n)| Seq { past, n }).collect();
     case.query = r(t * h * d, case.qt, 3.0);
     case.key = r(t * hkv * d, case.qt, 1.0);
-    case.value = r(t * hkv * d, case.qt, 1.0);
+    case.value = r(t * hkv * dv, case.qt, 1.0);
     case.key_cache = r(nb * hkv * bs * d, case.ct, 1.0);
-    case.value_cache = r(nb * hkv * bs * d, case.ct, 1.0);
+    case.value_cache = r(nb * hkv * bs * dv, case.ct, 1.0);
     case.block_indices = bi;
     case.block_indices_begins = bib;
     if let Some(w) = case.sliding_window {

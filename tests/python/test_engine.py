@@ -2,7 +2,7 @@
 ``ContinuousBatchingPipeline`` (tools/genai_ref.py) on tools/model_dir.py's model directories.
 
 Checked: greedy f32 token ids and text of the 8 standard prompts run as one continuous batch (all
-four tiny variants, gpt-oss's attention sinks and alternating windows among them), the chat template, seeded sampling with n=2, stop strings, a refused prompt
+five tiny variants, gpt-oss's attention sinks and alternating windows and a value head size other than the key's among them), the chat template, seeded sampling with n=2, stop strings, a refused prompt
 failing alone, a model directory with a missing file, and u8 KV caches.
 
 Needs the release binary: ``$PA_ENGINE``, else <repo>/target/release/pa-engine
@@ -24,7 +24,7 @@ import tiny_llm
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(os.environ.get("PA_ENGINE", ROOT / "target/release/pa-engine"))
-VARIANTS = ("gqa1", "gqa4", "sliding_window", "gpt_oss")
+VARIANTS = ("gqa1", "gqa4", "sliding_window", "gpt_oss", "value_head")
 NEW = 64  # new tokens per prompt
 THREADS = 2
 # The settings the engine and GenAI must agree under: f32 cache, f32 inference, 2 threads,
@@ -244,6 +244,19 @@ def test_missing_model_file(missing, engine, models, prompts, tmp_path):
     assert str(d / missing) in err, err
     other = ({"tokenizer.json", "openvino_model.xml"} - {missing}).pop()
     assert str(d / other) not in err, err
+
+
+def test_value_head_size_on_u8_caches_is_refused_at_load_naming_the_node(engine, models, prompts,
+                                                                          tmp_path):
+    """u8 caches (the engine's default) with a value head size other than the key's: refused at
+    load with both head sizes named, nothing generated; f32 caches run it (the greedy test)."""
+    flags = [f for f in F32_FLAGS]
+    flags[flags.index("--cache-type") + 1] = "u8"
+    rc, lines, err = run_engine(engine, models["value_head"], prompts["value_head"][:1], *flags,
+                                tmp_path=tmp_path, check=False)
+    assert rc == 1 and lines == [], err
+    assert re.search(r"PagedAttentionExtension `[^`]+`: value head size 32 differs from the key "
+                     r"head size 64; with u8 caches", err), err
 
 
 # ------------------------------------------------------------------------------ 7. u8 caches

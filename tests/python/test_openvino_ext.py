@@ -58,9 +58,9 @@ def core():
 
 def make_case(rng, *, H=4, Hkv=2, D=16, BS=32, past=(0,), new=(1,), spare_blocks=2, scale=None,
               sliding_window=None, alibi=False, rotation=None, window=None, n_inputs=None,
-              cache_dtype=np.float32, extra_tokens=0, sinks=False):
+              cache_dtype=np.float32, extra_tokens=0, sinks=False, Dv=None):
     """The 16 inputs (17 with `sinks`: a [1, H, 1, 1] logit per head; trimmed to the last given
-    one, or `n_inputs`) for sequences with `past[s]`
+    one, or `n_inputs`; values `Dv` wide when given) for sequences with `past[s]`
     cached and `new[s]` new tokens. Blocks are a random permutation with `spare_blocks`
     unreferenced ones and a -1 pad after each sequence's list; each sequence gets blocks for
     `extra_tokens` more tokens (for later steps). rotation: None, or the form of
@@ -75,10 +75,11 @@ def make_case(rng, *, H=4, Hkv=2, D=16, BS=32, past=(0,), new=(1,), spare_blocks
         used += c
         bib.append(len(bi))
     T = sum(new)
+    Dv = D if Dv is None else Dv
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     inputs = [
-        f(T, H * D), f(T, Hkv * D), f(T, Hkv * D),
-        f(NB, Hkv, BS, D).astype(cache_dtype), f(NB, Hkv, BS, D).astype(cache_dtype),
+        f(T, H * D), f(T, Hkv * D), f(T, Hkv * Dv),
+        f(NB, Hkv, BS, D).astype(cache_dtype), f(NB, Hkv, BS, Dv).astype(cache_dtype),
         np.array(past, np.int32), np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
         np.array(bi, np.int32), np.array(bib, np.int32),
         np.array(0.0 if scale is None else scale, np.float32),
@@ -200,6 +201,9 @@ CASES = {
                                sinks=True),
     "sinks_window_rotation": dict(past=(50, 20), new=(3, 40), sliding_window=7, rotation="per_token",
                                   sinks=True),
+    "value_head_wider": dict(past=(37, 0, 5), new=(1, 30, 2), Dv=32),
+    "value_head_narrower": dict(H=8, Hkv=2, D=32, past=(20, 3), new=(2, 30), Dv=16, window=[-1, 2],
+                                rotation="per_block"),
 }
 
 

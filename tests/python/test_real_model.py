@@ -164,7 +164,7 @@ def test_served_by_our_scheduler_matches_builtin(pair):
 
     def on_step(st, logits, models):
         diff = float(np.abs(logits[0] - logits[1]).max())
-        assert diff <= TOL, f"logits differ by {diff}"
+        assert diff <= TOL, f"logits differ by {diff}; past {list(st.past_lens)} rot {len(st.rotated_block_indices)} tokens {[len(st.tokens_of(b)) for b in range(len(st.seq_ids))]} step {seen}"
         seen["worst"] = max(seen["worst"], diff)
         assert len(models[0].scores) == len(models[1].scores) == cfg.layers
         for sa, sb in zip(models[0].scores, models[1].scores):

@@ -279,6 +279,11 @@ fn run_in(
         // Nothing to tile; the reference does no arithmetic here.
         return super::run_reference(plan, inputs, outputs);
     }
+    if plan.dv != plan.d {
+        // A value head size other than the key's runs on the reference kernels for now: the
+        // tiles, accumulators and partial-result slots of the fast kernels are D wide.
+        return super::run_reference(plan, inputs, outputs);
+    }
     struct Call<'p, 'a, 'b> {
         plan: &'p Plan,
         inputs: &'p mut PaInputs<'a>,
