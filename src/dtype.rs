@@ -4,7 +4,6 @@
 //! accumulation) and rounded once when stored: summing in half precision would lose the
 //! small softmax weights of long contexts.
 
-use crate::tensor::{Elems, ElemsMut};
 use half::{bf16, f16};
 
 /// Element type of a tensor. The discriminants are the `PA_*` codes of the C header and never
@@ -71,6 +70,26 @@ pub(crate) fn as_f32<C: Float>(s: &[C]) -> Option<&[f32]> {
     } else {
         None
     }
+}
+
+/// Read-only typed elements (a tensor's data, `crate::tensor`).
+#[derive(Clone, Copy, Debug)]
+pub enum Elems<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+    I32(&'a [i32]),
+    U8(&'a [u8]),
+}
+
+/// Writable typed elements.
+#[derive(Debug)]
+pub enum ElemsMut<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+    I32(&'a mut [i32]),
+    U8(&'a mut [u8]),
 }
 
 /// A floating-point storage type: f32, f16 or bf16.

@@ -6,25 +6,7 @@
 use crate::dtype::{ElemType, Float};
 use half::{bf16, f16};
 
-/// Read-only typed elements.
-#[derive(Clone, Copy, Debug)]
-pub enum Elems<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    BF16(&'a [bf16]),
-    I32(&'a [i32]),
-    U8(&'a [u8]),
-}
-
-/// Writable typed elements.
-#[derive(Debug)]
-pub enum ElemsMut<'a> {
-    F32(&'a mut [f32]),
-    F16(&'a mut [f16]),
-    BF16(&'a mut [bf16]),
-    I32(&'a mut [i32]),
-    U8(&'a mut [u8]),
-}
+pub use crate::dtype::{Elems, ElemsMut};
 
 macro_rules! elems_common {
     ($t:ident) => {

@@ -17,9 +17,7 @@ mod common;
 
 use common::call::{round_to, Call};
 use common::ref64::{gen_case, reference, Case, Features, Geometry, Rng, ScoreWindow, SeqKind};
-use paged_attention::kernel::fast::{
-    amx_items_run, execute_with, FastOptions, ScoresMode, SimdLevel,
-};
+use paged_attention::kernel::fast::{amx_items_run, ScoresMode, SimdLevel};
 use paged_attention::ElemType::{self, BF16, F32};
 use std::sync::Mutex;
 
@@ -54,14 +52,7 @@ fn run(case: &Case, path: Path) -> (Vec<f64>, Vec<f64>) {
     let mut c: Call = case.to_call();
     match path {
         Path::Reference => c.run(common::call::Runner::Reference),
-        Path::Fast(simd, scores) => {
-            let opts = FastOptions {
-                simd,
-                scores,
-                ..FastOptions::default()
-            };
-            c.with_api(|inputs, mut outputs| execute_with(opts, &mut inputs?, &mut outputs))
-        }
+        Path::Fast(simd, scores) => c.run_fast(simd, scores),
     }
     .expect("valid call");
     (c.outputs[0].data.to_f64(), c.outputs[1].data.to_f64())

@@ -1,4 +1,4 @@
-//! The scalar reference path over u8 caches (`kernel::quant::run_reference_u8`) against the float64
+//! The scalar reference path over u8 caches (`kernel::reference::run_reference_u8`) against the float64
 //! reference (tests/common/ref64.rs) run over the dequantized caches, on seeded random calls that
 //! mix prefill, chunked prefill, decode and empty sequences, for every u8 layout variant.
 
@@ -20,7 +20,7 @@ fn run_case<Q: Float>(c: &Case, l: &U8Layout) -> (f64, f64, f64) {
     let (mut kc, mut vc) = u8_caches_with_past(c, l);
     let mut out = vec![Q::from_f32(f32::NAN); c.t() * c.h * c.d];
     let mut scores = vec![Q::from_f32(f32::NAN); c.scores_len()];
-    quant::run_reference_u8(
+    paged_attention::kernel::reference::run_reference_u8(
         &plan,
         l,
         None,
@@ -121,7 +121,7 @@ fn wrong_cache_size_is_an_error() {
     let mut out = vec![0f32; c.t() * c.h * c.d];
     let mut scores = vec![0f32; c.scores_len()];
     let q = typed::<f32>(&c.query);
-    let err = quant::run_reference_u8(
+    let err = paged_attention::kernel::reference::run_reference_u8(
         &plan,
         &l,
         None,
@@ -167,7 +167,7 @@ fn rotation_inputs_that_do_not_fit_are_an_error() {
         let (mut kc, mut vc) = (kc0.clone(), vc0.clone());
         let mut out = vec![0f32; c.t() * c.h * c.d];
         let mut scores = vec![0f32; c.scores_len()];
-        let res = quant::run_reference_u8(
+        let res = paged_attention::kernel::reference::run_reference_u8(
             plan,
             &l,
             rot,

@@ -22,19 +22,13 @@ mod common;
 use common::call::{Call, Runner};
 use common::ref64::{gen_case, Case, Features, Geometry, Rng, ScoreWindow, SeqKind};
 use common::u8::{layout_for, u8_call, LAYOUTS};
-use paged_attention::kernel::fast::{execute_with, FastOptions, ScoresMode, SimdLevel};
+use paged_attention::kernel::fast::{ScoresMode, SimdLevel};
 use paged_attention::ElemType::F32;
 
 /// Outputs and scores of `call` through the fast kernels at `simd`, scores computed `scores`.
 fn fast(call: &Call, simd: SimdLevel, scores: ScoresMode) -> (Vec<f64>, Vec<f64>) {
     let mut c = call.clone();
-    let opts = FastOptions {
-        simd,
-        scores,
-        ..FastOptions::default()
-    };
-    c.with_api(|inputs, mut outputs| execute_with(opts, &mut inputs?, &mut outputs))
-        .expect("valid u8 call");
+    c.run_fast(simd, scores).expect("valid u8 call");
     (c.outputs[0].data.to_f64(), c.outputs[1].data.to_f64())
 }
 

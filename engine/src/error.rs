@@ -45,3 +45,12 @@ impl From<cxx::Exception> for EngineError {
         EngineError::OpenVino(e.what().to_string())
     }
 }
+
+/// A JSON file of the model directory, parsed; errors name the file.
+pub(crate) fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| EngineError::Model {
+        path: path.to_path_buf(),
+        detail: format!("not valid JSON: {e}"),
+    })
+}

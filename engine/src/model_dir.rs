@@ -3,7 +3,7 @@
 //! and `tokenizer_config.json` (its chat template, special tokens). The OpenVINO tokenizer IRs
 //! (`openvino_tokenizer.xml`) may be there too; the engine tokenizes with `tokenizer.json`.
 
-use crate::error::{EngineError, Result};
+use crate::error::{read_json, EngineError, Result};
 use crate::tokenizer::TextTokenizer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -37,14 +37,6 @@ pub struct ModelDir {
     pub config: ModelConfig,
     pub generation: GenerationDefaults,
     pub tokenizer: TextTokenizer,
-}
-
-pub(crate) fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| EngineError::Model {
-        path: path.to_path_buf(),
-        detail: format!("not valid JSON: {e}"),
-    })
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {

@@ -2,8 +2,7 @@
 //! `tokenizer_config.json` through minijinja (with Python string methods, as Hugging Face
 //! templates use them), and a streaming decoder that never emits a partial UTF-8 sequence.
 
-use crate::error::{EngineError, Result};
-use crate::model_dir::read_json;
+use crate::error::{read_json, EngineError, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;

@@ -187,12 +187,12 @@ def pa_port_dims(i, shape, H, Hkv, D, BS):
         return [-1, H * D]
     if i == 1:
         return [-1, Hkv * D]
-    if i == 2:  # [T, Hkv * Dv]: the value head size may differ from D
-        return [-1, shape[1]]
+    if i == 2:  # [T, Hkv * Dv]: the value head size may differ from D (a 2-D `shape` says)
+        return [-1, shape[1] if len(shape) == 2 else Hkv * D]
     if i == 3:
         return [-1, Hkv, BS, D]
     if i == 4:
-        return [-1, Hkv, BS, shape[3]]
+        return [-1, Hkv, BS, shape[3] if len(shape) == 4 else D]
     if i in (5, 6, 7, 8, 12):
         return [-1]
     if i in (9, 10):

@@ -4,6 +4,7 @@
 //! ([`execute`], [`execute_on`], [`execute_reference`]): validation (`op`), then the kernels.
 //!
 //! - `layout`: the index arithmetic of caches, tokens and windows both kernel families use.
+//! - `prefetch`: cache-line prefetch hints.
 //! - `softmax`: the online-softmax step every kernel takes (`softmax::OnlineSoftmax`).
 //! - `bind`: the validated call bound to typed slices, and the one (query type, cache type)
 //!   dispatch into a monomorphised kernel.
@@ -18,6 +19,7 @@
 pub(crate) mod bind;
 pub mod fast;
 pub(crate) mod layout;
+pub(crate) mod prefetch;
 pub mod quant;
 pub mod reference;
 pub(crate) mod softmax;

@@ -12,11 +12,10 @@
 
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
-use crate::kernel::fast::prefetch_part;
+use crate::kernel::prefetch::prefetch_part;
 use crate::op::u8_layout::effective_group;
 pub use crate::op::u8_layout::{token_row_bytes, KeyQuant, U8Layout, PARAM_BYTES};
 use crate::op::validate::SeqPlan;
-use crate::op::Plan;
 
 /// What OpenVINO substitutes for a zero scale (all values of a group or channel equal).
 const ZERO_RANGE_SCALE: f32 = 0.0001;
@@ -355,7 +354,7 @@ pub struct KeyRotation<'a> {
 impl KeyRotation<'_> {
     /// Whether the inputs fit caches of `nb` blocks of `bs` slots and head size `d` (what
     /// validation established for the op's own calls).
-    fn fits(&self, nb: usize, bs: usize, d: usize) -> bool {
+    pub(crate) fn fits(&self, nb: usize, bs: usize, d: usize) -> bool {
         let rows = self.lut.len().checked_div(d).unwrap_or(0);
         d.is_multiple_of(2)
             && self.lut.len() == rows * d
@@ -521,7 +520,7 @@ pub fn value_row(
 
 /// The caches dequantized to f32 `[NB, Hkv, BS, D]`, for the reference twin only: a fast kernel
 /// dequantizes the rows it reads, never the whole cache.
-fn dequantize_caches(
+pub(crate) fn dequantize_caches(
     layout: &U8Layout,
     nb: usize,
     kc: &[u8],
@@ -542,66 +541,6 @@ fn dequantize_caches(
         value_row(layout, vc, block, head, slot, vr);
     }
     Ok((k, v))
-}
-
-/// Steps 1-4 on u8 caches with the scalar reference kernels: rotates the listed key blocks
-/// (`rotation`, when the plan has rotation inputs), quantizes the new tokens into the caches, then
-/// runs the reference attention and scores over the dequantized caches. `plan` is the call
-/// validated with the caches' logical shape `[NB, Hkv, BS, D]`.
-#[allow(clippy::too_many_arguments)]
-pub fn run_reference_u8<Q: Float>(
-    plan: &Plan,
-    layout: &U8Layout,
-    rotation: Option<&KeyRotation>,
-    query: &[Q],
-    key: &[Q],
-    value: &[Q],
-    block_indices: &[i32],
-    key_cache: &mut [u8],
-    value_cache: &mut [u8],
-    output: &mut [Q],
-    scores: &mut [Q],
-) -> Result<()> {
-    if plan.rotation.is_some() != rotation.is_some()
-        || rotation.is_some_and(|r| !r.fits(plan.nb, plan.bs, plan.d))
-    {
-        return Err(PaError::InvalidArgument {
-            detail: "the rotation inputs do not match the plan".into(),
-        });
-    }
-    let expect = |what: &str, got: usize, want: Option<[usize; 4]>| match want {
-        Some(dims) if dims.iter().product::<usize>() == got => Ok(()),
-        _ => Err(PaError::InvalidArgument {
-            detail: format!("{what}: {got} bytes do not match the u8 layout {want:?}"),
-        }),
-    };
-    if !layout.is_valid() || layout.d != plan.d || layout.bs != plan.bs || layout.hkv != plan.hkv {
-        return Err(PaError::InvalidArgument {
-            detail: format!("u8 layout {layout:?} does not match the call"),
-        });
-    }
-    expect("key_cache", key_cache.len(), layout.key_cache_dims(plan.nb))?;
-    expect(
-        "value_cache",
-        value_cache.len(),
-        layout.value_cache_dims(plan.nb),
-    )?;
-    if let Some(rot) = rotation {
-        rotate_u8(layout, &plan.seqs, block_indices, rot, key_cache);
-    }
-    insert_u8(
-        layout,
-        &plan.seqs,
-        block_indices,
-        key,
-        value,
-        key_cache,
-        value_cache,
-    );
-    let (kc, vc) = dequantize_caches(layout, plan.nb, key_cache, value_cache)?;
-    let stats = super::reference::attention(plan, query, &kc, &vc, block_indices, output);
-    super::reference::scores_ref(plan, query, &kc, block_indices, &stats, scores);
-    Ok(())
 }
 
 #[cfg(test)]

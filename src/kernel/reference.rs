@@ -4,9 +4,10 @@
 
 use super::bind::{Bound, BoundRotation, TypedOp};
 use super::layout::{cache_row, seq_row, seq_row_of, token_seqs, visible, window_start};
+use super::quant::{self, KeyRotation};
 use super::softmax::{Lanes, OnlineSoftmax};
 use crate::dtype::Float;
-use crate::error::Result;
+use crate::error::{PaError, Result};
 use crate::op::u8_layout::U8Layout;
 use crate::op::Plan;
 use rayon::prelude::*;
@@ -28,7 +29,7 @@ impl TypedOp for Reference {
     }
 
     fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
-        super::quant::run_reference_u8(
+        run_reference_u8(
             plan,
             layout,
             b.rotation.as_ref().map(|r| r.keys()).as_ref(),
@@ -187,4 +188,64 @@ pub(crate) fn scores_ref<Q: Float, C: Float>(
             *out = Q::from_f32(total);
         });
     }
+}
+
+/// Steps 1-4 on u8 caches with the scalar reference kernels: rotates the listed key blocks
+/// (`rotation`, when the plan has rotation inputs), quantizes the new tokens into the caches, then
+/// runs the reference attention and scores over the dequantized caches. `plan` is the call
+/// validated with the caches' logical shape `[NB, Hkv, BS, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn run_reference_u8<Q: Float>(
+    plan: &Plan,
+    layout: &U8Layout,
+    rotation: Option<&KeyRotation>,
+    query: &[Q],
+    key: &[Q],
+    value: &[Q],
+    block_indices: &[i32],
+    key_cache: &mut [u8],
+    value_cache: &mut [u8],
+    output: &mut [Q],
+    scores: &mut [Q],
+) -> Result<()> {
+    if plan.rotation.is_some() != rotation.is_some()
+        || rotation.is_some_and(|r| !r.fits(plan.nb, plan.bs, plan.d))
+    {
+        return Err(PaError::InvalidArgument {
+            detail: "the rotation inputs do not match the plan".into(),
+        });
+    }
+    let expect = |what: &str, got: usize, want: Option<[usize; 4]>| match want {
+        Some(dims) if dims.iter().product::<usize>() == got => Ok(()),
+        _ => Err(PaError::InvalidArgument {
+            detail: format!("{what}: {got} bytes do not match the u8 layout {want:?}"),
+        }),
+    };
+    if !layout.is_valid() || layout.d != plan.d || layout.bs != plan.bs || layout.hkv != plan.hkv {
+        return Err(PaError::InvalidArgument {
+            detail: format!("u8 layout {layout:?} does not match the call"),
+        });
+    }
+    expect("key_cache", key_cache.len(), layout.key_cache_dims(plan.nb))?;
+    expect(
+        "value_cache",
+        value_cache.len(),
+        layout.value_cache_dims(plan.nb),
+    )?;
+    if let Some(rot) = rotation {
+        quant::rotate_u8(layout, &plan.seqs, block_indices, rot, key_cache);
+    }
+    quant::insert_u8(
+        layout,
+        &plan.seqs,
+        block_indices,
+        key,
+        value,
+        key_cache,
+        value_cache,
+    );
+    let (kc, vc) = quant::dequantize_caches(layout, plan.nb, key_cache, value_cache)?;
+    let stats = attention(plan, query, &kc, &vc, block_indices, output);
+    scores_ref(plan, query, &kc, block_indices, &stats, scores);
+    Ok(())
 }

@@ -267,6 +267,21 @@ impl Call {
         })
     }
 
+    /// Runs the fast kernels at SIMD level `simd`, computing scores as `scores` says.
+    pub fn run_fast(
+        &mut self,
+        simd: paged_attention::kernel::fast::SimdLevel,
+        scores: paged_attention::kernel::fast::ScoresMode,
+    ) -> Result<(), PaError> {
+        use paged_attention::kernel::fast::{execute_with, FastOptions};
+        let opts = FastOptions {
+            simd,
+            scores,
+            ..FastOptions::default()
+        };
+        self.with_api(|inputs, mut outputs| execute_with(opts, &mut inputs?, &mut outputs))
+    }
+
     pub fn validate(&mut self) -> Result<paged_attention::Plan, PaError> {
         self.with_api(|inputs, _| paged_attention::validate(&inputs?))
     }

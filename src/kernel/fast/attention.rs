@@ -34,11 +34,11 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         let pw = SharedMut::new(&mut partials);
         let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
-        let wide = super::prefill::prepare(m, ctx);
+        let prep = prepare(m, ctx);
         ctx.runner.for_each(ctx.part.items.len(), &|i| {
             let it = &ctx.part.items[i];
             if ctx.part.seqs[it.seq as usize].prefill {
-                super::prefill::run_item(m, ctx, it, &pw, &ow, sw.as_ref(), wide.as_ref())
+                run_prefill_item(m, ctx, it, &pw, &ow, sw.as_ref(), prep.as_ref())
             } else {
                 SCRATCH.with(|s| {
                     super::decode::run_decode_item(
@@ -157,4 +157,54 @@ pub(super) fn merge<Q: Float>(
         }
     }
     st
+}
+
+/// What prefill items read besides the cache, prepared once per call.
+pub(crate) enum Prepared {
+    /// f32 copies of f16/bf16 K and V rows.
+    Wide(super::prefill::Widened),
+    /// bf16 K and V rows in AMX tile layouts (items of a bf16 query on AMX).
+    #[cfg(target_arch = "x86_64")]
+    Tiles(super::prefill_amx::Packed),
+}
+
+/// Prepares the K and V rows of the prefill sequences: packed for AMX tiles when the items run
+/// on them, else widened to f32 (see `prefill::prewiden`); `None` when items read the cache tile by
+/// tile.
+pub(crate) fn prepare<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+) -> Option<Prepared> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(amx) = ctx.amx {
+        return super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles);
+    }
+    super::prefill::prewiden(m, ctx).map(Prepared::Wide)
+}
+
+/// Runs one prefill item: on AMX tiles when `ctx.amx` is set (a bf16 query), else on the f32
+/// tiles of `prefill`.
+#[allow(clippy::too_many_arguments)]
+fn run_prefill_item<M: TileMicro, Q: Float, C: Float>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &super::partition::Item,
+    pw: &SharedMut<'_, f32>,
+    out: &SharedMut<'_, Q>,
+    sw: Option<&SharedMut<'_, f32>>,
+    prep: Option<&Prepared>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(amx) = ctx.amx {
+        let packed = match prep {
+            Some(Prepared::Tiles(p)) => Some(p),
+            _ => None,
+        };
+        return super::prefill_amx::run_item(m, amx, ctx, it, pw, out, sw, packed);
+    }
+    let wide = match prep {
+        Some(Prepared::Wide(w)) => Some(w),
+        _ => None,
+    };
+    super::prefill::run_item(m, ctx, it, pw, out, sw, wide)
 }

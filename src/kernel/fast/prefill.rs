@@ -159,29 +159,6 @@ impl Widened {
     }
 }
 
-/// What prefill items read besides the cache, prepared once per call.
-pub(crate) enum Prepared {
-    /// f32 copies of f16/bf16 K and V rows.
-    Wide(Widened),
-    /// bf16 K and V rows in AMX tile layouts (items of a bf16 query on AMX).
-    #[cfg(target_arch = "x86_64")]
-    Tiles(super::prefill_amx::Packed),
-}
-
-/// Prepares the K and V rows of the prefill sequences: packed for AMX tiles when the items run
-/// on them, else widened to f32 (see [`prewiden`]); `None` when items read the cache tile by
-/// tile.
-pub(crate) fn prepare<M: TileMicro, Q: Float, C: Float>(
-    m: M,
-    ctx: &Ctx<'_, Q, C>,
-) -> Option<Prepared> {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(amx) = ctx.amx {
-        return super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles);
-    }
-    prewiden(m, ctx).map(Prepared::Wide)
-}
-
 /// K buffer, V buffer, and each sequence's offsets in them (`None`: not a prefill sequence).
 pub(super) type Regions<T> = (Buf<T>, Buf<T>, Vec<Option<(usize, usize)>>);
 
@@ -394,9 +371,9 @@ pub(super) fn write_rows<Q: Float, C>(
     }
 }
 
-/// Runs one prefill item (one KV head, one query tile, all visible keys): writes its rows'
-/// output `acc / l` into `out` and their `[m, l]` into their partial-result slots. Items of a
-/// bf16 query run their products on AMX tiles when `ctx.amx` is set.
+/// Runs one prefill item (one KV head, one query tile, all visible keys) on the f32 tiles:
+/// writes its rows' output `acc / l` into `out` and their `[m, l]` into their partial-result
+/// slots. `wide`: the call's f32 copies of half-precision K and V rows, when it made them.
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
@@ -404,20 +381,8 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     pw: &SharedMut<'_, f32>,
     out: &SharedMut<'_, Q>,
     sw: Option<&SharedMut<'_, f32>>,
-    prep: Option<&Prepared>,
+    wide: Option<&Widened>,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(amx) = ctx.amx {
-        let packed = match prep {
-            Some(Prepared::Tiles(p)) => Some(p),
-            _ => None,
-        };
-        return super::prefill_amx::run_item(m, amx, ctx, it, pw, out, sw, packed);
-    }
-    let wide = match prep {
-        Some(Prepared::Wide(w)) => Some(w),
-        _ => None,
-    };
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {

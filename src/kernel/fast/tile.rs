@@ -6,6 +6,7 @@ use super::micro::Amx;
 use super::partition::Partition;
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, window_start};
+pub(crate) use crate::kernel::prefetch::{prefetch_lines, prefetch_part};
 use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 use crate::op::{Plan, SeqPlan};
 use std::cell::RefCell;
@@ -137,35 +138,6 @@ pub(crate) fn finite_outside<C: Float>(
 ) -> bool {
     let finite = |x: &C| x.to_f32().is_finite();
     v[..lo * d].iter().all(finite) && v[hi * d..n * d].iter().all(finite)
-}
-
-/// Asks the CPU to start loading the cache lines of part `i` of `parts` equal parts of `x`
-/// (a hint; no effect on results).
-#[inline]
-pub(crate) fn prefetch_part<T>(x: &[T], i: usize, parts: usize) {
-    prefetch_lines(
-        x.as_ptr() as *const u8,
-        std::mem::size_of_val(x),
-        (i, parts),
-    );
-}
-
-/// [`prefetch_part`] of the `bytes` bytes at `p`, which need not be borrowed (a prefetch
-/// reads nothing the program sees, and never faults).
-#[inline]
-pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usize)) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let lines = bytes.div_ceil(64);
-        for l in lines * i / parts..lines * (i + 1) / parts {
-            // SAFETY: prefetch never faults (the address is only a hint, hence `wrapping_add`);
-            // SSE is part of the x86_64 baseline.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l * 64) as *const i8) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, bytes, i, parts);
 }
 
 /// Part `i` of `parts` nearly equal parts of `x` (what a loop over `parts` groups of the
