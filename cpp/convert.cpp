@@ -222,7 +222,7 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
                     v_size,
                     " differs from the key head size ",
                     k_size,
-                    "; with u8 caches our PagedAttention needs them equal (f32, f16 and bf16 caches take any)");
+                    "; with u8 caches our PagedAttention needs them equal: use an f32, f16 or bf16 cache (--cache-type)");
     type_cache(pa, 3, k_heads, k_size, cfg, where);
     type_cache(pa, 4, v_heads, v_size, cfg, where);
 
