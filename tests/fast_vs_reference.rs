@@ -86,6 +86,7 @@ struct Case {
     h: usize,
     hkv: usize,
     d: usize,
+    dv: usize,
     bs: usize,
     nb: usize,
     qt: ElemType,
@@ -114,6 +115,8 @@ struct Spec {
     h: usize,
     hkv: usize,
     d: usize,
+    /// The value head size; 0 = `d`.
+    dv: usize,
     bs: usize,
     window: usize,
     alibi: bool,
@@ -125,6 +128,7 @@ struct Spec {
 
 fn make(rng: &mut Rng, sp: &Spec, qt: ElemType, ct: ElemType) -> Case {
     let (h, hkv, d, bs) = (sp.h, sp.hkv, sp.d, sp.bs);
+    let dv = if sp.dv == 0 { d } else { sp.dv };
     let t: usize = sp.seqs.iter().map(|s| s.1).sum();
     let need: Vec<usize> = sp.seqs.iter().map(|&(p, n)| (p + n).div_ceil(bs)).collect();
     let nb = need.iter().sum::<usize>() + 3;
@@ -152,9 +156,9 @@ fn make(rng: &mut Rng, sp: &Spec, qt: ElemType, ct: ElemType) -> Case {
     let rv = |rng: &mut Rng, n: usize, a: f32| (0..n).map(|_| rng.uniform(a)).collect::<Vec<f32>>();
     let q = rv(rng, t * h * d, qa);
     let k = rv(rng, t * hkv * d, 1.0);
-    let v = rv(rng, t * hkv * d, 1.0);
+    let v = rv(rng, t * hkv * dv, 1.0);
     let kc = rv(rng, nb * hkv * bs * d, 1.0);
-    let vc = rv(rng, nb * hkv * bs * d, 1.0);
+    let vc = rv(rng, nb * hkv * bs * dv, 1.0);
     let rot = sp.rotation.then(|| {
         let r = 1 + rng.below(3);
         let rbi: Vec<i32> = (0..r)
@@ -184,6 +188,7 @@ fn make(rng: &mut Rng, sp: &Spec, qt: ElemType, ct: ElemType) -> Case {
         h,
         hkv,
         d,
+        dv,
         bs,
         nb,
         qt,
@@ -220,11 +225,11 @@ fn run(
     c: &Case,
     f: &dyn Fn(&mut PaInputs<'_>, &mut PaOutputs<'_>) -> paged_attention::error::Result<()>,
 ) -> Result_ {
-    let (h, hkv, d, bs, nb) = (c.h, c.hkv, c.d, c.bs, c.nb);
+    let (h, hkv, d, dv, bs, nb) = (c.h, c.hkv, c.d, c.dv, c.bs, c.nb);
     let t = *c.begins.last().unwrap() as usize;
     let scores_len = c.past.iter().map(|&p| p as usize).sum::<usize>() + t;
     let (mut kc, mut vc) = (c.kc.clone(), c.vc.clone());
-    let mut out = Buf::zeros(c.qt, t * h * d);
+    let mut out = Buf::zeros(c.qt, t * h * dv);
     let mut scores = Buf::zeros(c.qt, scores_len);
     let b = c.past.len();
     let scale_buf = c.scale.as_ref().map(|s| Buf::from_f32(c.qt, s));
@@ -245,9 +250,9 @@ fn run(
         let mut inputs = PaInputs {
             query: c.q.t(&[t, h * d]),
             key: c.k.t(&[t, hkv * d]),
-            value: c.v.t(&[t, hkv * d]),
+            value: c.v.t(&[t, hkv * dv]),
             key_cache: kc.tm(&[nb, hkv, bs, d]),
-            value_cache: vc.tm(&[nb, hkv, bs, d]),
+            value_cache: vc.tm(&[nb, hkv, bs, dv]),
             past_lens: Tensor::new(&[b], &c.past),
             subsequence_begins: Tensor::new(&[b + 1], &c.begins),
             block_indices: Tensor::new(&[c.bi.len()], &c.bi),
@@ -272,7 +277,7 @@ fn run(
             sinks: sink_buf.as_ref().map(|a| a.t(&[1, h, 1, 1])),
         };
         let mut outputs = PaOutputs {
-            output: out.tm(&[t, h * d]),
+            output: out.tm(&[t, h * dv]),
             scores: scores.tm(&[scores_len]),
         };
         f(&mut inputs, &mut outputs).unwrap_or_else(|e| panic!("{}: {e}", c.name));
@@ -596,6 +601,58 @@ fn fast_matches_reference_with_sinks() {
         &[
             (ElemType::F32, ElemType::F32),
             (ElemType::BF16, ElemType::BF16),
+        ],
+    );
+}
+
+/// A value head size other than the key's (value cache `[NB, Hkv, BS, Dv]`, output
+/// `[T, H*Dv]`) on every tier: decode, prefill, mixed batches, long decodes cut into key
+/// chunks, windows, ALiBi, rotation, sinks and scores (stashed and recomputed), values wider and
+/// narrower than keys, sizes off the vector width.
+#[test]
+fn fast_matches_reference_with_value_head_size_other_than_key_head_size() {
+    let mut rng = Rng(33);
+    for (d, dv) in [(64, 32), (32, 96), (16, 40)] {
+        let sp = Spec {
+            d,
+            dv,
+            saw: Some(vec![-1, -1, -1]),
+            ..base(&[(40, 1), (0, 70), (17, 9)])
+        };
+        check_spec(&mut rng, &sp, &all_types());
+        let sp = Spec {
+            window: 20,
+            alibi: true,
+            scale: true,
+            rotation: true,
+            sinks: true,
+            ..sp
+        };
+        check_spec(
+            &mut rng,
+            &sp,
+            &[
+                (ElemType::F32, ElemType::F32),
+                (ElemType::BF16, ElemType::F16),
+            ],
+        );
+    }
+    let sp = Spec {
+        h: 8,
+        hkv: 1,
+        d: 32,
+        dv: 64,
+        bs: 32,
+        sinks: true,
+        saw: Some(vec![-1, -1]),
+        ..base(&[(5000, 1), (1100, 2)])
+    };
+    check_spec(
+        &mut rng,
+        &sp,
+        &[
+            (ElemType::F32, ElemType::F32),
+            (ElemType::F16, ElemType::BF16),
         ],
     );
 }

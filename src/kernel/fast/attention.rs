@@ -26,7 +26,7 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
     out: &mut [Q],
 ) -> (Vec<OnlineSoftmax>, Option<Vec<f32>>) {
     let plan = ctx.plan;
-    let (h, d) = (plan.h, plan.d);
+    let (h, dv) = (plan.h, plan.dv);
     // Every slot and every stash entry a later step reads is written by an item first.
     let mut partials = super::pool::take(ctx.part.part_len);
     let mut stash = ctx.part.stash_len.map(super::pool::take);
@@ -65,7 +65,7 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         ctx.runner.for_each(groups, &|gi| {
             for token in gi * MERGE_TOKENS..plan.t.min((gi + 1) * MERGE_TOKENS) {
                 // SAFETY: each token's output row and statistics belong to one group only.
-                let (o, st) = unsafe { (ow.part(token * h * d, h * d), stw.part(token * h, h)) };
+                let (o, st) = unsafe { (ow.part(token * h * dv, h * dv), stw.part(token * h, h)) };
                 let si = ctx.part.seq_of_token[token] as usize;
                 let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
                 if lay.prefill {
@@ -79,10 +79,10 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
                 }
                 for head in 0..h {
                     let base =
-                        lay.part_base + ((token - sp.begin) * h + head) * lay.nchunks * (d + 2);
-                    let slots = &partials[base..base + lay.nchunks * (d + 2)];
-                    let o = &mut o[head * d..(head + 1) * d];
-                    st[head] = merge(slots, d, plan.sink(head), o);
+                        lay.part_base + ((token - sp.begin) * h + head) * lay.nchunks * (dv + 2);
+                    let slots = &partials[base..base + lay.nchunks * (dv + 2)];
+                    let o = &mut o[head * dv..(head + 1) * dv];
+                    st[head] = merge(slots, dv, plan.sink(head), o);
                 }
             }
         });

@@ -10,7 +10,9 @@ use super::partition::Item;
 use super::shared::SharedMut;
 use super::tile::{finite_outside, load_q, mask_tile, Ctx, Scratch};
 use crate::dtype::Float;
-use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
+use crate::kernel::layout::{
+    seen_by_all, seq_row, seq_value_row, tiles, visible_span, window_start,
+};
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// Runs one decode item.
@@ -23,7 +25,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
     sc: &mut Scratch,
 ) {
     let plan = ctx.plan;
-    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let (h, d, dv, g, bs) = (plan.h, plan.d, plan.dv, plan.g, plan.bs);
     let (si, chunk) = (it.seq as usize, it.chunk as usize);
     let (kvh0, kvh1) = (it.kvh0 as usize, it.kvh1 as usize);
     let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
@@ -36,7 +38,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
     let pos0 = sp.past + t0;
     let lo = k0.max(window_start(plan, pos0));
     let hi = k1.min(pos0 + nt);
-    sc.ensure(all_rows, d, bs);
+    sc.ensure(all_rows, (d, dv), bs);
     let Scratch {
         q: qbuf,
         acc: accbuf,
@@ -48,14 +50,15 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
         let r0 = (kvh - kvh0) * rows;
         load_q(plan, ctx.query, sp, kvh, t0, nt, &mut qbuf[r0 * d..]);
     }
-    accbuf[..all_rows * d].fill(0.0);
+    accbuf[..all_rows * dv].fill(0.0);
     stbuf[..all_rows].fill(OnlineSoftmax::EMPTY);
     let first_score = sp.n - sp.score_tokens;
     let tile_at = |j0: usize, j1: usize, kvh: usize| {
-        let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
+        let ko = seq_row(plan, ctx.block_indices, sp, kvh, j0);
+        let vo = seq_value_row(plan, ctx.block_indices, sp, kvh, j0);
         (
-            &ctx.kc[off..off + (j1 - j0) * d],
-            &ctx.vc[off..off + (j1 - j0) * d],
+            &ctx.kc[ko..ko + (j1 - j0) * d],
+            &ctx.vc[vo..vo + (j1 - j0) * dv],
         )
     };
     let steps =
@@ -94,15 +97,15 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             }
         }
         let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
-        if finite_outside(vt, n, d, (a - j0, b - j0)) {
+        if finite_outside(vt, n, dv, (a - j0, b - j0)) {
             m.dec_softmax_pv(
                 st,
                 rows,
                 n,
                 vt,
-                d,
+                dv,
                 &mut stbuf[r0..r0 + rows],
-                &mut accbuf[r0 * d..(r0 + rows) * d],
+                &mut accbuf[r0 * dv..(r0 + rows) * dv],
                 vn,
             );
         } else {
@@ -113,7 +116,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
                 vt,
                 (pos0, j0, j1),
                 &mut stbuf[r0..r0 + rows],
-                &mut accbuf[r0 * d..(r0 + rows) * d],
+                &mut accbuf[r0 * dv..(r0 + rows) * dv],
             );
         }
     }
@@ -122,14 +125,14 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
             let (ti, gi) = (r / g, r % g);
             let ri = (kvh - kvh0) * rows + r;
             let base = lay.part_base
-                + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (d + 2)
-                + chunk * (d + 2);
+                + ((t0 + ti) * h + kvh * g + gi) * lay.nchunks * (dv + 2)
+                + chunk * (dv + 2);
             // SAFETY: slot (row, chunk) is written by this item only (one item per query tile
             // and chunk, covering every KV head).
-            let slot = unsafe { pw.part(base, d + 2) };
+            let slot = unsafe { pw.part(base, dv + 2) };
             slot[0] = stbuf[ri].max;
             slot[1] = stbuf[ri].sum;
-            slot[2..].copy_from_slice(&accbuf[ri * d..(ri + 1) * d]);
+            slot[2..].copy_from_slice(&accbuf[ri * dv..(ri + 1) * dv]);
         }
     }
 }
@@ -147,14 +150,14 @@ fn per_row<M: Micro, C: Float>(
     st: &mut [OnlineSoftmax],
     acc: &mut [f32],
 ) {
-    let (d, g) = (plan.d, plan.g);
+    let (dv, g) = (plan.dv, plan.g);
     for r in 0..st.len() {
         let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
         let (a, b) = (a - j0, b - j0);
         if a < b {
             let w = &mut s[r * n + a..r * n + b];
-            let (row_st, row_acc) = (&mut st[r..r + 1], &mut acc[r * d..(r + 1) * d]);
-            m.dec_softmax_pv(w, 1, b - a, &v[a * d..b * d], d, row_st, row_acc, &[]);
+            let (row_st, row_acc) = (&mut st[r..r + 1], &mut acc[r * dv..(r + 1) * dv]);
+            m.dec_softmax_pv(w, 1, b - a, &v[a * dv..b * dv], dv, row_st, row_acc, &[]);
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Step 2: writes the new tokens' key/value rows (`[T, Hkv*D]`) into a cache.
+//! Step 2: writes the new tokens' key/value rows (`[T, Hkv*D]`, `[T, Hkv*Dv]`) into a cache.
 //!
 //! One task per (cache, KV head): rows of different KV heads never overlap, and inside a task tokens are
 //! written in the reference's order, so block tables that alias give the reference's result.
@@ -7,12 +7,13 @@ use super::micro::{Micro, TileMicro, U8Micro};
 use super::shared::SharedMut;
 use super::{on_level, OnMicro, SimdLevel};
 use crate::dtype::{as_f32, Float};
-use crate::kernel::layout::seq_row;
+use crate::kernel::layout::seq_row_of;
 use crate::op::Plan;
 use crate::threads::Runner;
 
-/// Writes `src` into `cache`, on the micro-kernels of the process's SIMD level. Safe for any
-/// plan: rows are disjoint by construction and every slice access is checked.
+/// Writes key rows `src` (`[T, Hkv*D]`) into key cache `cache`, on the micro-kernels of the
+/// process's SIMD level. Safe for any plan: rows are disjoint by construction and every slice
+/// access is checked.
 pub fn insert<Q: Float, C: Float>(
     runner: Runner,
     plan: &Plan,
@@ -34,7 +35,7 @@ pub fn insert<Q: Float, C: Float>(
                 m,
                 self.runner,
                 self.plan,
-                &mut [(src, cache)],
+                &mut [(src, cache, self.plan.d)],
                 self.block_indices,
             )
         }
@@ -51,26 +52,28 @@ pub fn insert<Q: Float, C: Float>(
     )
 }
 
-/// Writes every `(src, cache)` pair (the keys and the values of a call) in one parallel region,
-/// one task per (pair, KV head): a region less for the threads to meet at.
+/// Writes every `(src, cache, width)` triple (the keys, `D` wide, and the values, `Dv` wide, of
+/// a call) in one parallel region, one task per (triple, KV head): a region less for the
+/// threads to meet at.
 pub(crate) fn insert_all<M: Micro, Q: Float, C: Float>(
     m: M,
     runner: Runner,
     plan: &Plan,
-    pairs: &mut [(&[Q], &mut [C])],
+    pairs: &mut [(&[Q], &mut [C], usize)],
     block_indices: &[i32],
 ) {
-    let (d, hkv) = (plan.d, plan.hkv);
-    let jobs: Vec<(&[Q], SharedMut<'_, C>)> = pairs
+    let hkv = plan.hkv;
+    let jobs: Vec<(&[Q], SharedMut<'_, C>, usize)> = pairs
         .iter_mut()
-        .map(|(src, cache)| (*src, SharedMut::new(cache)))
+        .map(|(src, cache, width)| (*src, SharedMut::new(cache), *width))
         .collect();
     runner.for_each(jobs.len() * hkv, &|task| {
-        let ((src, w), head) = (&jobs[task / hkv.max(1)], task % hkv.max(1));
+        let ((src, w, width), head) = (&jobs[task / hkv.max(1)], task % hkv.max(1));
+        let d = *width;
         for sp in &plan.seqs {
             for i in 0..sp.n {
                 let pos = sp.past + i;
-                let dst = seq_row(plan, block_indices, sp, head, pos);
+                let dst = seq_row_of(plan, d, block_indices, sp, head, pos);
                 // SAFETY: each pair has its own cache, and the row includes `head`, so rows
                 // written by different tasks are disjoint; this task holds one row at a time.
                 let row = unsafe { w.part(dst, d) };

@@ -279,11 +279,6 @@ fn run_in(
         // Nothing to tile; the reference does no arithmetic here.
         return super::run_reference(plan, inputs, outputs);
     }
-    if plan.dv != plan.d {
-        // A value head size other than the key's runs on the reference kernels for now: the
-        // tiles, accumulators and partial-result slots of the fast kernels are D wide.
-        return super::run_reference(plan, inputs, outputs);
-    }
     struct Call<'p, 'a, 'b> {
         plan: &'p Plan,
         inputs: &'p mut PaInputs<'a>,
@@ -356,7 +351,10 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
             m,
             opts.runner,
             plan,
-            &mut [(b.key, &mut *b.key_cache), (b.value, &mut *b.value_cache)],
+            &mut [
+                (b.key, &mut *b.key_cache, plan.d),
+                (b.value, &mut *b.value_cache, plan.dv),
+            ],
             b.block_indices,
         );
         let part = partition::Partition::new(plan, opts.scores);
@@ -368,8 +366,11 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
             vc: b.value_cache,
             block_indices: b.block_indices,
             runner: opts.runner,
-            amx: amx_for::<Q, C>(opts)
-                .filter(|_| is_bf16::<Q>() || prefill_rows_finite(plan, &part, &b)),
+            // AMX tiles pack K and V alike (D wide): a value head of another size runs on the
+            // f32 tiles.
+            amx: amx_for::<Q, C>(opts).filter(|_| {
+                plan.dv == plan.d && (is_bf16::<Q>() || prefill_rows_finite(plan, &part, &b))
+            }),
         };
         let (stats, stash) = attention::attention(m, &ctx, b.output);
         match stash {

@@ -119,7 +119,7 @@ impl Partition {
                 part_base: part_len,
                 stash_base: stash_len,
             });
-            part_len += sp.n * h * if prefill { 2 } else { nchunks * (d + 2) };
+            part_len += sp.n * h * if prefill { 2 } else { nchunks * (plan.dv + 2) };
             stash_len += sp.score_tokens * h * sp.ctx();
             let heads_per_item = if prefill { 1 } else { plan.hkv };
             for kvh0 in (0..plan.hkv).step_by(heads_per_item) {

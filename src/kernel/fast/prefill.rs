@@ -14,7 +14,9 @@ use super::pool::{Buf, Pooled};
 use super::shared::SharedMut;
 use super::tile::{finite_outside, grow, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
-use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible_span, window_start};
+use crate::kernel::layout::{
+    seen_by_all, seq_row, seq_value_row, tiles, visible_span, window_start,
+};
 use crate::kernel::softmax::OnlineSoftmax;
 use crate::op::{Plan, SeqPlan};
 use crate::threads::Runner;
@@ -100,7 +102,7 @@ impl Scratch {
         m.transpose(qr, rows, d, qt, rows8);
         ItemBufs {
             qt,
-            state: RowState::new(rows, d, acc, mb, lb, cb),
+            state: RowState::new(rows, plan.dv, acc, mb, lb, cb),
             tiles: (st, kf, vf),
         }
     }
@@ -119,7 +121,7 @@ pub(super) fn aligned<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     &mut v[off..off + n]
 }
 
-/// One KV head's f32 K and V rows `[ctx][D]` (widened or dequantized once per call).
+/// One KV head's f32 K and V rows `[ctx][D]`, `[ctx][Dv]` (widened or dequantized once per call).
 pub(super) type KvRows<'a> = (&'a [f32], &'a [f32]);
 
 /// f32 copies of the K and V rows of the prefill sequences (f16/bf16 caches): each row is
@@ -127,34 +129,45 @@ pub(super) type KvRows<'a> = (&'a [f32], &'a [f32]);
 pub(crate) struct Widened {
     k: Buf<f32>,
     v: Buf<f32>,
-    /// Per sequence, the offsets of its K and V rows (`[Hkv][ctx][D]`), `None` when not
-    /// widened.
+    /// Per sequence, the offsets of its K and V rows (`[Hkv][ctx][D]`, `[Hkv][ctx][Dv]`),
+    /// `None` when not widened.
     base: Vec<Option<(usize, usize)>>,
 }
 
 impl Widened {
-    /// f32 K and V rows `[Hkv][ctx][D]` of the prefill sequences (`prefill(s)`), made by
-    /// `fill(s, kvh, k, v)` per (sequence, KV head) in parallel, which must write every element
-    /// of its rows (they start unspecified); `None` when there are none or they would exceed
-    /// `2*T*H*D` floats each (memory per call stays O(T*H*D)).
+    /// f32 K and V rows `[Hkv][ctx][D]`, `[Hkv][ctx][Dv]` of the prefill sequences
+    /// (`prefill(s)`), made by `fill(s, kvh, k, v)` per (sequence, KV head) in parallel, which
+    /// must write every element of its rows (they start unspecified); `None` when there are none
+    /// or they would exceed `2*T*H*max(D, Dv)` floats each (memory per call stays O(T*H*D)).
     pub(super) fn build(
         (plan, runner): (&Plan, Runner),
         prefill: impl Fn(usize) -> bool,
         fill: impl Fn(usize, usize, &mut [f32], &mut [f32]) + Sync,
     ) -> Option<Widened> {
-        let d = plan.d;
-        let budget = 2 * plan.t * plan.h * d;
-        let region = |sp: &SeqPlan| (sp.ctx() * d, sp.ctx() * d);
+        let (d, dv) = (plan.d, plan.dv);
+        let budget = 2 * plan.t * plan.h * d.max(dv);
+        let region = |sp: &SeqPlan| (sp.ctx() * d, sp.ctx() * dv);
         let sizes = (region, budget, false);
         let (k, v, base) = per_head_regions((plan, runner), prefill, sizes, fill)?;
         Some(Widened { k, v, base })
     }
 
-    /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s`.
+    /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s` (`n` = ctx*D
+    /// elements each: K and V of the same width).
     pub(super) fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<KvRows<'_>> {
+        self.rows_kv(s, kvh, (n, n))
+    }
+
+    /// As [`rows`](Self::rows), `(nk, nv)` = ctx*D, ctx*Dv elements.
+    pub(super) fn rows_kv(
+        &self,
+        s: usize,
+        kvh: usize,
+        (nk, nv): (usize, usize),
+    ) -> Option<KvRows<'_>> {
         self.base[s].map(|(bk, bv)| {
-            let (ok, ov) = (bk + kvh * n, bv + kvh * n);
-            (&self.k[ok..ok + n], &self.v[ov..ov + n])
+            let (ok, ov) = (bk + kvh * nk, bv + kvh * nv);
+            (&self.k[ok..ok + nk], &self.v[ov..ov + nv])
         })
     }
 }
@@ -221,7 +234,7 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
     ctx: &Ctx<'_, Q, C>,
 ) -> Option<Widened> {
     let plan = ctx.plan;
-    let (d, bs) = (plan.d, plan.bs);
+    let (d, dv, bs) = (plan.d, plan.dv, plan.bs);
     if TypeId::of::<C>() == TypeId::of::<f32>() {
         return None;
     }
@@ -231,10 +244,11 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
         |s, kvh, ka, va| {
             let sp = &plan.seqs[s];
             for (j0, j1) in tiles(0, sp.ctx(), bs) {
-                let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
-                let n = (j1 - j0) * d;
-                m.widen(&ctx.kc[off..off + n], &mut ka[j0 * d..j1 * d]);
-                m.widen(&ctx.vc[off..off + n], &mut va[j0 * d..j1 * d]);
+                let ko = seq_row(plan, ctx.block_indices, sp, kvh, j0);
+                let vo = seq_value_row(plan, ctx.block_indices, sp, kvh, j0);
+                let (nk, nv) = ((j1 - j0) * d, (j1 - j0) * dv);
+                m.widen(&ctx.kc[ko..ko + nk], &mut ka[j0 * d..j1 * d]);
+                m.widen(&ctx.vc[vo..vo + nv], &mut va[j0 * dv..j1 * dv]);
             }
         },
     )
@@ -319,18 +333,18 @@ pub(super) fn prefetch_out<Q>(
     (token0, nt, kvh): (usize, usize, usize),
     (lo, hi, j0): (usize, usize, usize),
 ) {
-    let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
+    let (h, dv, g, bs) = (plan.h, plan.dv, plan.g, plan.bs);
     let ntiles = (hi - 1) / bs - lo / bs + 1;
     let last = ntiles.min(OUT_AHEAD_TILES);
     let Some(part) = (j0 / bs - lo / bs).checked_sub(ntiles - last) else {
         return;
     };
     for t in token0 + nt * part / last..token0 + nt * (part + 1) / last {
-        out.prefetch((t * h + kvh * g) * d, g * d, (0, 1));
+        out.prefetch((t * h + kvh * g) * dv, g * dv, (0, 1));
     }
 }
 
-/// Writes each row's output `acc[r*lda..][..D] / l` and its `[m, l]` partial-result slot.
+/// Writes each row's output `acc[r*lda..][..Dv] / l` and its `[m, l]` partial-result slot.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn write_rows<Q: Float, C>(
     ctx: &Ctx<'_, Q, C>,
@@ -344,7 +358,7 @@ pub(super) fn write_rows<Q: Float, C>(
     out: &SharedMut<'_, Q>,
 ) {
     let plan = ctx.plan;
-    let (h, d, g) = (plan.h, plan.d, plan.g);
+    let (h, dv, g) = (plan.h, plan.dv, plan.g);
     let (sp, lay) = (&plan.seqs[ir.si], &ctx.part.seqs[ir.si]);
     for r in 0..ir.rows {
         let (ti, gi) = (r / g, r % g);
@@ -354,7 +368,7 @@ pub(super) fn write_rows<Q: Float, C>(
         let (slot, orow) = unsafe {
             (
                 pw.part(lay.part_base + row * 2, 2),
-                out.part((sp.begin * h + row) * d, d),
+                out.part((sp.begin * h + row) * dv, dv),
             )
         };
         let mut st = OnlineSoftmax {
@@ -365,7 +379,7 @@ pub(super) fn write_rows<Q: Float, C>(
         let inv = st.finish(plan.sink(kvh * g + gi));
         slot[0] = st.max;
         slot[1] = st.sum;
-        for (o, a) in orow.iter_mut().zip(&acc[r * lda..r * lda + d]) {
+        for (o, a) in orow.iter_mut().zip(&acc[r * lda..r * lda + dv]) {
             *o = Q::from_f32(a * inv);
         }
     }
@@ -404,7 +418,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     sc: &mut Scratch,
 ) {
     let plan = ctx.plan;
-    let d = plan.d;
+    let (d, dv) = (plan.d, plan.dv);
     let ir = ItemRows::new(ctx, it);
     let sp = &plan.seqs[ir.si];
     let rows8 = ir.rows.div_ceil(8) * 8;
@@ -418,7 +432,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         ctx,
         sp,
         kvh,
-        wide: wide.and_then(|w| w.rows(ir.si, kvh, sp.ctx() * d)),
+        wide: wide.and_then(|w| w.rows_kv(ir.si, kvh, (sp.ctx() * d, sp.ctx() * dv))),
     };
     let span = (ir.pos0, ir.nt, ir.lo, ir.hi);
     attend(
@@ -445,10 +459,10 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let RowState {
         acc, m: mb, l: lb, ..
     } = state;
-    write_rows(ctx, &ir, kvh, acc, d, mb, lb, pw, out);
+    write_rows(ctx, &ir, kvh, acc, dv, mb, lb, pw, out);
 }
 
-/// The running state of a prefill item's rows: accumulators `[rows][D]` and the lane-wise
+/// The running state of a prefill item's rows: accumulators `[rows][Dv]` and the lane-wise
 /// softmax state (`m`, `l`, and `c`, the last step's rescale factors).
 pub(super) struct RowState<'a> {
     pub acc: &'a mut [f32],
@@ -459,17 +473,17 @@ pub(super) struct RowState<'a> {
 }
 
 impl<'a> RowState<'a> {
-    /// Fresh state for `rows` rows, in the given per-thread buffers.
+    /// Fresh state for `rows` rows (accumulators `dv` wide), in the given per-thread buffers.
     pub fn new(
         rows: usize,
-        d: usize,
+        dv: usize,
         acc: &'a mut Vec<f32>,
         m: &'a mut Vec<f32>,
         l: &'a mut Vec<f32>,
         c: &'a mut Vec<f32>,
     ) -> RowState<'a> {
         let rows8 = rows.div_ceil(8) * 8;
-        let acc = aligned(acc, rows * d);
+        let acc = aligned(acc, rows * dv);
         let (m, l, c) = (aligned(m, rows8), aligned(l, rows8), aligned(c, rows8));
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
@@ -486,7 +500,7 @@ pub(super) trait TileSource {
     /// The f32 keys `j0..j1` (`[n][D]`, inside one cache block); `buf` (`n*D` floats) holds
     /// them when they are not f32 in memory.
     fn keys<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32];
-    /// The f32 values `j0..j1`, as `keys`.
+    /// The f32 values `j0..j1` (`[n][Dv]`), as `keys` (`buf`: `n*Dv` floats).
     fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32];
     /// What to load while tile `j0..j1`'s logits are computed (its values), if anything.
     fn values_ahead(&self, j0: usize, j1: usize) -> &[Self::Pf];
@@ -506,10 +520,13 @@ struct CacheTiles<'c, 'a, M, Q, C> {
 
 impl<M: TileMicro, Q, C: Float> CacheTiles<'_, '_, M, Q, C> {
     fn tile(&self, j0: usize, j1: usize) -> (&[C], &[C]) {
-        let (plan, d) = (self.ctx.plan, self.ctx.plan.d);
-        let off = seq_row(plan, self.ctx.block_indices, self.sp, self.kvh, j0);
-        let n = (j1 - j0) * d;
-        (&self.ctx.kc[off..off + n], &self.ctx.vc[off..off + n])
+        let (plan, n) = (self.ctx.plan, j1 - j0);
+        let ko = seq_row(plan, self.ctx.block_indices, self.sp, self.kvh, j0);
+        let vo = seq_value_row(plan, self.ctx.block_indices, self.sp, self.kvh, j0);
+        (
+            &self.ctx.kc[ko..ko + n * plan.d],
+            &self.ctx.vc[vo..vo + n * plan.dv],
+        )
     }
 
     fn rows<'s>(&'s self, x: &'s [C], buf: &'s mut [f32]) -> &'s [f32] {
@@ -534,9 +551,9 @@ impl<M: TileMicro, Q, C: Float> TileSource for CacheTiles<'_, '_, M, Q, C> {
         }
     }
     fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
-        let d = self.ctx.plan.d;
+        let dv = self.ctx.plan.dv;
         match self.wide {
-            Some((_, v)) => &v[j0 * d..j1 * d],
+            Some((_, v)) => &v[j0 * dv..j1 * dv],
             None => self.rows(self.tile(j0, j1).1, buf),
         }
     }
@@ -574,11 +591,11 @@ pub(super) fn attend<M: TileMicro, S: TileSource>(
     (st, kf, vf): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
     mut on_logits: impl FnMut(&[f32], usize, usize),
 ) {
-    let (d, g, bs) = (plan.d, plan.g, plan.bs);
+    let (d, dv, g, bs) = (plan.d, plan.dv, plan.g, plan.bs);
     let rows = state.rows;
     let rows8 = rows.div_ceil(8) * 8;
     let st = aligned(st, bs * rows8);
-    let (kf, vf) = (aligned(kf, bs * d), aligned(vf, bs * d));
+    let (kf, vf) = (aligned(kf, bs * d), aligned(vf, bs * dv));
     let RowState {
         acc,
         m: mb,
@@ -614,15 +631,15 @@ pub(super) fn attend<M: TileMicro, S: TileSource>(
         m.softmax_t(st, rows8, rows, n, mb, lb, cb);
         let vx = src.values(j0, j1, vf);
         let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
-        if finite_outside(vx, n, d, (a - j0, b - j0)) {
+        if finite_outside(vx, n, dv, (a - j0, b - j0)) {
             // Kernels that prefetch take all rows in one call (their requests spread over it).
             let pvr = if M::PREFETCHES { rows } else { PV_ROWS };
             let parts = rows.div_ceil(pvr);
             for (i, r) in (0..rows).step_by(pvr).enumerate() {
                 let rr = pvr.min(rows - r);
                 let pf = slice_part(kn, i, parts);
-                let (p, a) = (&st[r..], &mut acc[r * d..]);
-                m.pv_t(p, rows8, rr, vx, n, d, &cb[r..], a, pf);
+                let (p, a) = (&st[r..], &mut acc[r * dv..]);
+                m.pv_t(p, rows8, rr, vx, n, dv, &cb[r..], a, pf);
                 if !M::PREFETCHES {
                     prefetch_part(pf, 0, 1);
                 }
@@ -633,9 +650,9 @@ pub(super) fn attend<M: TileMicro, S: TileSource>(
                 let (a, b) = visible_span(plan, pos0 + r / g, j0, j1);
                 let (a, b) = (a - j0, b - j0);
                 if a < b {
-                    let (p, v) = (&st[a * rows8 + r..], &vx[a * d..b * d]);
-                    let (cr, ar) = (&cb[r..], &mut acc[r * d..]);
-                    m.pv_t(p, rows8, 1, v, b - a, d, cr, ar, &kn[..0]);
+                    let (p, v) = (&st[a * rows8 + r..], &vx[a * dv..b * dv]);
+                    let (cr, ar) = (&cb[r..], &mut acc[r * dv..]);
+                    m.pv_t(p, rows8, 1, v, b - a, dv, cr, ar, &kn[..0]);
                 }
             }
         }

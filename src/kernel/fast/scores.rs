@@ -182,7 +182,7 @@ fn score_logits<M: Micro, Q: Float, C: Float>(
     if lo >= hi {
         return;
     }
-    sc.ensure(rows, d, bs);
+    sc.ensure(rows, (d, 0), bs);
     let Scratch { q, s: st, .. } = sc;
     load_q(plan, ctx.query, sp, kvh, t0, nt, q);
     for (a0, a1) in tiles(lo, hi, bs) {

@@ -43,9 +43,10 @@ pub(crate) fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
 }
 
 impl Scratch {
-    pub fn ensure(&mut self, rows: usize, d: usize, bs: usize) {
+    /// Room for `rows` query rows `d` wide, their accumulators `dv` wide and logits of `bs` keys.
+    pub fn ensure(&mut self, rows: usize, (d, dv): (usize, usize), bs: usize) {
         grow(&mut self.q, rows * d);
-        grow(&mut self.acc, rows * d);
+        grow(&mut self.acc, rows * dv);
         grow(&mut self.s, rows * bs);
         grow(&mut self.st, rows);
     }
