@@ -31,19 +31,6 @@ pub(crate) fn seq_row_of(
     row_at(plan, width, block, head, pos % plan.bs)
 }
 
-/// Offset of the value cache row of KV head `head` at logical position `pos` of sequence `sp`
-/// (rows `plan.dv` wide).
-#[inline(always)]
-pub(crate) fn seq_value_row(
-    plan: &Plan,
-    block_indices: &[i32],
-    sp: &SeqPlan,
-    head: usize,
-    pos: usize,
-) -> usize {
-    seq_row_of(plan, plan.dv, block_indices, sp, head, pos)
-}
-
 /// Physical block of logical position `pos` of a sequence whose block list starts at `block_begin`.
 #[inline(always)]
 pub(crate) fn block_of(block_indices: &[i32], block_begin: usize, bs: usize, pos: usize) -> usize {

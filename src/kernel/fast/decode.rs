@@ -10,9 +10,7 @@ use super::partition::Item;
 use super::shared::SharedMut;
 use super::tile::{finite_outside, load_q, mask_tile, Ctx, Scratch};
 use crate::dtype::Float;
-use crate::kernel::layout::{
-    seen_by_all, seq_row, seq_value_row, tiles, visible_span, window_start,
-};
+use crate::kernel::layout::{seen_by_all, seq_row, seq_row_of, tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// Runs one decode item.
@@ -55,7 +53,7 @@ pub(crate) fn run_decode_item<M: Micro, Q: Float, C: Float>(
     let first_score = sp.n - sp.score_tokens;
     let tile_at = |j0: usize, j1: usize, kvh: usize| {
         let ko = seq_row(plan, ctx.block_indices, sp, kvh, j0);
-        let vo = seq_value_row(plan, ctx.block_indices, sp, kvh, j0);
+        let vo = seq_row_of(plan, plan.dv, ctx.block_indices, sp, kvh, j0);
         (
             &ctx.kc[ko..ko + (j1 - j0) * d],
             &ctx.vc[vo..vo + (j1 - j0) * dv],

@@ -14,9 +14,7 @@ use super::pool::{Buf, Pooled};
 use super::shared::SharedMut;
 use super::tile::{finite_outside, grow, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
-use crate::kernel::layout::{
-    seen_by_all, seq_row, seq_value_row, tiles, visible_span, window_start,
-};
+use crate::kernel::layout::{seen_by_all, seq_row, seq_row_of, tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;
 use crate::op::{Plan, SeqPlan};
 use crate::threads::Runner;
@@ -245,7 +243,7 @@ pub(crate) fn prewiden<M: TileMicro, Q: Float, C: Float>(
             let sp = &plan.seqs[s];
             for (j0, j1) in tiles(0, sp.ctx(), bs) {
                 let ko = seq_row(plan, ctx.block_indices, sp, kvh, j0);
-                let vo = seq_value_row(plan, ctx.block_indices, sp, kvh, j0);
+                let vo = seq_row_of(plan, plan.dv, ctx.block_indices, sp, kvh, j0);
                 let (nk, nv) = ((j1 - j0) * d, (j1 - j0) * dv);
                 m.widen(&ctx.kc[ko..ko + nk], &mut ka[j0 * d..j1 * d]);
                 m.widen(&ctx.vc[vo..vo + nv], &mut va[j0 * dv..j1 * dv]);
@@ -522,7 +520,7 @@ impl<M: TileMicro, Q, C: Float> CacheTiles<'_, '_, M, Q, C> {
     fn tile(&self, j0: usize, j1: usize) -> (&[C], &[C]) {
         let (plan, n) = (self.ctx.plan, j1 - j0);
         let ko = seq_row(plan, self.ctx.block_indices, self.sp, self.kvh, j0);
-        let vo = seq_value_row(plan, self.ctx.block_indices, self.sp, self.kvh, j0);
+        let vo = seq_row_of(plan, plan.dv, self.ctx.block_indices, self.sp, self.kvh, j0);
         (
             &self.ctx.kc[ko..ko + n * plan.d],
             &self.ctx.vc[vo..vo + n * plan.dv],
