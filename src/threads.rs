@@ -96,6 +96,63 @@ pub fn item_counts() -> ItemCounts {
     }
 }
 
+/// The time of every item of the parallel regions run on [`Runner::Serial`] while a log is
+/// open (feature `test-hooks`, never in the shipped library): what `examples/scaling_sim.rs`
+/// replays onto more threads.
+#[cfg(feature = "test-hooks")]
+pub mod timing {
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    /// One item: its region (in the order the call ran them), its index there, and its time.
+    #[derive(Clone, Copy, Debug)]
+    pub struct ItemTime {
+        pub region: u32,
+        pub item: u32,
+        pub ns: u64,
+    }
+
+    /// Open log, and the number of regions logged so far.
+    static LOG: Mutex<Option<(Vec<ItemTime>, u32)>> = Mutex::new(None);
+
+    /// Opens a fresh log.
+    pub fn start() {
+        *LOG.lock().unwrap_or_else(|e| e.into_inner()) = Some((Vec::new(), 0));
+    }
+
+    /// Closes the log and returns its items.
+    pub fn stop() -> Vec<ItemTime> {
+        let mut log = LOG.lock().unwrap_or_else(|e| e.into_inner());
+        log.take().map(|(v, _)| v).unwrap_or_default()
+    }
+
+    pub(super) fn on() -> bool {
+        LOG.lock().map(|l| l.is_some()).unwrap_or(false)
+    }
+
+    /// A serial region with each item timed.
+    pub(super) fn serial_for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
+        let mut times = Vec::with_capacity(n);
+        let mut t0 = Instant::now();
+        for i in 0..n {
+            super::run_item(f, i);
+            // One clock read per item: its overhead counts in the item, not in the serial time.
+            let t1 = Instant::now();
+            times.push((t1 - t0).as_nanos() as u64);
+            t0 = t1;
+        }
+        if let Some((v, regions)) = LOG.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            let region = *regions;
+            *regions += 1;
+            v.extend(times.iter().enumerate().map(|(i, &ns)| ItemTime {
+                region,
+                item: i as u32,
+                ns,
+            }));
+        }
+    }
+}
+
 fn run_item(f: &(dyn Fn(usize) + Sync), i: usize) {
     f(i);
     ITEMS[KIND.with(Cell::get)].fetch_add(1, Ordering::Relaxed);
@@ -109,6 +166,8 @@ impl Runner {
             return;
         }
         match self {
+            #[cfg(feature = "test-hooks")]
+            Runner::Serial if timing::on() => timing::serial_for_each(n, f),
             Runner::Serial => (0..n).for_each(|i| run_item(f, i)),
             Runner::Auto if rayon::current_thread_index().is_some() => rayon_for_each(n, f),
             Runner::Auto => match library_pool() {

@@ -15,8 +15,11 @@ use super::tile::{Ctx, SCRATCH};
 use crate::dtype::Float;
 use crate::kernel::softmax::OnlineSoftmax;
 
-/// Tokens per merge task (the merge of one token is a few microseconds).
-const MERGE_TOKENS: usize = 8;
+/// (token, head) rows per merge task at least: a decode row's merge takes a fraction of a
+/// microsecond to a few, and a call of few decoding tokens must still give many threads work.
+const MERGE_ROWS: usize = 16;
+/// Merge tasks a call aims for at most (a prefill row's merge is a copy of two floats).
+const MERGE_TASKS: usize = 256;
 
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
@@ -61,29 +64,27 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
     {
         let ow = SharedMut::new(out);
         let stw = SharedMut::new(&mut stats);
-        let groups = plan.t.div_ceil(MERGE_TOKENS);
-        ctx.runner.for_each(groups, &|gi| {
-            for token in gi * MERGE_TOKENS..plan.t.min((gi + 1) * MERGE_TOKENS) {
-                // SAFETY: each token's output row and statistics belong to one group only.
-                let (o, st) = unsafe { (ow.part(token * h * dv, h * dv), stw.part(token * h, h)) };
+        let rows = plan.t * h;
+        let per = MERGE_ROWS.max(rows.div_ceil(MERGE_TASKS));
+        ctx.runner.for_each(rows.div_ceil(per), &|gi| {
+            for row in gi * per..rows.min((gi + 1) * per) {
+                let (token, head) = (row / h, row % h);
                 let si = ctx.part.seq_of_token[token] as usize;
                 let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
+                // SAFETY: each (token, head) row's statistics and output belong to one task.
+                let st = unsafe { &mut stw.part(row, 1)[0] };
                 if lay.prefill {
                     // The item wrote the output row; only its statistics are here.
-                    let base = lay.part_base + (token - sp.begin) * h * 2;
-                    for (head, s) in st.iter_mut().enumerate() {
-                        let (max, sum) = (partials[base + 2 * head], partials[base + 2 * head + 1]);
-                        *s = OnlineSoftmax { max, sum };
-                    }
+                    let base = lay.part_base + ((token - sp.begin) * h + head) * 2;
+                    let (max, sum) = (partials[base], partials[base + 1]);
+                    *st = OnlineSoftmax { max, sum };
                     continue;
                 }
-                for head in 0..h {
-                    let base =
-                        lay.part_base + ((token - sp.begin) * h + head) * lay.nchunks * (dv + 2);
-                    let slots = &partials[base..base + lay.nchunks * (dv + 2)];
-                    let o = &mut o[head * dv..(head + 1) * dv];
-                    st[head] = merge(slots, dv, plan.sink(head), o);
-                }
+                let base = lay.part_base + ((token - sp.begin) * h + head) * lay.nchunks * (dv + 2);
+                let slots = &partials[base..base + lay.nchunks * (dv + 2)];
+                // SAFETY: as above.
+                let o = unsafe { ow.part(row * dv, dv) };
+                *st = merge(slots, dv, plan.sink(head), o);
             }
         });
     }

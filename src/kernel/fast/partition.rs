@@ -19,6 +19,10 @@ pub(crate) const MAX_CHUNKS: usize = 64;
 /// sequences decode (one long context is split further). Like every cut, independent of the
 /// thread count.
 pub(crate) const MIN_DECODE_ITEMS: usize = 64;
+/// Decode items a call is cut into at least by splitting items across KV heads (which changes
+/// no arithmetic: each row's keys and chunks stay the same), so that 16 to 64 threads find
+/// enough items to end together (the scaling simulation, `examples/scaling_sim.rs`).
+pub(crate) const DECODE_ITEMS_PER_HEAD_SPLIT: usize = 512;
 /// Fewest keys a decode chunk is cut to (below this, per-chunk start-up and merge costs win).
 pub(crate) const MIN_CHUNK_KEYS: usize = 128;
 /// Score logits stashed during attention, at most this many f32 beyond 8*T*H*D (16 MiB).
@@ -96,7 +100,6 @@ impl Partition {
             seq_of_token[sp.begin..sp.begin + sp.n].fill(s as u32);
             let prefill = sp.n > decode_qtok;
             let qtok = if prefill { prefill_qtok } else { decode_qtok };
-            let nqt = sp.n.div_ceil(qtok);
             let (mut nchunks, mut chunk0, mut chunk_len) = (1, 0, sp.ctx().max(1));
             if !prefill && sp.n > 0 {
                 // Decode-like: split the visible keys of the tile into block-aligned chunks.
@@ -121,12 +124,29 @@ impl Partition {
             });
             part_len += sp.n * h * if prefill { 2 } else { nchunks * (plan.dv + 2) };
             stash_len += sp.score_tokens * h * sp.ctx();
-            let heads_per_item = if prefill { 1 } else { plan.hkv };
-            for kvh0 in (0..plan.hkv).step_by(heads_per_item) {
+        }
+        // Decode items take every KV head of their query tile and chunk (whole blocks), unless
+        // that leaves fewer than DECODE_ITEMS_PER_HEAD_SPLIT items: then they take a divisor of
+        // Hkv heads each.
+        let decode_items: usize = seqs
+            .iter()
+            .zip(&plan.seqs)
+            .filter(|(l, sp)| !l.prefill && sp.n > 0)
+            .map(|(l, sp)| sp.n.div_ceil(l.qtok) * l.nchunks)
+            .sum();
+        let split = DECODE_ITEMS_PER_HEAD_SPLIT.div_ceil(decode_items.max(1));
+        let decode_heads = (1..=plan.hkv.max(1))
+            .rev()
+            .find(|&k| plan.hkv % k == 0 && plan.hkv / k >= split.min(plan.hkv))
+            .unwrap_or(1);
+        for (s, (sp, lay)) in plan.seqs.iter().zip(&seqs).enumerate() {
+            let nqt = sp.n.div_ceil(lay.qtok);
+            let heads_per_item = if lay.prefill { 1 } else { decode_heads };
+            for kvh0 in (0..plan.hkv).step_by(heads_per_item.max(1)) {
                 // Last query tiles first: under causal masks they see the most keys, so the
                 // threads end on small items (work stealing then balances them).
                 for qt in (0..nqt).rev() {
-                    for chunk in 0..nchunks {
+                    for chunk in 0..lay.nchunks {
                         items.push(Item {
                             seq: s as u32,
                             kvh0: kvh0 as u32,

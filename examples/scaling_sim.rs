@@ -1,0 +1,217 @@
+//! Scaling past the cores this machine has, predicted: runs each benchmark workload of
+//! `tools/bench.py` (H=32, Hkv=8, D=128, block 32, f32 query; cache type per run) on one thread
+//! with every item of every parallel region timed (feature `test-hooks`), then replays those
+//! items onto P = 2..64 virtual threads the way a host's parallel-for runs our regions (each free
+//! thread claims the next item in order, as `threads.rs` does on OpenVINO's threads), regions
+//! one after another, and the time outside the regions serial.
+//!
+//! Reports per workload the predicted speed-up T1/TP and parallel efficiency T1/(P*TP), and the
+//! idle tail of its largest region (the share of the P threads' time spent waiting for the
+//! last item). Region fork/join costs are not modelled (a few microseconds each on a host's
+//! threads), so the figures are upper bounds where a call has many regions of short items. The
+//! 2-thread prediction is printed beside a measured 2-thread run on the library's pool.
+//!
+//! `cargo run --release --features test-hooks --example scaling_sim -- [f32|f16|bf16] [reps]`
+
+use half::{bf16, f16};
+use paged_attention::threads::{timing, Runner};
+use paged_attention::{execute_on, Float, PaInputs, PaOutputs, Tensor, TensorMut};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+const H: usize = 32;
+const HKV: usize = 8;
+const D: usize = 128;
+const BS: usize = 32;
+const THREADS: [usize; 7] = [2, 4, 8, 16, 32, 48, 64];
+
+/// The workloads of tools/bench.py: name and (past, new) per sequence.
+fn workloads() -> Vec<(&'static str, Vec<(usize, usize)>)> {
+    let mut mixed = vec![(768, 256)];
+    mixed.extend([(1024, 1); 15]);
+    vec![
+        ("decode 16 x 1024 past", vec![(1024, 1); 16]),
+        ("decode 4 x 4096 past", vec![(4096, 1); 4]),
+        ("prefill 1 x 1024", vec![(0, 1024)]),
+        ("mixed 256 on 768 + 15 x 1024 decode", mixed),
+    ]
+}
+
+fn noise<Q: Float>(n: usize, seed: u64) -> Vec<Q> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            Q::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// Greedy replay of one region's items (in claim order) on `p` threads: its makespan.
+fn makespan(items: &[u64], p: usize) -> u64 {
+    let mut free = vec![0u64; p];
+    for &c in items {
+        let (i, _) = free
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, &t)| t)
+            .unwrap_or((0, &0));
+        free[i] += c;
+    }
+    free.into_iter().max().unwrap_or(0)
+}
+
+/// One workload: T1 wall ns of the timed serial run, its items per region, and the measured
+/// min wall ns on rayon pools of 1 and 2 threads.
+fn run<C: Float>(seqs: &[(usize, usize)], reps: usize) -> (u64, Vec<Vec<u64>>, [u64; 2])
+where
+    for<'a> paged_attention::ElemsMut<'a>: From<&'a mut Vec<C>> + From<&'a mut Vec<f32>>,
+    for<'a> paged_attention::Elems<'a>: From<&'a Vec<f32>>,
+{
+    let t: usize = seqs.iter().map(|s| s.1).sum();
+    let blocks: Vec<usize> = seqs.iter().map(|&(p, n)| (p + n).div_ceil(BS)).collect();
+    let nb: usize = blocks.iter().sum();
+    let bi: Vec<i32> = (0..nb).map(|i| ((i * 7919) % nb) as i32).collect();
+    let (mut past, mut begins, mut bib) = (vec![], vec![0i32], vec![0i32]);
+    for (&(p, n), &b) in seqs.iter().zip(&blocks) {
+        past.push(p as i32);
+        begins.push(begins.last().copied().unwrap_or(0) + n as i32);
+        bib.push(bib.last().copied().unwrap_or(0) + b as i32);
+    }
+    let (q, k, v) = (
+        noise::<f32>(t * H * D, 1),
+        noise::<f32>(t * HKV * D, 2),
+        noise::<f32>(t * HKV * D, 3),
+    );
+    let mut kc: Vec<C> = noise(nb * HKV * BS * D, 4);
+    let mut vc: Vec<C> = noise(nb * HKV * BS * D, 5);
+    let mut out = vec![0f32; t * H * D];
+    let mut scores = vec![0f32; t + past.iter().sum::<i32>() as usize];
+    let b = seqs.len();
+    let mut call = |runner: Runner| {
+        let mut inputs = PaInputs {
+            query: Tensor::new(&[t, H * D], &q),
+            key: Tensor::new(&[t, HKV * D], &k),
+            value: Tensor::new(&[t, HKV * D], &v),
+            key_cache: TensorMut::new(&[nb, HKV, BS, D], &mut kc),
+            value_cache: TensorMut::new(&[nb, HKV, BS, D], &mut vc),
+            past_lens: Tensor::new(&[b], &past),
+            subsequence_begins: Tensor::new(&[b + 1], &begins),
+            block_indices: Tensor::new(&[nb], &bi),
+            block_indices_begins: Tensor::new(&[b + 1], &bib),
+            scale: None,
+            sliding_window: None,
+            alibi_slopes: None,
+            rotated_block_indices: None,
+            rotation_deltas: None,
+            rotation_trig_lut: None,
+            score_aggregation_window: None,
+            sinks: None,
+        };
+        let n_scores = scores.len();
+        let mut outputs = PaOutputs {
+            output: TensorMut::new(&[t, H * D], &mut out),
+            scores: TensorMut::new(&[n_scores], &mut scores),
+        };
+        let t0 = Instant::now();
+        execute_on(runner, &mut inputs, &mut outputs).expect("valid call");
+        t0.elapsed().as_nanos() as u64
+    };
+    call(Runner::Serial);
+    let mut best: Option<(u64, Vec<timing::ItemTime>)> = None;
+    for _ in 0..reps {
+        timing::start();
+        let ns = call(Runner::Serial);
+        let log = timing::stop();
+        if best.as_ref().is_none_or(|(b, _)| ns < *b) {
+            best = Some((ns, log));
+        }
+    }
+    let (t1, log) = best.unwrap_or_default();
+    let mut regions: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    for it in log {
+        regions.entry(it.region).or_default().push(it.ns);
+    }
+    let mut measured = [0u64; 2];
+    for (n, m) in measured.iter_mut().enumerate() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n + 1)
+            .build()
+            .expect("a rayon pool");
+        // Runner::Auto runs on the rayon pool of the calling thread.
+        *m = pool.install(|| {
+            (0..=reps)
+                .map(|_| call(Runner::Auto))
+                .skip(1)
+                .min()
+                .unwrap_or(0)
+        });
+    }
+    (t1, regions.into_values().collect(), measured)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let cache = args.get(1).map(String::as_str).unwrap_or("f32");
+    let reps = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(7);
+    println!("Predicted parallel efficiency T1/(P*TP), {cache} cache, f32 query, H={H} Hkv={HKV} D={D} BS={BS}");
+    print!("| workload | T1 ms | regions; items in the largest | measured T1/T2 (rayon pools of 1 and 2) | predicted T1/T2 |");
+    for p in THREADS.iter().skip(1) {
+        print!(" P={p} |");
+    }
+    println!(" idle tail of the largest region at 16 / 32 |");
+    print!("|---|---|---|---|---|");
+    for _ in THREADS.iter().skip(1) {
+        print!("---|");
+    }
+    println!("---|");
+    for (name, seqs) in workloads() {
+        let (t1, regions, [m1, m2]) = match cache {
+            "f16" => run::<f16>(&seqs, reps),
+            "bf16" => run::<bf16>(&seqs, reps),
+            _ => run::<f32>(&seqs, reps),
+        };
+        let in_regions: u64 = regions.iter().flatten().sum();
+        let serial = t1.saturating_sub(in_regions);
+        if std::env::var_os("SCALING_SIM_DETAIL").is_some() {
+            eprintln!("{name}: serial {:.3} ms", serial as f64 / 1e6);
+            for r in &regions {
+                let (s, mx) = (r.iter().sum::<u64>(), r.iter().max().copied().unwrap_or(0));
+                eprintln!(
+                    "  region: {} items, {:.3} ms, longest {:.3} ms, makespan at 16: {:.3} ms",
+                    r.len(),
+                    s as f64 / 1e6,
+                    mx as f64 / 1e6,
+                    makespan(r, 16) as f64 / 1e6
+                );
+            }
+        }
+        let predict = |p: usize| serial + regions.iter().map(|r| makespan(r, p)).sum::<u64>();
+        let largest = regions
+            .iter()
+            .max_by_key(|r| r.iter().sum::<u64>())
+            .cloned()
+            .unwrap_or_default();
+        let tail = |p: usize| {
+            let m = makespan(&largest, p) as f64;
+            1.0 - largest.iter().sum::<u64>() as f64 / (p as f64 * m).max(1.0)
+        };
+        print!(
+            "| {name} | {:.2} | {}; {} | {:.2}x | {:.2}x |",
+            t1 as f64 / 1e6,
+            regions.len(),
+            largest.len(),
+            m1 as f64 / m2.max(1) as f64,
+            t1 as f64 / predict(2) as f64
+        );
+        for &p in THREADS.iter().skip(1) {
+            print!(
+                " {:.0}% |",
+                100.0 * t1 as f64 / (p as f64 * predict(p) as f64)
+            );
+        }
+        println!(" {:.0}% / {:.0}% |", 100.0 * tail(16), 100.0 * tail(32));
+    }
+}
