@@ -26,11 +26,15 @@ cargo test --release --workspace
 # in target/ would overwrite the shipped ones). Only the library, the OpenVINO extension (for
 # one Python test) and the test binaries below are built there, not the engine.
 HOOKS=(--release --no-default-features --features paged_attention/test-hooks)
+HOOK_TESTS=(--test host_runner --test pool_affinity --test amx --test nonfinite --test u8_attention
+  --test header_abi --test c_abi)
 echo "== rust tests of the test hooks (feature test-hooks, target/test-hooks)"
-CARGO_TARGET_DIR=target/test-hooks cargo build "${HOOKS[@]}" -p paged_attention_openvino
-CARGO_TARGET_DIR=target/test-hooks cargo test "${HOOKS[@]}" -p paged_attention \
-  --test host_runner --test pool_affinity --test amx --test nonfinite --test u8_attention \
-  --test header_abi --test c_abi
+# One build of the extension and the test binaries, so the library is compiled once: the tests'
+# dev-dependencies change features of its dependencies (rayon's either), so the extension built
+# alone would need a library of its own.
+CARGO_TARGET_DIR=target/test-hooks cargo build "${HOOKS[@]}" -p paged_attention -p paged_attention_openvino \
+  --lib "${HOOK_TESTS[@]}"
+CARGO_TARGET_DIR=target/test-hooks cargo test "${HOOKS[@]}" -p paged_attention "${HOOK_TESTS[@]}"
 
 echo "== instruction-set tiers this machine exercised against their scalar twins"
 # (Informational: the tests above already assert that every tier the CPU has was run.)
