@@ -5,7 +5,8 @@
 # float64 reference, validation, shape inference, C ABI, C/C++ programs, the C programs under
 # valgrind, IR loader, cache manager, install to a prefix), Python tests in OpenVINO, the golden
 # conformance suite through both our executor and OpenVINO with the extension, and a short run of every fuzz target (FUZZ_SECONDS each, default 25; 0
-# skips it), which fails the command if it finds a crash.
+# skips it), which fails the command if it finds a crash. The tests that read the test hooks
+# (Cargo feature test-hooks) also run on a build with them, in target/test-hooks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
