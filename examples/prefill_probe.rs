@@ -4,9 +4,11 @@
 //! default bf16). The tier is the process's (`PA_SIMD` caps it), the threads the library
 //! pool's (`PA_NUM_THREADS`):
 //! `PA_NUM_THREADS=2 PA_SIMD=avx2 target/release/examples/prefill_probe bf16 20 f32`.
+//! The count of prefill items run on AMX tiles is printed when built with `--features
+//! test-hooks` (which adds a counter increment per item: time the default build).
 
 use half::{bf16, f16};
-use paged_attention::kernel::fast::{amx_items_run, SimdLevel};
+use paged_attention::kernel::fast::SimdLevel;
 use paged_attention::{execute, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
 
@@ -93,12 +95,20 @@ where
     (best, cpu / reps as f64)
 }
 
+/// AMX prefill items run so far (feature `test-hooks` only).
+fn amx_items() -> Option<u64> {
+    #[cfg(feature = "test-hooks")]
+    return Some(paged_attention::kernel::fast::amx_items_run());
+    #[cfg(not(feature = "test-hooks"))]
+    None
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let cache = args.get(1).map(String::as_str).unwrap_or("bf16");
     let reps = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);
     let query = args.get(3).map(String::as_str).unwrap_or("bf16");
-    let before = amx_items_run();
+    let before = amx_items();
     let (ms, cpu) = match (query, cache) {
         ("f32", "f32") => bench::<f32, f32>(reps),
         ("f32", "f16") => bench::<f32, f16>(reps),
@@ -111,6 +121,9 @@ fn main() {
         "prefill 1x{T} H={H} Hkv={HKV} D={D} BS={BS} q={query} c={cache}: {ms:.2} ms (min of {reps}), CPU {cpu:.2} ms/call, tier {:?}, PA_NUM_THREADS={}, AMX items {}",
         SimdLevel::from_env(),
         std::env::var("PA_NUM_THREADS").unwrap_or_else(|_| "(default)".into()),
-        amx_items_run() - before
+        match (before, amx_items()) {
+            (Some(b), Some(a)) => (a - b).to_string(),
+            _ => "not counted (build with --features test-hooks)".into(),
+        }
     );
 }

@@ -199,16 +199,6 @@ pa_status pa_set_num_threads(size_t n);
 /* The number of threads the library's pool has (or will have when first used). Never fails. */
 size_t pa_get_num_threads(void);
 
-/* Work items run so far in this process, by kind of thread (to check where work went). */
-typedef struct pa_item_counts {
-    uint64_t pool;  /* by the library's own pool workers */
-    uint64_t host;  /* inside tasks of a pa_runner */
-    uint64_t other; /* by other threads (the calling thread, or the caller's rayon pool) */
-} pa_item_counts;
-
-/* Writes the counts into *out (not NULL). Thread-safe. */
-pa_status pa_item_counts_get(pa_item_counts *out);
-
 /* As pa_execute, with the plain scalar reference kernels (slow; for testing the fast paths). */
 pa_status pa_execute_reference(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs);
 

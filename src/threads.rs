@@ -16,7 +16,6 @@
 //! every worker onto one core.
 
 use std::any::Any;
-use std::cell::Cell;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -64,7 +63,9 @@ pub enum Runner {
     Team(TeamRef),
 }
 
-/// Which kind of thread ran the items of past calls (see [`item_counts`]).
+/// Which kind of thread ran the items of past calls (see [`item_counts`]). Feature
+/// `test-hooks` only.
+#[cfg(feature = "test-hooks")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ItemCounts {
     /// Items run by the library's own pool workers.
@@ -75,24 +76,77 @@ pub struct ItemCounts {
     pub other: u64,
 }
 
-static ITEMS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
-const POOL: usize = 0;
-const HOST: usize = 1;
-const OTHER: usize = 2;
-
-thread_local! {
-    /// Set once in each of the library's pool workers; set around a host task's items.
-    static KIND: Cell<usize> = const { Cell::new(OTHER) };
+/// The kinds of thread the item counters of the test hooks tell apart.
+#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
+#[derive(Clone, Copy)]
+enum Kind {
+    Pool = 0,
+    Host = 1,
+    Other = 2,
 }
 
-/// Items run so far in this process, by the kind of thread that ran them. Cheap (three relaxed
-/// counters); tests and hosts use it to check where the work went.
+/// The thread-kind counters of the test hooks. Without the feature there is neither counter
+/// nor thread-local, and an item costs nothing beyond its own work.
+#[cfg(feature = "test-hooks")]
+mod kind {
+    use super::Kind;
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    pub(super) static ITEMS: [AtomicU64; 3] =
+        [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+    thread_local! {
+        /// Set once in each of the library's pool workers; set around a host task's items.
+        static KIND: Cell<usize> = const { Cell::new(Kind::Other as usize) };
+    }
+
+    /// Marks the calling thread as one of the library's pool workers, for good.
+    pub(super) fn mark_pool_worker() {
+        KIND.with(|k| k.set(Kind::Pool as usize));
+    }
+
+    /// Runs `f` with the calling thread counted as `kind`.
+    pub(super) fn with<R>(kind: Kind, f: impl FnOnce() -> R) -> R {
+        let before = KIND.with(|k| k.replace(kind as usize));
+        let r = f();
+        KIND.with(|k| k.set(before));
+        r
+    }
+
+    /// Counts one item run by the calling thread.
+    pub(super) fn count_item() {
+        ITEMS[KIND.with(Cell::get)].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(not(feature = "test-hooks"))]
+mod kind {
+    use super::Kind;
+
+    #[inline(always)]
+    pub(super) fn mark_pool_worker() {}
+
+    #[inline(always)]
+    pub(super) fn with<R>(_kind: Kind, f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    #[inline(always)]
+    pub(super) fn count_item() {}
+}
+
+/// Items run so far in this process, by the kind of thread that ran them (three relaxed
+/// counters, one increment per item). Feature `test-hooks` only: tests use it to check where
+/// the work went.
+#[cfg(feature = "test-hooks")]
 pub fn item_counts() -> ItemCounts {
-    let get = |i: usize| ITEMS[i].load(Ordering::Relaxed);
+    use std::sync::atomic::Ordering;
+    let get = |k: Kind| kind::ITEMS[k as usize].load(Ordering::Relaxed);
     ItemCounts {
-        pool: get(POOL),
-        host: get(HOST),
-        other: get(OTHER),
+        pool: get(Kind::Pool),
+        host: get(Kind::Host),
+        other: get(Kind::Other),
     }
 }
 
@@ -155,7 +209,7 @@ pub mod timing {
 
 fn run_item(f: &(dyn Fn(usize) + Sync), i: usize) {
     f(i);
-    ITEMS[KIND.with(Cell::get)].fetch_add(1, Ordering::Relaxed);
+    kind::count_item();
 }
 
 impl Runner {
@@ -269,9 +323,7 @@ unsafe extern "C" fn host_task(task_ctx: *mut c_void, _worker: usize) {
     // SAFETY: `task_ctx` is the `HostRegion` that `host_for_each` passed to the host's
     // parallel-for, which lives until that call returns, i.e. after every task has returned.
     let region = unsafe { &*(task_ctx as *const HostRegion<'_>) };
-    let before = KIND.with(|k| k.replace(HOST));
-    let r = catch_unwind(AssertUnwindSafe(|| region.drain()));
-    KIND.with(|k| k.set(before));
+    let r = kind::with(Kind::Host, || catch_unwind(AssertUnwindSafe(|| region.drain())));
     if let Err(p) = r {
         // Stop the other tasks from claiming more items.
         region.next.store(region.n, Ordering::Relaxed);
@@ -462,11 +514,9 @@ unsafe extern "C" fn team_task<B: FnOnce(Runner) -> R, R>(task_ctx: *mut c_void,
     // SAFETY: `task_ctx` is the `TeamRegion` that `team_region` passed to the host's
     // parallel-for, alive until that call returns, i.e. after every task has returned.
     let region = unsafe { &*(task_ctx as *const TeamRegion<'_, B, R>) };
-    let before = KIND.with(|k| k.replace(HOST));
     // `enter` catches the body's panics and `help` those of items; nothing else can unwind,
     // but the host must never see an unwind.
-    let _ = catch_unwind(AssertUnwindSafe(|| region.enter()));
-    KIND.with(|k| k.set(before));
+    let _ = kind::with(Kind::Host, || catch_unwind(AssertUnwindSafe(|| region.enter())));
 }
 
 fn team_region<R: Send>(h: HostRunner, body: impl FnOnce(Runner) -> R + Send) -> R {
@@ -585,7 +635,7 @@ fn library_pool() -> Option<Arc<rayon::ThreadPool>> {
             .num_threads(wanted_threads(st.requested))
             .thread_name(|i| format!("pa-worker-{i}"))
             .start_handler(move |_| {
-                KIND.with(|k| k.set(POOL));
+                kind::mark_pool_worker();
                 if let Some(c) = &cpus {
                     affinity::set_current(c);
                 }
@@ -598,7 +648,8 @@ fn library_pool() -> Option<Arc<rayon::ThreadPool>> {
 }
 
 /// The CPUs each worker of the library's pool may run on (building the pool if needed), one
-/// list per worker. For tests of the affinity rule.
+/// list per worker. For tests of the affinity rule: feature `test-hooks` only.
+#[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub fn pool_worker_cpus() -> Vec<Option<Vec<usize>>> {
     match library_pool() {

@@ -592,9 +592,31 @@ fn many_threads_executing_at_once_on_different_buffers_agree_with_one_thread() {
 /// Compiles `sources` with `compiler` and `flags` against the header (`-Wall -Wextra
 /// -Werror`; a missing compiler is a failure), links the library, runs the program and asserts
 /// it exits 0.
+///
+/// With the feature `test-hooks` the programs also see tests/c/pa_test_hooks.h (`PA_TEST_HOOKS`
+/// defined), and smoke.c checks `pa_item_counts_get`, which only such a library exports.
 fn compile_and_run(compiler: &str, flags: &[&str], sources: &[&str], exe: &str) {
     let sources: Vec<PathBuf> = sources.iter().map(|s| support::root().join(s)).collect();
-    support::build_and_run(compiler, flags, &sources, exe);
+    let hooks_dir = format!("-I{}", support::root().join("tests/c").display());
+    let mut flags = flags.to_vec();
+    if cfg!(feature = "test-hooks") {
+        flags.extend(["-DPA_TEST_HOOKS", hooks_dir.as_str()]);
+    }
+    support::build_and_run(compiler, &flags, &sources, exe);
+}
+
+/// The library exports the test hook `pa_item_counts_get` exactly when it is built with the
+/// feature `test-hooks`: the library users get keeps no per-item counters.
+#[test]
+fn the_test_hook_is_exported_only_with_the_test_hooks_feature() {
+    // SAFETY: the symbol is only looked up, never called.
+    let found = unsafe { lib().get::<unsafe extern "C" fn()>(b"pa_item_counts_get") }.is_ok();
+    assert_eq!(
+        found,
+        cfg!(feature = "test-hooks"),
+        "pa_item_counts_get exported: {found}; feature test-hooks: {}",
+        cfg!(feature = "test-hooks")
+    );
 }
 
 #[test]

@@ -4,6 +4,8 @@
 //! table (src/op/contract.rs); and `sizeof`, `_Alignof` and every field's `offsetof` and size of each
 //! struct of both headers against `size_of` / `align_of` / `offset_of!` (and field sizes) of its `#[repr(C)]` twin.
 //! The values come from a C program compiled against include/ and run, not from parsing.
+//! With the feature `test-hooks`, the test-only header tests/c/pa_test_hooks.h is checked the
+//! same way (its struct's twin, `PaItemCounts`, exists only in such builds).
 
 mod support;
 
@@ -11,7 +13,9 @@ use paged_attention::cache::manager::BlockCopy;
 use paged_attention::ffi::cache::{
     PaCacheStats, PaSchedulerConfig, PaSchedulerCounters, PaSchedulerStep,
 };
-use paged_attention::ffi::op::{pa_status_name, PaItemCounts, PaRunner};
+#[cfg(feature = "test-hooks")]
+use paged_attention::ffi::op::PaItemCounts;
+use paged_attention::ffi::op::{pa_status_name, PaRunner};
 use paged_attention::ffi::{PaPartialShape, PaTensor};
 use paged_attention::op::contract::{INPUTS, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, OUTPUT_NAMES};
 use paged_attention::Status;
@@ -20,7 +24,15 @@ use std::ffi::CStr;
 use std::mem::{align_of, offset_of, size_of};
 use std::process::Command;
 
-const HEADERS: [&str; 2] = ["paged_attention.h", "paged_attention_cache.h"];
+/// The headers checked (paths from the repository root): the public ones, plus the test-only
+/// one in builds that export its function.
+fn headers() -> Vec<&'static str> {
+    let mut h = vec!["include/paged_attention.h", "include/paged_attention_cache.h"];
+    if cfg!(feature = "test-hooks") {
+        h.push("tests/c/pa_test_hooks.h");
+    }
+    h
+}
 
 struct Layout {
     c_name: &'static str,
@@ -52,11 +64,11 @@ macro_rules! layouts {
 }
 
 fn rust_layouts() -> Vec<Layout> {
-    layouts! {
+    #[allow(unused_mut)]
+    let mut v = layouts! {
         PaTensor => "pa_tensor" { elem_type, rank, dims, data }
         PaPartialShape => "pa_partial_shape" { elem_type, rank, dims }
         PaRunner => "pa_runner" { parallel_for, ctx, max_threads }
-        PaItemCounts => "pa_item_counts" { pool, host, other }
         BlockCopy => "pa_block_copy" { src, dst }
         PaCacheStats => "pa_cache_stats" {
             block_size, total_blocks, used_blocks, free_blocks, cached_blocks, shared_blocks,
@@ -76,7 +88,12 @@ fn rust_layouts() -> Vec<Layout> {
             steps, preemptions, forks, prefix_hits, prefix_hit_tokens, block_copies, evictions,
             evicted_blocks, rotated_blocks,
         }
-    }
+    };
+    #[cfg(feature = "test-hooks")]
+    v.extend(layouts! {
+        PaItemCounts => "pa_item_counts" { pool, host, other }
+    });
+    v
 }
 
 /// `text` without its `/* */` comments.
@@ -94,10 +111,9 @@ fn strip_comments(text: &str) -> String {
 /// Every `typedef struct NAME { ... }` of the headers, with its field names in order.
 fn header_structs() -> BTreeMap<String, Vec<String>> {
     let mut structs = BTreeMap::new();
-    for h in HEADERS {
-        let text = strip_comments(
-            &std::fs::read_to_string(support::root().join("include").join(h)).expect("header"),
-        );
+    for h in headers() {
+        let text =
+            strip_comments(&std::fs::read_to_string(support::root().join(h)).expect("header"));
         for part in text.split("typedef struct ").skip(1) {
             let Some((name, body)) = part.split_once('{') else {
                 continue; // an opaque handle: `typedef struct pa_scheduler pa_scheduler;`
@@ -126,9 +142,8 @@ fn header_structs() -> BTreeMap<String, Vec<String>> {
 /// Every `#define NAME` of the headers whose name starts with one of `prefixes`.
 fn header_macros(prefixes: &[&str]) -> Vec<String> {
     let mut names = Vec::new();
-    for h in HEADERS {
-        let text =
-            std::fs::read_to_string(support::root().join("include").join(h)).expect("header");
+    for h in headers() {
+        let text = std::fs::read_to_string(support::root().join(h)).expect("header");
         for line in text.lines() {
             if let Some(rest) = line.strip_prefix("#define ") {
                 let name = rest.split_whitespace().next().unwrap_or_default();
@@ -149,8 +164,12 @@ fn c_values(
     structs: &BTreeMap<String, Vec<String>>,
 ) -> BTreeMap<String, i64> {
     let mut src = String::from(
-        "#include <stddef.h>\n#include <stdio.h>\n#include \"paged_attention_cache.h\"\nint main(void) {\n",
+        "#include <stddef.h>\n#include <stdio.h>\n#include \"paged_attention_cache.h\"\n",
     );
+    if cfg!(feature = "test-hooks") {
+        src += "#include \"pa_test_hooks.h\"\n";
+    }
+    src += "int main(void) {\n";
     for m in macros {
         src += &format!("    printf(\"{m} %lld\\n\", (long long)({m}));\n");
     }
@@ -171,6 +190,8 @@ fn c_values(
         Command::new("cc")
             .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
             .arg(support::root().join("include"))
+            .arg("-I")
+            .arg(support::root().join("tests/c"))
             .arg(&c)
             .arg("-o")
             .arg(&exe),

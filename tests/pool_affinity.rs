@@ -3,6 +3,11 @@
 //! that thread's one core.
 //!
 //! One test in this binary: the pool is built once per process, by the first call.
+//!
+//! The workers' CPUs are read with `threads::pool_worker_cpus`, a test hook (feature
+//! `test-hooks`, with which scripts/test.sh runs this binary); without it this binary has no
+//! tests.
+#![cfg(feature = "test-hooks")]
 
 mod common;
 

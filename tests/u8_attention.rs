@@ -1,6 +1,10 @@
 //! The scalar reference path over u8 caches (`kernel::reference::run_reference_u8`) against the float64
 //! reference (tests/common/ref64.rs) run over the dequantized caches, on seeded random calls that
 //! mix prefill, chunked prefill, decode and empty sequences, for every u8 layout variant.
+//!
+//! `run_reference_u8` is public only with the feature `test-hooks` (scripts/test.sh runs this
+//! binary with it); without it this binary has no tests.
+#![cfg(feature = "test-hooks")]
 
 mod common;
 

@@ -329,7 +329,8 @@ pub extern "C" fn pa_get_num_threads() -> usize {
     catch_unwind(crate::threads::num_threads).unwrap_or(1)
 }
 
-/// The C `pa_item_counts`.
+/// The C `pa_item_counts` (tests/c/pa_test_hooks.h). Feature `test-hooks` only.
+#[cfg(feature = "test-hooks")]
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PaItemCounts {
@@ -338,8 +339,12 @@ pub struct PaItemCounts {
     pub other: u64,
 }
 
+/// The test hook `pa_item_counts_get` (tests/c/pa_test_hooks.h): exported only by builds with
+/// the feature `test-hooks`.
+///
 /// # Safety
 /// `out` is NULL or points to a writable `pa_item_counts`.
+#[cfg(feature = "test-hooks")]
 #[no_mangle]
 pub unsafe extern "C" fn pa_item_counts_get(out: *mut PaItemCounts) -> i32 {
     boundary(|| {

@@ -21,7 +21,12 @@ pub mod fast;
 pub(crate) mod layout;
 pub(crate) mod prefetch;
 pub mod quant;
+// Public only for the tests (`run_reference_u8`, feature `test-hooks`); the reference kernels
+// reach users through `execute_reference`.
+#[cfg(feature = "test-hooks")]
 pub mod reference;
+#[cfg(not(feature = "test-hooks"))]
+pub(crate) mod reference;
 pub(crate) mod softmax;
 
 use crate::error::Result;

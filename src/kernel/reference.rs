@@ -193,7 +193,8 @@ pub(crate) fn scores_ref<Q: Float, C: Float>(
 /// Steps 1-4 on u8 caches with the scalar reference kernels: rotates the listed key blocks
 /// (`rotation`, when the plan has rotation inputs), quantizes the new tokens into the caches, then
 /// runs the reference attention and scores over the dequantized caches. `plan` is the call
-/// validated with the caches' logical shape `[NB, Hkv, BS, D]`.
+/// validated with the caches' logical shape `[NB, Hkv, BS, D]`. Reachable from outside the
+/// crate only with the feature `test-hooks` (the module is private otherwise).
 #[allow(clippy::too_many_arguments)]
 pub fn run_reference_u8<Q: Float>(
     plan: &Plan,

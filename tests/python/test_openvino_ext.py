@@ -3,7 +3,11 @@
 Needs the release extension module:
     cargo build --release -p paged_attention_openvino
 (path from $PA_EXTENSION_LIB, default target/release/libpaged_attention_openvino.so). A missing library or
-a missing OpenVINO fails these tests; nothing is skipped.
+a missing OpenVINO fails these tests. One test reads the item counters that only an extension built
+with the feature test-hooks exports (`cargo build --release -p paged_attention_openvino
+--no-default-features --features paged_attention/test-hooks`): it is skipped on any other build, and
+fails instead when PA_TEST_HOOKS=1 (scripts/test.sh runs it so, on such a build in target/test-hooks);
+test_extension_exports_no_test_hooks checks that the extension under test has no hooks otherwise.
 
 Every model is tools/ir_writer.py's `paged_attention_ir` (Parameters -> PagedAttention -> 2
 Results). Each call is compared with the float64 reference (tools/pa_ref.py) and, for f32 and block
@@ -362,11 +366,32 @@ def item_counts():
     return c
 
 
+def has_test_hooks():
+    """Whether the extension under test was built with the feature test-hooks."""
+    return hasattr(ctypes.CDLL(str(EXT_LIB)), "pa_item_counts_get")
+
+
+HOOKS_REQUIRED = os.environ.get("PA_TEST_HOOKS") == "1"
+
+
+def test_extension_exports_no_test_hooks():
+    """The extension users get has no per-item counters (they are the feature test-hooks)."""
+    if HOOKS_REQUIRED:
+        pytest.skip("PA_TEST_HOOKS=1: this run is on a build with the test hooks")
+    assert not has_test_hooks(), f"{EXT_LIB} exports pa_item_counts_get (built with test-hooks)"
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_work_runs_on_openvino_threads_with_identical_results(core, tmp_path, threads):
     """Inside OpenVINO (default config: CPU pinning on) the op's work items run in OpenVINO's
     own parallel regions (its TBB arena), none on the library's pool or the calling thread, and
     the results are bit-identical to a single-threaded run."""
+    if not has_test_hooks():
+        msg = (f"{EXT_LIB} has no item counters: build it with --no-default-features "
+               "--features paged_attention/test-hooks (scripts/test.sh does, in target/test-hooks)")
+        if HOOKS_REQUIRED:
+            pytest.fail(msg)
+        pytest.skip(msg)
     rng = np.random.default_rng(99)
     inputs = make_case(rng, H=8, Hkv=2, D=32, past=(300, 0, 40), new=(1, 90, 20), alibi=True)
     runs = {}

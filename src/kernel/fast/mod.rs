@@ -163,7 +163,8 @@ impl SimdLevel {
 }
 
 /// Prefill items (one KV head's query tile each) this process has run on AMX tiles: lets
-/// tests prove the AMX path ran.
+/// tests prove the AMX path ran. Feature `test-hooks` only (one relaxed increment per item).
+#[cfg(feature = "test-hooks")]
 pub fn amx_items_run() -> u64 {
     #[cfg(target_arch = "x86_64")]
     return prefill_amx::ITEMS.load(std::sync::atomic::Ordering::Relaxed);

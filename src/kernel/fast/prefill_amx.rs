@@ -42,13 +42,13 @@ use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
 use std::any::TypeId;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Keys per softmax step.
 const SPAN: usize = 256;
 
-/// Items run on tiles so far (see `amx_items_run`).
-pub(crate) static ITEMS: AtomicU64 = AtomicU64::new(0);
+/// Items run on tiles so far (see `amx_items_run`). Feature `test-hooks` only.
+#[cfg(feature = "test-hooks")]
+pub(crate) static ITEMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// bf16 K and V rows of the prefill sequences in tile layouts, per (sequence, KV head): keys
 /// `[ctx + 32][kw]` and values transposed `[dp][ctx + 32]` (the 32 spare keys are zeros, so a
@@ -361,7 +361,8 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
             run_head(m, amx, &tl, ctx, it, kvh, pw, out, sw, packed, sc);
         }
     });
-    ITEMS.fetch_add(1, Ordering::Relaxed);
+    #[cfg(feature = "test-hooks")]
+    ITEMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 #[allow(clippy::too_many_arguments)]
