@@ -1,9 +1,10 @@
 //! Scaling past the cores this machine has, predicted: runs each benchmark workload of
-//! `tools/bench.py` (H=32, Hkv=8, D=128, block 32, f32 query; cache type per run) on one thread
-//! with every item of every parallel region timed (feature `test-hooks`), then replays those
-//! items onto P = 2..64 virtual threads the way a host's parallel-for runs our regions (each free
-//! thread claims the next item in order, as `threads.rs` does on OpenVINO's threads), regions
-//! one after another, and the time outside the regions serial.
+//! `tools/bench.py` (H=32, Hkv=8, D=128, block 32, f32 query; cache type per run) on one thread,
+//! cut into work items as for P threads, with every item of every parallel region timed
+//! (feature `test-hooks`), then replays those items onto P = 2..64 virtual threads the way a
+//! host's parallel-for runs our regions (each free thread claims the next item in order, as
+//! `threads.rs` does on OpenVINO's threads), regions one after another, and the time outside
+//! the regions serial. T1 is the call cut for one thread, run on one.
 //!
 //! Reports per workload the predicted speed-up T1/TP and parallel efficiency T1/(P*TP), and the
 //! idle tail of its largest region (the share of the P threads' time spent waiting for the
@@ -63,9 +64,12 @@ fn makespan(items: &[u64], p: usize) -> u64 {
     free.into_iter().max().unwrap_or(0)
 }
 
-/// One workload: T1 wall ns of the timed serial run, its items per region, and the measured
-/// min wall ns on rayon pools of 1 and 2 threads.
-fn run<C: Float>(seqs: &[(usize, usize)], reps: usize) -> (u64, Vec<Vec<u64>>, [u64; 2])
+/// A timed serial run cut for some thread count: its wall ns and its items' ns per region.
+type Timed = (u64, Vec<Vec<u64>>);
+
+/// One workload: per thread count of `ps`, the best of `reps` timed serial runs cut for it;
+/// and the measured min wall ns on rayon pools of 1 and 2 threads.
+fn run<C: Float>(seqs: &[(usize, usize)], reps: usize, ps: &[usize]) -> (Vec<Timed>, [u64; 2])
 where
     for<'a> paged_attention::ElemsMut<'a>: From<&'a mut Vec<C>> + From<&'a mut Vec<f32>>,
     for<'a> paged_attention::Elems<'a>: From<&'a Vec<f32>>,
@@ -120,20 +124,26 @@ where
         t0.elapsed().as_nanos() as u64
     };
     call(Runner::Serial);
-    let mut best: Option<(u64, Vec<timing::ItemTime>)> = None;
-    for _ in 0..reps {
-        timing::start();
-        let ns = call(Runner::Serial);
-        let log = timing::stop();
-        if best.as_ref().is_none_or(|(b, _)| ns < *b) {
-            best = Some((ns, log));
-        }
-    }
-    let (t1, log) = best.unwrap_or_default();
-    let mut regions: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-    for it in log {
-        regions.entry(it.region).or_default().push(it.ns);
-    }
+    let timed = ps
+        .iter()
+        .map(|&p| {
+            let mut best: Option<(u64, Vec<timing::ItemTime>)> = None;
+            for _ in 0..reps {
+                timing::start(p);
+                let ns = call(Runner::Serial);
+                let log = timing::stop();
+                if best.as_ref().is_none_or(|(b, _)| ns < *b) {
+                    best = Some((ns, log));
+                }
+            }
+            let (ns, log) = best.unwrap_or_default();
+            let mut regions: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+            for it in log {
+                regions.entry(it.region).or_default().push(it.ns);
+            }
+            (ns, regions.into_values().collect())
+        })
+        .collect();
     let mut measured = [0u64; 2];
     for (n, m) in measured.iter_mut().enumerate() {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -149,7 +159,7 @@ where
                 .unwrap_or(0)
         });
     }
-    (t1, regions.into_values().collect(), measured)
+    (timed, measured)
 }
 
 fn main() {
@@ -167,51 +177,67 @@ fn main() {
         print!("---|");
     }
     println!("---|");
+    let ps: Vec<usize> = std::iter::once(1).chain(THREADS).collect();
     for (name, seqs) in workloads() {
-        let (t1, regions, [m1, m2]) = match cache {
-            "f16" => run::<f16>(&seqs, reps),
-            "bf16" => run::<bf16>(&seqs, reps),
-            _ => run::<f32>(&seqs, reps),
+        let (timed, [m1, m2]) = match cache {
+            "f16" => run::<f16>(&seqs, reps, &ps),
+            "bf16" => run::<bf16>(&seqs, reps, &ps),
+            _ => run::<f32>(&seqs, reps, &ps),
         };
-        let in_regions: u64 = regions.iter().flatten().sum();
-        let serial = t1.saturating_sub(in_regions);
+        let t1 = timed[0].0;
+        // Predicted time at p threads: the run cut for p, its serial part plus each region's
+        // replay onto p threads.
+        let predict = |(wall, regions): &Timed, p: usize| {
+            let in_regions: u64 = regions.iter().flatten().sum();
+            wall.saturating_sub(in_regions) + regions.iter().map(|r| makespan(r, p)).sum::<u64>()
+        };
+        let largest = |regions: &[Vec<u64>]| {
+            regions
+                .iter()
+                .max_by_key(|r| r.iter().sum::<u64>())
+                .cloned()
+                .unwrap_or_default()
+        };
+        let tail = |i: usize| {
+            let (p, big) = (ps[i], largest(&timed[i].1));
+            let m = makespan(&big, p) as f64;
+            1.0 - big.iter().sum::<u64>() as f64 / (p as f64 * m).max(1.0)
+        };
         if std::env::var_os("SCALING_SIM_DETAIL").is_some() {
-            eprintln!("{name}: serial {:.3} ms", serial as f64 / 1e6);
-            for r in &regions {
-                let (s, mx) = (r.iter().sum::<u64>(), r.iter().max().copied().unwrap_or(0));
+            for (&p, (wall, regions)) in ps.iter().zip(&timed) {
+                let in_regions: u64 = regions.iter().flatten().sum();
                 eprintln!(
-                    "  region: {} items, {:.3} ms, longest {:.3} ms, makespan at 16: {:.3} ms",
-                    r.len(),
-                    s as f64 / 1e6,
-                    mx as f64 / 1e6,
-                    makespan(r, 16) as f64 / 1e6
+                    "{name}, cut for {p}: serial {:.3} ms",
+                    (wall - in_regions.min(*wall)) as f64 / 1e6
                 );
+                for r in regions {
+                    let (s, mx) = (r.iter().sum::<u64>(), r.iter().max().copied().unwrap_or(0));
+                    eprintln!(
+                        "  region: {} items, {:.3} ms, longest {:.3} ms, makespan at {p}: {:.3} ms",
+                        r.len(),
+                        s as f64 / 1e6,
+                        mx as f64 / 1e6,
+                        makespan(r, p) as f64 / 1e6
+                    );
+                }
             }
         }
-        let predict = |p: usize| serial + regions.iter().map(|r| makespan(r, p)).sum::<u64>();
-        let largest = regions
-            .iter()
-            .max_by_key(|r| r.iter().sum::<u64>())
-            .cloned()
-            .unwrap_or_default();
-        let tail = |p: usize| {
-            let m = makespan(&largest, p) as f64;
-            1.0 - largest.iter().sum::<u64>() as f64 / (p as f64 * m).max(1.0)
-        };
+        let i16 = ps.iter().position(|&p| p == 16).unwrap_or(0);
+        let i32_ = ps.iter().position(|&p| p == 32).unwrap_or(0);
         print!(
             "| {name} | {:.2} | {}; {} | {:.2}x | {:.2}x |",
             t1 as f64 / 1e6,
-            regions.len(),
-            largest.len(),
+            timed[0].1.len(),
+            largest(&timed[0].1).len(),
             m1 as f64 / m2.max(1) as f64,
-            t1 as f64 / predict(2) as f64
+            timed[1].0 as f64 / predict(&timed[1], 2) as f64
         );
-        for &p in THREADS.iter().skip(1) {
+        for (i, &p) in ps.iter().enumerate().skip(2) {
             print!(
                 " {:.0}% |",
-                100.0 * t1 as f64 / (p as f64 * predict(p) as f64)
+                100.0 * timed[i].0 as f64 / (p as f64 * predict(&timed[i], p) as f64)
             );
         }
-        println!(" {:.0}% / {:.0}% |", 100.0 * tail(16), 100.0 * tail(32));
+        println!(" {:.0}% / {:.0}% |", 100.0 * tail(i16), 100.0 * tail(i32_));
     }
 }

@@ -34,7 +34,7 @@ echo "== rust tests of the test hooks (feature test-hooks, target/test-hooks)"
 # dev-dependencies change features of its dependencies (rayon's either), so the extension built
 # alone would need a library of its own.
 CARGO_TARGET_DIR=target/test-hooks cargo build "${HOOKS[@]}" -p paged_attention -p paged_attention_openvino \
-  --lib "${HOOK_TESTS[@]}"
+  --lib "${HOOK_TESTS[@]}" --example scaling_sim
 CARGO_TARGET_DIR=target/test-hooks cargo test "${HOOKS[@]}" -p paged_attention "${HOOK_TESTS[@]}"
 
 echo "== instruction-set tiers this machine exercised against their scalar twins"

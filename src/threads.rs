@@ -169,13 +169,27 @@ pub mod timing {
     /// Open log, and the number of regions logged so far.
     static LOG: Mutex<Option<(Vec<ItemTime>, u32)>> = Mutex::new(None);
 
-    /// Opens a fresh log.
-    pub fn start() {
+    /// Threads a serial runner reports to the partition while a log is open (see [`start`]).
+    static PLAN_FOR: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+
+    /// Opens a fresh log; until [`stop`], serial calls cut their work as for `threads` threads
+    /// (what a replay onto that many threads needs), and run it on the calling thread.
+    pub fn start(threads: usize) {
+        PLAN_FOR.store(threads.max(1), std::sync::atomic::Ordering::Relaxed);
         *LOG.lock().unwrap_or_else(|e| e.into_inner()) = Some((Vec::new(), 0));
+    }
+
+    pub(super) fn threads_to_plan_for() -> usize {
+        if on() {
+            PLAN_FOR.load(std::sync::atomic::Ordering::Relaxed)
+        } else {
+            1
+        }
     }
 
     /// Closes the log and returns its items.
     pub fn stop() -> Vec<ItemTime> {
+        PLAN_FOR.store(1, std::sync::atomic::Ordering::Relaxed);
         let mut log = LOG.lock().unwrap_or_else(|e| e.into_inner());
         log.take().map(|(v, _)| v).unwrap_or_default()
     }
@@ -248,6 +262,9 @@ impl Runner {
     /// How many threads a region may use at most (for sizing per-thread work, never results).
     pub fn max_threads(self) -> usize {
         match self {
+            #[cfg(feature = "test-hooks")]
+            Runner::Serial => timing::threads_to_plan_for(),
+            #[cfg(not(feature = "test-hooks"))]
             Runner::Serial => 1,
             Runner::Auto if rayon::current_thread_index().is_some() => rayon::current_num_threads(),
             Runner::Auto => num_threads(),
@@ -323,7 +340,9 @@ unsafe extern "C" fn host_task(task_ctx: *mut c_void, _worker: usize) {
     // SAFETY: `task_ctx` is the `HostRegion` that `host_for_each` passed to the host's
     // parallel-for, which lives until that call returns, i.e. after every task has returned.
     let region = unsafe { &*(task_ctx as *const HostRegion<'_>) };
-    let r = kind::with(Kind::Host, || catch_unwind(AssertUnwindSafe(|| region.drain())));
+    let r = kind::with(Kind::Host, || {
+        catch_unwind(AssertUnwindSafe(|| region.drain()))
+    });
     if let Err(p) = r {
         // Stop the other tasks from claiming more items.
         region.next.store(region.n, Ordering::Relaxed);
@@ -516,7 +535,9 @@ unsafe extern "C" fn team_task<B: FnOnce(Runner) -> R, R>(task_ctx: *mut c_void,
     let region = unsafe { &*(task_ctx as *const TeamRegion<'_, B, R>) };
     // `enter` catches the body's panics and `help` those of items; nothing else can unwind,
     // but the host must never see an unwind.
-    let _ = kind::with(Kind::Host, || catch_unwind(AssertUnwindSafe(|| region.enter())));
+    let _ = kind::with(Kind::Host, || {
+        catch_unwind(AssertUnwindSafe(|| region.enter()))
+    });
 }
 
 fn team_region<R: Send>(h: HostRunner, body: impl FnOnce(Runner) -> R + Send) -> R {

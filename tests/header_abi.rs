@@ -27,7 +27,10 @@ use std::process::Command;
 /// The headers checked (paths from the repository root): the public ones, plus the test-only
 /// one in builds that export its function.
 fn headers() -> Vec<&'static str> {
-    let mut h = vec!["include/paged_attention.h", "include/paged_attention_cache.h"];
+    let mut h = vec![
+        "include/paged_attention.h",
+        "include/paged_attention_cache.h",
+    ];
     if cfg!(feature = "test-hooks") {
         h.push("tests/c/pa_test_hooks.h");
     }

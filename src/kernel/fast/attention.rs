@@ -17,7 +17,7 @@ use crate::kernel::softmax::OnlineSoftmax;
 
 /// (token, head) rows per merge task at least: a decode row's merge takes a fraction of a
 /// microsecond to a few, and a call of few decoding tokens must still give many threads work.
-const MERGE_ROWS: usize = 16;
+const MERGE_ROWS: usize = 4;
 /// Merge tasks a call aims for at most (a prefill row's merge is a copy of two floats).
 const MERGE_TASKS: usize = 256;
 

@@ -358,7 +358,7 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
             ],
             b.block_indices,
         );
-        let part = partition::Partition::new(plan, opts.scores);
+        let part = partition::Partition::new(plan, opts.scores, opts.runner.max_threads());
         let ctx = tile::Ctx {
             plan,
             part: &part,

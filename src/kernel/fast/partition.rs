@@ -1,5 +1,7 @@
-//! Cuts one call's attention into work items. The cut depends only on the plan (never on the
-//! number of threads), which is what makes results bit-identical for any thread count.
+//! Cuts one call's attention into work items. The key chunks, which decide the arithmetic,
+//! depend only on the plan (never on the number of threads), which is what makes results
+//! bit-identical for any thread count; only how many KV heads a decode item takes (no
+//! arithmetic changes) depends on the threads.
 
 use super::ScoresMode;
 use crate::kernel::layout::window_start;
@@ -19,10 +21,12 @@ pub(crate) const MAX_CHUNKS: usize = 64;
 /// sequences decode (one long context is split further). Like every cut, independent of the
 /// thread count.
 pub(crate) const MIN_DECODE_ITEMS: usize = 64;
-/// Decode items a call is cut into at least by splitting items across KV heads (which changes
-/// no arithmetic: each row's keys and chunks stay the same), so that 16 to 64 threads find
-/// enough items to end together (the scaling simulation, `examples/scaling_sim.rs`).
-pub(crate) const DECODE_ITEMS_PER_HEAD_SPLIT: usize = 512;
+/// Decode items per thread a call is cut into at least, by splitting items across KV heads
+/// (which changes no arithmetic: each row's keys and chunks stay the same), so that 16 to 64
+/// threads end together (the scaling simulation, `examples/scaling_sim.rs`). Items with every
+/// KV head stream whole `[Hkv, BS, D]` blocks, which cold caches read fastest: at 2 threads no
+/// benchmark workload is split.
+pub(crate) const DECODE_ITEMS_PER_THREAD: usize = 16;
 /// Fewest keys a decode chunk is cut to (below this, per-chunk start-up and merge costs win).
 pub(crate) const MIN_CHUNK_KEYS: usize = 128;
 /// Score logits stashed during attention, at most this many f32 beyond 8*T*H*D (16 MiB).
@@ -59,8 +63,9 @@ impl SeqLayout {
 }
 
 /// One work item: one query tile of KV heads `kvh0..kvh1` of one sequence, over one key chunk.
-/// Decode-like items take every KV head: a cache block holds its heads contiguously
-/// (`[Hkv, BS, D]`), so visiting them in order streams the whole block from memory.
+/// Decode-like items take every KV head unless there are too few for the threads: a cache
+/// block holds its heads contiguously (`[Hkv, BS, D]`), so visiting them in order streams the
+/// whole block from memory.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Item {
     pub seq: u32,
@@ -82,7 +87,7 @@ pub(crate) struct Partition {
 }
 
 impl Partition {
-    pub fn new(plan: &Plan, mode: ScoresMode) -> Partition {
+    pub fn new(plan: &Plan, mode: ScoresMode, threads: usize) -> Partition {
         let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
         let decode_qtok = (ROW_TARGET / g.max(1)).max(1);
         let prefill_qtok = (PREFILL_ROWS / g.max(1)).max(1);
@@ -126,15 +131,15 @@ impl Partition {
             stash_len += sp.score_tokens * h * sp.ctx();
         }
         // Decode items take every KV head of their query tile and chunk (whole blocks), unless
-        // that leaves fewer than DECODE_ITEMS_PER_HEAD_SPLIT items: then they take a divisor of
-        // Hkv heads each.
+        // that leaves fewer than DECODE_ITEMS_PER_THREAD per thread: then they take a divisor
+        // of Hkv heads each.
         let decode_items: usize = seqs
             .iter()
             .zip(&plan.seqs)
             .filter(|(l, sp)| !l.prefill && sp.n > 0)
             .map(|(l, sp)| sp.n.div_ceil(l.qtok) * l.nchunks)
             .sum();
-        let split = DECODE_ITEMS_PER_HEAD_SPLIT.div_ceil(decode_items.max(1));
+        let split = (DECODE_ITEMS_PER_THREAD * threads.max(1)).div_ceil(decode_items.max(1));
         let decode_heads = (1..=plan.hkv.max(1))
             .rev()
             .find(|&k| plan.hkv % k == 0 && plan.hkv / k >= split.min(plan.hkv))
@@ -158,6 +163,21 @@ impl Partition {
                 }
             }
         }
+        // Largest items first (an estimate of their work: query rows x keys), so that threads
+        // claiming them in order end on small ones (the longest-processing-time-first rule);
+        // the order changes no result. The sort is stable: equal items keep the order above.
+        items.sort_by_key(|it| {
+            let (sp, lay) = (&plan.seqs[it.seq as usize], &seqs[it.seq as usize]);
+            let t0 = it.qt as usize * lay.qtok;
+            let tokens = lay.qtok.min(sp.n - t0);
+            let keys = if lay.prefill {
+                (sp.past + t0 + tokens).saturating_sub(window_start(plan, sp.past + t0))
+            } else {
+                let (k0, k1) = lay.chunk_range(it.chunk as usize, sp.ctx());
+                k1.saturating_sub(k0)
+            };
+            std::cmp::Reverse(tokens * keys * (it.kvh1 - it.kvh0) as usize)
+        });
         let budget = 8 * plan.t * h * d + STASH_EXTRA;
         let stash_len = (mode == ScoresMode::Auto && stash_len <= budget).then_some(stash_len);
         Partition {
