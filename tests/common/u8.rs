@@ -29,6 +29,7 @@ pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> U8Layout {
             k => k,
         },
         value_group: one(value_group),
+        bits: 8,
     }
 }
 

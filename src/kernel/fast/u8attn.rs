@@ -1132,11 +1132,37 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
             quant::insert_u8_head(l, seqs, bi, new, head, &mut kr, &mut vr, &mut buf);
         });
     }
-    let inputs = Inputs {
-        query: b.query,
-        kc: b.key_cache,
-        vc: b.value_cache,
-        block_indices: b.block_indices,
+    // u4 caches: attention reads the reached blocks unpacked to u8 (`fast::u4`).
+    let unpacked = match l.bits {
+        8 => None,
+        _ => Some(super::u4::unpack(
+            runner,
+            plan,
+            l,
+            b.key_cache,
+            b.value_cache,
+            b.block_indices,
+        )?),
+    };
+    let (l, inputs) = match &unpacked {
+        None => (
+            l,
+            Inputs {
+                query: b.query,
+                kc: &*b.key_cache,
+                vc: &*b.value_cache,
+                block_indices: b.block_indices,
+            },
+        ),
+        Some(u) => (
+            &u.layout,
+            Inputs {
+                query: b.query,
+                kc: &u.kc[..],
+                vc: &u.vc[..],
+                block_indices: &u.block_indices[..],
+            },
+        ),
     };
     let prefill = |s: usize| is_prefill(plan, &plan.seqs[s]);
     let wide = dequant_prefill_rows(m, (plan, runner), l, &inputs, prefill);
@@ -1295,6 +1321,9 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         for (o, &x) in b.scores[at..at + ctx].iter_mut().zip(&sum) {
             *o = Q::from_f32(x);
         }
+    }
+    if let Some(u) = unpacked {
+        u.keep();
     }
     Ok(())
 }
