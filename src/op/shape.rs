@@ -551,10 +551,11 @@ fn u8_group(name: &'static str, cols: i64, d: i64, ct: ElemType) -> Result<usize
     } else {
         ""
     };
+    let unit = if bits == 8 { "bytes" } else { "elements" };
     group_of_row_bits(cols as usize, d as usize, bits).ok_or_else(|| {
         PaError::shape(
             name,
-            format!("{name} ({ct}, by token) has {cols} elements per token (dim 3), which matches no group size for head_size {d}: a row holds D + {p} * D / G elements for a group size G dividing D{even} ({} for one group of D)", d.checked_add(p as i64).map_or(format!("D + {p}"), |v| v.to_string())),
+            format!("{name} ({ct}, by token) has {cols} {unit} per token (dim 3), which matches no group size for head_size {d}: a row holds D + {p} * D / G {unit} for a group size G dividing D{even} ({} for one group of D)", d.checked_add(p as i64).map_or(format!("D + {p}"), |v| v.to_string())),
         )
     })
 }
