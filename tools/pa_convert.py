@@ -37,7 +37,7 @@ BUILTIN_INPUTS = [
     "adaptive_rkv_diversity_block_set_indices", "adaptive_rkv_diversity_block_set_indices_begins",
     "token_type_ids", "qq_bias", "qq_bias_begins",
 ]
-CACHE_TYPES = ("f32", "f16", "bf16", "u8", "u4")
+CACHE_TYPES = ("f32", "f16", "bf16", "u8")
 # OpenVINO features SDPAToPagedAttention can add, which the converter then refuses (tests).
 PASS_FEATURES = ("xattention", "adaptive_rkv", "qq_bias")
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,12 +1,14 @@
 //! u4 caches on the u8 kernel: insertion and rotation write the u4 bytes (`kernel::quant`, the
-//! byte-checked code, at the layout's 4 bits); then the blocks the call's sequences reach are
-//! unpacked into u8 caches of the same layout at 8 bits (each nibble a byte, the f32 scales and
-//! zero points copied), which dequantize to exactly the same values (`(q - zp) * scale`), and
-//! `u8attn`'s attention and scores run over those. No second attention kernel.
+//! byte-checked code, at the layout's 4 bits); attention and scores read u8 caches of the same
+//! layout at 8 bits (each nibble a byte, the f32 scales and zero points copied), which
+//! dequantize to exactly the same values (`(q - zp) * scale`), through `u8attn`'s own loops. No
+//! second attention kernel. Decode items unpack their own blocks and heads just before
+//! attending ([`ItemBlocks`], per thread); the blocks of prefill sequences are unpacked once
+//! per call ([`unpack`]), since many query tiles read them.
 //!
-//! The unpacked caches are held between calls (one pair per process, grown to the largest call),
-//! so a decode step does not fault in fresh pages: their size is the reached blocks' u8 size
-//! (twice their u4 size).
+//! The call-wide buffers are held between calls (one pair per process, grown to the largest
+//! call), so a prefill does not fault in fresh pages: their size is the u8 size of the prefill
+//! sequences' blocks (twice their u4 size).
 
 use super::shared::SharedMut;
 use crate::error::{PaError, Result};
@@ -55,21 +57,20 @@ impl Unpacked {
 }
 
 /// Unpacks the blocks of u4 caches `kc`, `vc` (layout `l`, 4 bits) that the plan's sequences
-/// reach (validated: every reached entry of `block_indices` is a block of the caches).
+/// `want(s)` reach (validated: every reached entry of `block_indices` is a block of the caches).
 pub(crate) fn unpack(
     runner: Runner,
     plan: &Plan,
     l: &U8Layout,
-    kc: &[u8],
-    vc: &[u8],
-    block_indices: &[i32],
+    (kc, vc, block_indices): (&[u8], &[u8], &[i32]),
+    want: impl Fn(usize) -> bool,
 ) -> Result<Unpacked> {
     debug_assert_eq!(l.bits, 4);
     let u8l = U8Layout { bits: 8, ..*l };
     let mut renum = vec![-1i32; plan.nb];
     let mut reached = Vec::new();
     let mut table = vec![-1i32; block_indices.len()];
-    for sp in &plan.seqs {
+    for (_, sp) in plan.seqs.iter().enumerate().filter(|(s, _)| want(*s)) {
         for k in 0..sp.ctx().div_ceil(plan.bs) {
             let at = sp.block_begin + k;
             let b = block_indices[at] as usize;
@@ -106,4 +107,61 @@ pub(crate) fn unpack(
         vc: v8,
         block_indices: table,
     })
+}
+
+/// One decode item's blocks unpacked (a thread's buffers, reused across items and calls): the
+/// item's keys stay in the core's cache between unpacking and attention, where unpacking the
+/// whole call first would write and read back twice the u4 bytes through memory.
+#[derive(Default)]
+pub(crate) struct ItemBlocks {
+    kc: Vec<u8>,
+    vc: Vec<u8>,
+    table: Vec<i32>,
+}
+
+impl ItemBlocks {
+    /// Unpacks the blocks holding keys `k0..k1` of the sequence whose block list starts at
+    /// `block_begin`, for KV heads `h0..h1` (other heads' bytes are stale), into u8 caches whose
+    /// block `k - k0 / BS` is the sequence's `k`-th; returns them with a block table
+    /// `[k1.div_ceil(BS)]` for a sequence whose `block_begin` is 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn unpack(
+        &mut self,
+        plan: &Plan,
+        l: &U8Layout,
+        (kc, vc, block_indices): (&[u8], &[u8], &[i32]),
+        block_begin: usize,
+        (k0, k1): (usize, usize),
+        (h0, h1): (usize, usize),
+    ) -> (&[u8], &[u8], &[i32]) {
+        let u8l = U8Layout { bits: 8, ..*l };
+        let (bs, hkv) = (plan.bs, l.hkv);
+        let (kb0, kb1) = (k0 / bs, k1.div_ceil(bs));
+        let n = kb1 - kb0;
+        let (ks4, ks8) = (l.key_slab(), u8l.key_slab());
+        let (vr4, vr8) = (l.value_row() * bs, u8l.value_row() * bs);
+        for (v, len) in [(&mut self.kc, n * hkv * ks8), (&mut self.vc, n * hkv * vr8)] {
+            if v.len() < len {
+                v.resize(len, 0);
+            }
+        }
+        self.table.clear();
+        self.table
+            .extend((0..kb1).map(|k| if k < kb0 { -1 } else { (k - kb0) as i32 }));
+        for k in kb0..kb1 {
+            let src_block = block_indices[block_begin + k] as usize;
+            for h in h0..h1 {
+                let (src, dst) = (src_block * hkv + h, (k - kb0) * hkv + h);
+                let kd = &mut self.kc[dst * ks8..][..ks8];
+                let ks = &kc[src * ks4..][..ks4];
+                match l.key {
+                    KeyQuant::ByChannel => unpack_u4_slab(ks, l.d, kd),
+                    KeyQuant::ByToken { group } => unpack_u4_token_rows(ks, l.d, group, kd),
+                }
+                let vd = &mut self.vc[dst * vr8..][..vr8];
+                unpack_u4_token_rows(&vc[src * vr4..][..vr4], l.d, l.value_group, vd);
+            }
+        }
+        (&self.kc, &self.vc, &self.table)
+    }
 }
