@@ -83,6 +83,8 @@ fn f32_query_on_u4_caches_end_to_end() {
     check(0..4, None, None);
     // long decodes: many online-softmax steps, keys cut into chunks past ~2000
     check(10..12, Some(vec![SeqKind::Decode; 2]), Some(2500));
+    // many decodes: work items take runs of several KV heads (each unpacks its own)
+    check(20..21, Some(vec![SeqKind::Decode; 140]), Some(70));
 }
 
 fn rejects(mut call: common::call::Call, needles: &[&str]) -> PaError {

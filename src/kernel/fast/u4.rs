@@ -12,6 +12,7 @@
 
 use super::shared::SharedMut;
 use crate::error::{PaError, Result};
+use crate::kernel::prefetch::prefetch_part;
 use crate::kernel::quant::{unpack_u4_slab, unpack_u4_token_rows, KeyQuant, U8Layout};
 use crate::op::Plan;
 use crate::threads::Runner;
@@ -148,10 +149,23 @@ impl ItemBlocks {
         self.table.clear();
         self.table
             .extend((0..kb1).map(|k| if k < kb0 { -1 } else { (k - kb0) as i32 }));
+        let src_of = |k: usize, h: usize| block_indices[block_begin + k] as usize * hkv + h;
         for k in kb0..kb1 {
-            let src_block = block_indices[block_begin + k] as usize;
             for h in h0..h1 {
-                let (src, dst) = (src_block * hkv + h, (k - kb0) * hkv + h);
+                let (src, dst) = (src_of(k, h), (k - kb0) * hkv + h);
+                // The blocks are scattered, beyond the hardware prefetcher: request the next
+                // (block, head)'s bytes while this one is unpacked.
+                let next = if h + 1 < h1 {
+                    Some(src + 1)
+                } else if k + 1 < kb1 {
+                    Some(src_of(k + 1, h0))
+                } else {
+                    None
+                };
+                if let Some(n) = next {
+                    prefetch_part(&kc[n * ks4..][..ks4], 0, 1);
+                    prefetch_part(&vc[n * vr4..][..vr4], 0, 1);
+                }
                 let kd = &mut self.kc[dst * ks8..][..ks8];
                 let ks = &kc[src * ks4..][..ks4];
                 match l.key {
