@@ -156,6 +156,7 @@ fn insert_u8_bench(c: &mut Criterion) {
         bs: BS,
         key: KeyQuant::ByChannel,
         value_group: 0,
+        bits: 8,
     };
     let nb = 1024 / BS;
     let mut kc = vec![0u8; nb * HKV * (BS + 8) * D];

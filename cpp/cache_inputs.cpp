@@ -47,8 +47,12 @@ void check_cache_inputs(ov::Node& node) {
         if (const auto cvt = ov::as_type_ptr<ov::op::v0::Convert>(src)) {
             const auto from = cvt->get_input_element_type(0);
             const auto to = cvt->get_output_element_type(0);
-            if ((from == ov::element::f16 || from == ov::element::bf16) &&
-                (to == ov::element::f32 || to == ov::element::f16 || to == ov::element::bf16) &&
+            // Likewise a u4 Parameter the CPU plugin widens to u8 (it does so in front of every
+            // custom op): the op reads and writes the packed u4 buffer itself.
+            const bool widened_float = (from == ov::element::f16 || from == ov::element::bf16) &&
+                                       (to == ov::element::f32 || to == ov::element::f16 || to == ov::element::bf16);
+            const bool widened_u4 = from == ov::element::u4 && to == ov::element::u8;
+            if ((widened_float || widened_u4) &&
                 ov::as_type_ptr<ov::op::v0::Parameter>(cvt->get_input_node_shared_ptr(0))) {
                 node.set_argument(i, cvt->input_value(0));
                 continue;

@@ -140,7 +140,10 @@ ov::element::Type cache_element(const std::string& cache_type) {
     if (cache_type == "u8") {
         return ov::element::u8;
     }
-    require(false, "unknown cache type `", cache_type, "` (f32, f16, bf16 or u8)");
+    if (cache_type == "u4") {
+        return ov::element::u4;
+    }
+    require(false, "unknown cache type `", cache_type, "` (f32, f16, bf16, u8 or u4)");
     return ov::element::dynamic;
 }
 
@@ -165,10 +168,11 @@ void type_cache(const std::shared_ptr<ov::Node>& pa,
     const ov::element::Type et = cache_element(cfg.cache_type);
     int64_t rows = cfg.block_size;
     int64_t cols = head_size;
-    if (et == ov::element::u8) {
-        // OpenVINO's u8 layout: keys by channel (f32 scale and zero point in 8 extra rows of
-        // bytes), values by token (8 extra bytes per token).
-        (port == 3 ? rows : cols) += 8;
+    if (et == ov::element::u8 || et == ov::element::u4) {
+        // OpenVINO's u8 and u4 layouts: keys by channel (f32 scale and zero point in 8 extra
+        // rows of bytes, 16 of nibbles), values by token (8 extra bytes per token: 8 or 16
+        // elements).
+        (port == 3 ? rows : cols) += et == ov::element::u8 ? 8 : 16;
     }
     param->set_element_type(et);
     param->set_partial_shape(ov::PartialShape{ov::Dimension::dynamic(), heads, rows, cols});
@@ -216,13 +220,13 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
                     " heads, the key cache ",
                     k_heads,
                     "; our PagedAttention needs as many value heads as key heads");
-    require(v_size == k_size || cfg.cache_type != "u8",
+    require(v_size == k_size || (cfg.cache_type != "u8" && cfg.cache_type != "u4"),
                     where,
                     ": value head size ",
                     v_size,
                     " differs from the key head size ",
                     k_size,
-                    "; with u8 caches our PagedAttention needs them equal: use an f32, f16 or bf16 cache (--cache-type)");
+                    "; with ", cfg.cache_type, " caches our PagedAttention needs them equal: use an f32, f16 or bf16 cache (--cache-type)");
     type_cache(pa, 3, k_heads, k_size, cfg, where);
     type_cache(pa, 4, v_heads, v_size, cfg, where);
 

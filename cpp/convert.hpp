@@ -16,8 +16,9 @@ namespace paged_attention {
 struct ConvertConfig {
     // Token slots per cache block.
     int block_size = 32;
-    // "f32", "f16", "bf16" or "u8" (OpenVINO's u8 layout: key [?, Hkv, BS + 8, D] by channel,
-    // value [?, Hkv, BS, D + 8] by token).
+    // "f32", "f16", "bf16", "u8" (OpenVINO's u8 layout: key [?, Hkv, BS + 8, D] by channel,
+    // value [?, Hkv, BS, D + 8] by token) or "u4" (OpenVINO's u4 layout: key [?, Hkv, BS + 16, D],
+    // value [?, Hkv, BS, D + 16], two values per byte).
     std::string cache_type = "f32";
     // Also give the graph what score-driven eviction needs: outputs scores.N, inputs
     // score_aggregation_window and the rotation inputs.

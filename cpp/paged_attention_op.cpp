@@ -36,6 +36,8 @@ int32_t elem_code(const ov::element::Type& t) {
         return PA_ELEM_I32;
     case ov::element::u8:
         return PA_ELEM_U8;
+    case ov::element::u4:
+        return PA_ELEM_U4;
     default:
         return kUnsupportedElem;
     }
@@ -53,6 +55,8 @@ ov::element::Type elem_type(int32_t code) {
         return ov::element::i32;
     case PA_ELEM_U8:
         return ov::element::u8;
+    case PA_ELEM_U4:
+        return ov::element::u4;
     default:
         return ov::element::dynamic;
     }

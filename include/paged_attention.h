@@ -108,12 +108,19 @@ typedef int32_t pa_status;
  * OpenVINO does); attention reads the caches dequantized ((q - zp) * scale). Rotation of a u8
  * key cache dequantizes each rotated block's keys, rotates them and quantizes them again. */
 #define PA_ELEM_U8 4
+/* Quantized cache nibbles: key_cache / value_cache only (both u4), in OpenVINO's CPU-plugin u4
+ * layout (docs/contract.md, "u4 caches"): PA_ELEM_U8's layout with every quantized value a
+ * nibble, two per byte (element 2i in the high nibble of byte i), and the f32 scale and zero
+ * point still 8 bytes, which are 16 u4 elements: value_cache [NB, Hkv, BS, D + 16*D/G], key_cache
+ * [NB, Hkv, BS + 16, D] (by channel) or [NB, Hkv, BS, D + 16*D/Gk] (by token). dims count
+ * elements; `data` holds ceil(elements / 2) bytes. D and the group sizes must be even. */
+#define PA_ELEM_U4 5
 
 /* A concrete tensor: dense, row-major, `dims[0..rank]` in memory order.
- * `data` must be aligned to the element size (u8 caches: any address). It may be NULL only when the tensor has no
+ * `data` must be aligned to the element size (u8 and u4 caches: any address). It may be NULL only when the tensor has no
  * elements. An optional input given with zero elements means "not provided". */
 typedef struct pa_tensor {
-    int32_t elem_type;          /* PA_ELEM_F32, PA_ELEM_F16, PA_ELEM_BF16, PA_ELEM_I32 or PA_ELEM_U8 */
+    int32_t elem_type;          /* PA_ELEM_F32, PA_ELEM_F16, PA_ELEM_BF16, PA_ELEM_I32, PA_ELEM_U8 or PA_ELEM_U4 */
     int32_t rank;               /* 0 (scalar) .. PA_MAX_RANK */
     int64_t dims[PA_MAX_RANK];  /* dims[0..rank], each >= 0; the rest is ignored */
     void *data;                 /* read for inputs; written for caches (inputs 3, 4) and outputs */

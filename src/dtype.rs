@@ -17,6 +17,9 @@ pub enum ElemType {
     I32 = 3,
     /// Quantized cache bytes (u8 caches in OpenVINO's layout, see `op::quant`).
     U8 = 4,
+    /// Quantized cache nibbles (u4 caches in OpenVINO's layout), packed two per byte: element
+    /// `2i` in the high nibble of byte `i`. Shapes count nibbles; the data is the bytes.
+    U4 = 5,
 }
 
 impl ElemType {
@@ -28,20 +31,42 @@ impl ElemType {
             2 => ElemType::BF16,
             3 => ElemType::I32,
             4 => ElemType::U8,
+            5 => ElemType::U4,
             _ => return None,
         })
     }
 
-    pub fn size_bytes(self) -> usize {
+    /// Bits per element.
+    pub fn bits(self) -> usize {
         match self {
-            ElemType::F32 | ElemType::I32 => 4,
-            ElemType::F16 | ElemType::BF16 => 2,
-            ElemType::U8 => 1,
+            ElemType::F32 | ElemType::I32 => 32,
+            ElemType::F16 | ElemType::BF16 => 16,
+            ElemType::U8 => 8,
+            ElemType::U4 => 4,
         }
     }
 
+    /// Bytes `n` elements take (u4: two per byte, rounded up, as OpenVINO sizes a u4 tensor);
+    /// `None` on overflow. Every buffer size goes through here, never `n * size`.
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        match self {
+            ElemType::U4 => Some(n.div_ceil(2)),
+            e => n.checked_mul(e.bits() / 8),
+        }
+    }
+
+    /// The alignment a pointer to the elements needs (1 for u8 and u4 bytes).
+    pub fn align(self) -> usize {
+        self.bits().div_ceil(8)
+    }
+
     pub fn is_float(self) -> bool {
-        !matches!(self, ElemType::I32 | ElemType::U8)
+        !matches!(self, ElemType::I32 | ElemType::U8 | ElemType::U4)
+    }
+
+    /// Whether this is a quantized cache type (u8 or u4, in OpenVINO's layout).
+    pub fn is_quantized(self) -> bool {
+        matches!(self, ElemType::U8 | ElemType::U4)
     }
 
     /// The lower-case name used in messages and in OpenVINO's element types (`f32`, `bf16`...).
@@ -52,6 +77,7 @@ impl ElemType {
             ElemType::BF16 => "bf16",
             ElemType::I32 => "i32",
             ElemType::U8 => "u8",
+            ElemType::U4 => "u4",
         }
     }
 }
@@ -80,6 +106,8 @@ pub enum Elems<'a> {
     BF16(&'a [bf16]),
     I32(&'a [i32]),
     U8(&'a [u8]),
+    /// Packed u4 elements: the bytes (two elements each).
+    U4(&'a [u8]),
 }
 
 /// Writable typed elements.
@@ -90,6 +118,8 @@ pub enum ElemsMut<'a> {
     BF16(&'a mut [bf16]),
     I32(&'a mut [i32]),
     U8(&'a mut [u8]),
+    /// Packed u4 elements: the bytes (two elements each).
+    U4(&'a mut [u8]),
 }
 
 /// A floating-point storage type: f32, f16 or bf16.

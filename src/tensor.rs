@@ -18,8 +18,10 @@ macro_rules! elems_common {
                     $t::BF16(_) => ElemType::BF16,
                     $t::I32(_) => ElemType::I32,
                     $t::U8(_) => ElemType::U8,
+                    $t::U4(_) => ElemType::U4,
                 }
             }
+            /// Elements held (u4: two per byte).
             pub fn len(&self) -> usize {
                 match self {
                     $t::F32(s) => s.len(),
@@ -27,6 +29,7 @@ macro_rules! elems_common {
                     $t::BF16(s) => s.len(),
                     $t::I32(s) => s.len(),
                     $t::U8(s) => s.len(),
+                    $t::U4(s) => s.len().saturating_mul(2),
                 }
             }
             pub fn is_empty(&self) -> bool {
@@ -40,6 +43,7 @@ macro_rules! elems_common {
                     $t::BF16(s) => s.get(i)?.to_f64(),
                     $t::I32(s) => *s.get(i)? as f64,
                     $t::U8(s) => *s.get(i)? as f64,
+                    $t::U4(s) => ((*s.get(i / 2)? >> (4 * (1 - i % 2))) & 15) as f64,
                 })
             }
         }
@@ -103,6 +107,13 @@ impl<'a> Tensor<'a> {
             _ => None,
         }
     }
+    /// The bytes of a u8 or u4 tensor.
+    pub fn quant_bytes(&self) -> Option<&'a [u8]> {
+        match self.data {
+            Elems::U8(s) | Elems::U4(s) => Some(s),
+            _ => None,
+        }
+    }
     /// The elements as `F` if that is their type.
     pub fn as_float<F: Float>(&self) -> Option<&'a [F]> {
         typed_ref::<F>(self.data)
@@ -133,6 +144,7 @@ impl<'a> TensorMut<'a> {
             ElemsMut::BF16(s) => Elems::BF16(s),
             ElemsMut::I32(s) => Elems::I32(s),
             ElemsMut::U8(s) => Elems::U8(s),
+            ElemsMut::U4(s) => Elems::U4(s),
         };
         Tensor {
             shape: self.shape.clone(),

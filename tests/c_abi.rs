@@ -372,8 +372,9 @@ fn null_pointers_are_reported() {
 fn bad_enums_and_ranks_are_reported() {
     for (f, needle) in [
         (
-            (|t: &mut CTensor| t.elem_type = 5) as fn(&mut CTensor),
-            "elem_type 5",
+            // 5 is PA_ELEM_U4; 6 is no element type
+            (|t: &mut CTensor| t.elem_type = 6) as fn(&mut CTensor),
+            "elem_type 6",
         ),
         (|t| t.elem_type = -1, "elem_type -1"),
         (|t| t.rank = 9, "rank 9"),

@@ -53,7 +53,7 @@ fn ulp(ty: ElemType) -> f64 {
         F32 => f32::EPSILON as f64,
         F16 => 2f64.powi(-10),
         BF16 => 2f64.powi(-7),
-        ElemType::I32 | ElemType::U8 => unreachable!(),
+        ElemType::I32 | ElemType::U8 | ElemType::U4 => unreachable!(),
     }
 }
 

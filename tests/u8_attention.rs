@@ -75,6 +75,7 @@ fn check(qt: ElemType, tol: f64, seeds: std::ops::Range<u64>) {
                 bs: 32,
                 key,
                 value_group,
+                bits: 8,
             };
             for seed in seeds.clone() {
                 let c = gen_case(seed, &geo, &features());
@@ -119,6 +120,7 @@ fn wrong_cache_size_is_an_error() {
         bs: 32,
         key: KeyQuant::ByChannel,
         value_group: 0,
+        bits: 8,
     };
     let (mut kc, mut vc) = u8_caches_with_past(&c, &l);
     kc.pop();
@@ -160,6 +162,7 @@ fn rotation_inputs_that_do_not_fit_are_an_error() {
         bs: 32,
         key: KeyQuant::ByChannel,
         value_group: 0,
+        bits: 8,
     };
     let (kc0, vc0) = u8_caches_with_past(&c, &l);
     let r = c.rotation.as_ref().unwrap();

@@ -75,6 +75,7 @@ fn cases() -> Vec<Case> {
                 KeyQuant::ByChannel
             },
             value_group: num(&j, "value_group"),
+            bits: 8,
         };
         out.push(Case {
             name: dir.file_name().unwrap().to_string_lossy().into_owned(),

@@ -4,7 +4,7 @@ PagedAttentionExtension, and our bare C ABI (`pa_execute`, secondary), in one pr
 inputs (the same buffers), at each thread count asked for.
 
     .venv/bin/python tools/bench.py [--threads 2,all] [--hint f32] [--reps 15]
-                                    [--only decode16,prefill] [--types f32,f16,bf16,u8] [--json out.json]
+                                    [--only decode16,prefill] [--types f32,f16,bf16,u8,u4] [--json out.json]
                                     [--chart bench.svg]
     .venv/bin/python tools/bench.py --from-json out.json --chart bench.png   (chart only, no run)
 
@@ -52,7 +52,8 @@ WORKLOADS = {
     "prefill": ("prefill 1 x 1024", [(0, 1024)]),
     "mixed": ("mixed 256 on 768 + 15 x 1024 decode", [(768, 256)] + [(1024, 1)] * 15),
 }
-ELEM = {"f32": 0, "f16": 1, "bf16": 2, "i32": 3, "u8": 4}
+ELEM = {"f32": 0, "f16": 1, "bf16": 2, "i32": 3, "u8": 4, "u4": 5}
+QUANT = ("u8", "u4")
 
 
 class PaTensor(ct.Structure):
@@ -63,7 +64,7 @@ def pa_tensor(arr: np.ndarray, elem: str) -> PaTensor:
     t = PaTensor()
     t.elem_type = ELEM[elem]
     t.rank = arr.ndim
-    for i, d in enumerate(arr.shape):
+    for i, d in enumerate(elem_dims(arr, elem)):
         t.dims[i] = d
     t.data = arr.ctypes.data
     return t
@@ -80,6 +81,27 @@ def u8_caches(rng, NB):
     vc = rng.integers(0, 256, (NB, HKV, BS, D + 8), dtype=np.uint8)
     vparams = np.stack([rng.uniform(0.004, 0.008, (NB, HKV, BS)),
                         rng.uniform(100, 150, (NB, HKV, BS))], axis=-1).astype(np.float32)
+    vc[..., :8] = vparams.view(np.uint8).reshape(NB, HKV, BS, 8)
+    return kc, vc
+
+
+def elem_dims(arr: np.ndarray, elem: str):
+    """The tensor's dims in elements: a u4 cache's last dim counts nibbles (two per byte)."""
+    return list(arr.shape[:-1]) + [arr.shape[-1] * 2] if elem == "u4" else list(arr.shape)
+
+
+def u4_caches(rng, NB):
+    """u4 caches in OpenVINO's default u4 layout (docs/contract.md, "u4 caches"), as bytes: keys by
+    channel [NB, Hkv, BS + 16, D] nibbles = bytes [NB, Hkv, BS + 16, D / 2] (per block and head D
+    f32 scales, D f32 zero points, BS rows of D / 2 bytes), values by token [NB, Hkv, BS, D + 16]
+    nibbles = bytes [..., D / 2 + 8] (f32 scale, f32 zero point, D / 2 bytes per row)."""
+    kc = rng.integers(0, 256, (NB, HKV, BS + 16, D // 2), dtype=np.uint8)
+    params = np.concatenate([rng.uniform(0.06, 0.13, (NB, HKV, D)),
+                             rng.uniform(6, 9, (NB, HKV, D))], axis=-1).astype(np.float32)
+    kc[:, :, :16, :] = params.view(np.uint8).reshape(NB, HKV, 16, D // 2)
+    vc = rng.integers(0, 256, (NB, HKV, BS, D // 2 + 8), dtype=np.uint8)
+    vparams = np.stack([rng.uniform(0.06, 0.13, (NB, HKV, BS)),
+                        rng.uniform(6, 9, (NB, HKV, BS))], axis=-1).astype(np.float32)
     vc[..., :8] = vparams.view(np.uint8).reshape(NB, HKV, BS, 8)
     return kc, vc
 
@@ -112,6 +134,8 @@ class Call:
         vc = rng.uniform(-1, 1, (NB, HKV, BS, D)).astype(np.float32)
         if cache == "u8":
             kc, vc = u8_caches(rng, NB)
+        elif cache == "u4":
+            kc, vc = u4_caches(rng, NB)
         elif cache == "f16":
             kc, vc = kc.astype(np.float16), vc.astype(np.float16)
         elif cache == "bf16":
@@ -128,6 +152,9 @@ class Call:
         self.kv_bytes = sum((p + k) for p, k in seqs) * HKV * D * 2 * esize
         if cache == "u8":  # key and value bytes, 8 per value row, 8*D per key block
             self.kv_bytes = (sum((p + k) for p, k in seqs) * HKV * (2 * D + 8)
+                             + sum(nblocks) * HKV * 8 * D)
+        if cache == "u4":  # half a byte per value, 8 bytes per value row, 8*D per key block
+            self.kv_bytes = (sum((p + k) for p, k in seqs) * HKV * (D + 8)
                              + sum(nblocks) * HKV * 8 * D)
         self.flops = sum(sum(p + i + 1 for i in range(k)) for p, k in seqs) * H * D * 4
 
@@ -154,9 +181,10 @@ class Call:
         import openvino as ov
         import openvino.opset13 as ops
         from openvino._pyopenvino.op import _PagedAttentionExtension
-        ctype = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}[self.cache]
-        # u8: the plugin gives the cache ports its own layout (the one our buffers have)
-        cdims = [-1] * 4 if self.cache == "u8" else [-1, HKV, BS, D]
+        ctype = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8,
+                 "u4": ov.Type.dynamic}[self.cache]
+        # u8, u4: the plugin gives the cache ports its own layout (the one our buffers have)
+        cdims = [-1] * 4 if self.cache in QUANT else [-1, HKV, BS, D]
         f32, i32 = ov.Type.f32, ov.Type.i32
         max_ctx = np.array(max(p + k for p, k in self.seqs), np.int32)
         feeds = [
@@ -189,7 +217,12 @@ class Call:
         self._ov_req = self._ov_compiled.create_infer_request()
         self._ov_tensors = []
         for i, (nm, et, _, a) in enumerate(feeds):
-            t = ov.Tensor(a, list(a.shape), et) if et == ov.Type.bf16 else ov.Tensor(a, shared_memory=True)
+            if i in (3, 4) and self.cache == "u4":
+                t = ov.Tensor(a, elem_dims(a, "u4"), ov.Type.u4)
+            elif et == ov.Type.bf16:
+                t = ov.Tensor(a, list(a.shape), et)
+            else:
+                t = ov.Tensor(a, shared_memory=True)
             self._ov_tensors.append(t)
             self._ov_req.set_input_tensor(i, t)
 
@@ -202,8 +235,8 @@ class Call:
         qt = self.qtype
         ins = [("query", qt, [-1, H * D], self.qkv[0]), ("key", qt, [-1, HKV * D], self.qkv[1]),
                ("value", qt, [-1, HKV * D], self.qkv[2]),
-               ("key_cache", self.cache, [-1] + list(self.kc.shape[1:]), self.kc),
-               ("value_cache", self.cache, [-1] + list(self.vc.shape[1:]), self.vc),
+               ("key_cache", self.cache, [-1] + elem_dims(self.kc, self.cache)[1:], self.kc),
+               ("value_cache", self.cache, [-1] + elem_dims(self.vc, self.cache)[1:], self.vc),
                ("past_lens", "i32", [-1], self.past), ("subsequence_begins", "i32", [-1], self.sb),
                ("block_indices", "i32", [-1], self.bi), ("block_indices_begins", "i32", [-1], self.bib)]
         srcs = [b.parameter(nm, et, dims) for nm, et, dims, _ in ins]
@@ -221,7 +254,12 @@ class Call:
         self._ext_req = self._ext_compiled.create_infer_request()
         self._ext_tensors = []
         for i, (_, et, _, a) in enumerate(ins):
-            t = ov.Tensor(a, list(a.shape), ov.Type.bf16) if et == "bf16" else ov.Tensor(a, shared_memory=True)
+            if et == "u4":
+                t = ov.Tensor(a, elem_dims(a, "u4"), ov.Type.u4)
+            elif et == "bf16":
+                t = ov.Tensor(a, list(a.shape), ov.Type.bf16)
+            else:
+                t = ov.Tensor(a, shared_memory=True)
             self._ext_tensors.append(t)
             self._ext_req.set_input_tensor(i, t)
 
@@ -303,7 +341,7 @@ def main():
                 cache, qtype = ("bf16", "bf16") if ctype == "bf16q" else (ctype, "f32")
                 call = Call(seqs, cache, rng, qtype)
                 call.bind_ours(lib)
-                hint = (cache if cache != "u8" else "f32") if args.hint == "cache" else args.hint
+                hint = (cache if cache not in QUANT else "f32") if args.hint == "cache" else args.hint
                 try:
                     call.bind_ov(core, nthr, hint)
                     ov_err = None

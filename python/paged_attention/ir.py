@@ -18,7 +18,7 @@ import numpy as np
 
 from ._tensors import INPUT_NAMES, f32_to_bf16_bits
 
-PRECISION = {"f32": "FP32", "f16": "FP16", "bf16": "BF16", "i32": "I32", "f64": "FP64", "u8": "U8",
+PRECISION = {"f32": "FP32", "f16": "FP16", "bf16": "BF16", "i32": "I32", "f64": "FP64", "u8": "U8", "u4": "U4",
              "i64": "I64"}
 
 

@@ -209,17 +209,19 @@ pub fn block_bytes(
         ElemType::F32 | ElemType::F16 | ElemType::BF16 => kv_heads
             .checked_mul(block_size)?
             .checked_mul(head_size)?
-            .checked_mul(2 * cache.size_bytes())?,
-        ElemType::U8 => {
+            .checked_mul(2 * cache.bits() / 8)?,
+        ElemType::U8 | ElemType::U4 => {
             let l = U8Layout {
                 hkv: kv_heads,
                 d: head_size,
                 bs: block_size,
                 key: KeyQuant::ByChannel,
                 value_group: 0,
+                bits: cache.bits(),
             };
             let prod = |d: [usize; 4]| d.iter().try_fold(1usize, |a, &x| a.checked_mul(x));
-            prod(l.key_cache_dims(1)?)?.checked_add(prod(l.value_cache_dims(1)?)?)?
+            let elems = prod(l.key_cache_dims(1)?)?.checked_add(prod(l.value_cache_dims(1)?)?)?;
+            cache.bytes_for(elems)?
         }
         ElemType::I32 => return None,
     };

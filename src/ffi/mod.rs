@@ -131,8 +131,8 @@ pub(crate) fn describe(t: &PaTensor, name: &str) -> Result<Described, PaError> {
         detail: format!("`{name}` shape {shape:?} is too large to address"),
     };
     let numel = crate::tensor::shape_elems(&shape).ok_or_else(too_big)?;
-    let bytes = numel
-        .checked_mul(elem.size_bytes())
+    let bytes = elem
+        .bytes_for(numel)
         .filter(|&b| b <= isize::MAX as usize)
         .ok_or_else(too_big)?;
     let addr = t.data as usize;
@@ -142,10 +142,10 @@ pub(crate) fn describe(t: &PaTensor, name: &str) -> Result<Described, PaError> {
                 what: format!("`{name}` data ({numel} elements)"),
             });
         }
-        if !addr.is_multiple_of(elem.size_bytes()) {
+        if !addr.is_multiple_of(elem.align()) {
             return Err(PaError::Alignment {
                 name: name.to_string(),
-                align: elem.size_bytes(),
+                align: elem.align(),
             });
         }
         addr.checked_add(bytes)
@@ -209,6 +209,7 @@ impl Described {
                 ElemType::BF16 => Elems::BF16(raw_slice::<bf16>(self.ptr, n)),
                 ElemType::I32 => Elems::I32(raw_slice::<i32>(self.ptr, n)),
                 ElemType::U8 => Elems::U8(raw_slice::<u8>(self.ptr, n)),
+                ElemType::U4 => Elems::U4(raw_slice::<u8>(self.ptr, n.div_ceil(2))),
             }
         };
         Tensor {
@@ -232,6 +233,7 @@ impl Described {
                 ElemType::BF16 => ElemsMut::BF16(raw_slice_mut::<bf16>(self.ptr, n)),
                 ElemType::I32 => ElemsMut::I32(raw_slice_mut::<i32>(self.ptr, n)),
                 ElemType::U8 => ElemsMut::U8(raw_slice_mut::<u8>(self.ptr, n)),
+                ElemType::U4 => ElemsMut::U4(raw_slice_mut::<u8>(self.ptr, n.div_ceil(2))),
             }
         };
         TensorMut {

@@ -249,7 +249,7 @@ fn const_tensor(l: &RawLayer, weights: &mut Weights<'_>) -> Result<OwnedTensor, 
                 size,
                 bin_len,
             })?;
-    let expected = shape_elems(&shape).and_then(|n| n.checked_mul(elem.size_bytes()));
+    let expected = shape_elems(&shape).and_then(|n| elem.bytes_for(n));
     if expected.map(|e| e as u64) != Some(size) {
         return Err(IrError::ConstSize {
             id: l.id,

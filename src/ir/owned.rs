@@ -14,6 +14,8 @@ pub enum OwnedData {
     BF16(Vec<bf16>),
     I32(Vec<i32>),
     U8(Vec<u8>),
+    /// Packed u4 elements (two per byte, the even one in the high nibble).
+    U4(Vec<u8>),
 }
 
 /// A row-major tensor that owns its elements. `data.len()` always equals the shape's product.
@@ -47,6 +49,7 @@ fn data_len(d: &OwnedData) -> usize {
         OwnedData::BF16(v) => v.len(),
         OwnedData::I32(v) => v.len(),
         OwnedData::U8(v) => v.len(),
+        OwnedData::U4(v) => v.len().saturating_mul(2),
     }
 }
 
@@ -90,6 +93,7 @@ impl OwnedTensor {
             ElemType::BF16 => OwnedData::BF16(try_zeroed(n, &shape)?),
             ElemType::I32 => OwnedData::I32(try_zeroed(n, &shape)?),
             ElemType::U8 => OwnedData::U8(try_zeroed(n, &shape)?),
+            ElemType::U4 => OwnedData::U4(try_zeroed(n.div_ceil(2), &shape)?),
         };
         Ok(OwnedTensor { shape, data })
     }
@@ -101,7 +105,7 @@ impl OwnedTensor {
         shape: Vec<usize>,
         bytes: &[u8],
     ) -> Result<OwnedTensor, TensorError> {
-        let w = elem.size_bytes();
+        let w = elem.bits().div_ceil(8);
         if !bytes.len().is_multiple_of(w) {
             return Err(TensorError::Bytes(bytes.len(), elem));
         }
@@ -131,6 +135,7 @@ impl OwnedTensor {
                     .collect(),
             ),
             ElemType::U8 => OwnedData::U8(bytes.to_vec()),
+            ElemType::U4 => OwnedData::U4(bytes.to_vec()),
         };
         Self::new(shape, data)
     }
@@ -143,6 +148,7 @@ impl OwnedTensor {
             Elems::BF16(s) => OwnedData::BF16(s.to_vec()),
             Elems::I32(s) => OwnedData::I32(s.to_vec()),
             Elems::U8(s) => OwnedData::U8(s.to_vec()),
+            Elems::U4(s) => OwnedData::U4(s.to_vec()),
         };
         Self::new(t.shape.clone(), data)
     }
@@ -154,7 +160,7 @@ impl OwnedTensor {
             OwnedData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             OwnedData::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
             OwnedData::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-            OwnedData::U8(v) => v.clone(),
+            OwnedData::U8(v) | OwnedData::U4(v) => v.clone(),
         }
     }
 
@@ -177,6 +183,7 @@ impl OwnedTensor {
             OwnedData::BF16(_) => ElemType::BF16,
             OwnedData::I32(_) => ElemType::I32,
             OwnedData::U8(_) => ElemType::U8,
+            OwnedData::U4(_) => ElemType::U4,
         }
     }
 
@@ -187,6 +194,7 @@ impl OwnedTensor {
             OwnedData::BF16(v) => Elems::BF16(v),
             OwnedData::I32(v) => Elems::I32(v),
             OwnedData::U8(v) => Elems::U8(v),
+            OwnedData::U4(v) => Elems::U4(v),
         };
         Tensor {
             shape: self.shape.clone(),
@@ -201,6 +209,7 @@ impl OwnedTensor {
             OwnedData::BF16(v) => ElemsMut::BF16(v),
             OwnedData::I32(v) => ElemsMut::I32(v),
             OwnedData::U8(v) => ElemsMut::U8(v),
+            OwnedData::U4(v) => ElemsMut::U4(v),
         };
         TensorMut {
             shape: self.shape.clone(),
@@ -221,6 +230,10 @@ impl OwnedTensor {
             OwnedData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
             OwnedData::I32(v) => v.iter().map(|&x| x as f64).collect(),
             OwnedData::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            OwnedData::U4(v) => v
+                .iter()
+                .flat_map(|&x| [(x >> 4) as f64, (x & 15) as f64])
+                .collect(),
         }
     }
 
@@ -238,13 +251,17 @@ impl OwnedTensor {
             OwnedData::F32(v) => v.clone(),
             OwnedData::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
             OwnedData::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            OwnedData::I32(_) | OwnedData::U8(_) => return Err(TensorError::Convert(from, to)),
+            OwnedData::I32(_) | OwnedData::U8(_) | OwnedData::U4(_) => {
+                return Err(TensorError::Convert(from, to))
+            }
         };
         let data = match to {
             ElemType::F32 => OwnedData::F32(wide),
             ElemType::F16 => OwnedData::F16(wide.iter().map(|&x| f16::from_f32(x)).collect()),
             ElemType::BF16 => OwnedData::BF16(wide.iter().map(|&x| bf16::from_f32(x)).collect()),
-            ElemType::I32 | ElemType::U8 => return Err(TensorError::Convert(from, to)),
+            ElemType::I32 | ElemType::U8 | ElemType::U4 => {
+                return Err(TensorError::Convert(from, to))
+            }
         };
         Ok(OwnedTensor {
             shape: self.shape.clone(),

@@ -73,6 +73,7 @@ impl IrType {
             IrType::BF16 => ElemType::BF16,
             IrType::I32 => ElemType::I32,
             IrType::U8 => ElemType::U8,
+            IrType::U4 => ElemType::U4,
             _ => return None,
         })
     }
@@ -93,6 +94,7 @@ impl From<ElemType> for IrType {
             ElemType::BF16 => IrType::BF16,
             ElemType::I32 => IrType::I32,
             ElemType::U8 => IrType::U8,
+            ElemType::U4 => IrType::U4,
         }
     }
 }

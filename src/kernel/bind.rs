@@ -49,7 +49,8 @@ impl<F: Float> CacheElem for F {
 impl CacheElem for u8 {
     fn cache_mut<'s>(e: &'s mut ElemsMut<'_>) -> Option<&'s mut [Self]> {
         match e {
-            ElemsMut::U8(s) => Some(s),
+            // u8 caches, and u4 caches as their packed bytes (the plan's layout says which).
+            ElemsMut::U8(s) | ElemsMut::U4(s) => Some(s),
             _ => None,
         }
     }
@@ -172,9 +173,9 @@ fn with_cache<O: TypedOp, Q: Float>(
         E::F32 => op.run(plan, Bound::<Q, f32>::new(plan, inputs, outputs)?),
         E::F16 => op.run(plan, Bound::<Q, half::f16>::new(plan, inputs, outputs)?),
         E::BF16 => op.run(plan, Bound::<Q, half::bf16>::new(plan, inputs, outputs)?),
-        E::U8 => match &plan.u8 {
+        E::U8 | E::U4 => match &plan.u8 {
             Some(layout) => op.run_u8(plan, layout, Bound::<Q, u8>::new(plan, inputs, outputs)?),
-            None => Err(missing("the u8 cache layout")),
+            None => Err(missing("the quantized cache layout")),
         },
         _ => Err(no_kernel(plan.query_type, plan)),
     }

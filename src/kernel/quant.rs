@@ -1,4 +1,5 @@
-//! u8 KV caches in the byte layout of OpenVINO 2026.4.1's CPU plugin: the layouts, quantization of
+//! u8 and u4 KV caches in the byte layout of OpenVINO 2026.4.1's CPU plugin (one code for
+//! both widths: the layout's `bits`; u4 packs two values per byte, the even one high): the layouts, quantization of
 //! new tokens on insertion (including the by-channel key block's re-quantization when it grows),
 //! rotation of cached keys (dequantize, rotate, re-quantize) and dequantization of one cached
 //! row. docs/contract.md ("u8 caches") states the conventions; tests/u8_cache.rs holds this code
@@ -14,7 +15,9 @@ use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::kernel::prefetch::prefetch_part;
 use crate::op::u8_layout::effective_group;
-pub use crate::op::u8_layout::{token_row_bytes, KeyQuant, U8Layout, PARAM_BYTES};
+pub use crate::op::u8_layout::{
+    token_row_bytes, token_row_bytes_bits, KeyQuant, U8Layout, PARAM_BYTES,
+};
 use crate::op::validate::SeqPlan;
 
 /// What OpenVINO substitutes for a zero scale (all values of a group or channel equal).
@@ -35,22 +38,29 @@ fn min_max(x: impl Iterator<Item = f32>) -> (f32, f32) {
     x.fold((f32::MAX, -f32::MAX), |(lo, hi), v| (lo.min(v), hi.max(v)))
 }
 
-/// The vector path: `cvt_roundps_epi32(fma(x, 1/scale, zp))` (round half to even; out of range
-/// or NaN gives INT_MIN), clamped at 0, saturated to 255.
+/// The largest quantized value of `bits`-bit elements (255 or 15).
 #[inline(always)]
-fn q_vector(x: f32, inv_scale: f32, zp: f32) -> u8 {
+fn levels(bits: usize) -> f32 {
+    ((1u32 << bits) - 1) as f32
+}
+
+/// The vector path: `cvt_roundps_epi32(fma(x, 1/scale, zp))` (round half to even; out of range
+/// or NaN gives INT_MIN), clamped at 0, saturated to `max` (255 or 15).
+#[inline(always)]
+fn q_vector(x: f32, inv_scale: f32, zp: f32, max: f32) -> u8 {
     let v = x.mul_add(inv_scale, zp).round_ties_even();
     // Branch-free (so the loops over channels vectorize): NaN fails both comparisons.
     let in_range = (-2147483648.0..2147483648.0).contains(&v);
-    let c = if in_range { v.clamp(0.0, 255.0) } else { 0.0 };
+    let c = if in_range { v.clamp(0.0, max) } else { 0.0 };
     // SAFETY: `c` is an integer in 0..=255 (rounded, then clamped, or 0), so it converts exactly.
     unsafe { c.to_int_unchecked::<i32>() as u8 }
 }
 
-/// The scalar tail: `std::round(max(x / scale + zp, 0))` (round half away from zero).
+/// The scalar tail: `std::round(max(x / scale + zp, 0))` (round half away from zero),
+/// saturated to `max`.
 #[inline(always)]
-fn q_scalar(x: f32, scale: f32, zp: f32) -> u8 {
-    (x / scale + zp).max(0.0).round().min(255.0) as u8
+fn q_scalar(x: f32, scale: f32, zp: f32, max: f32) -> u8 {
+    (x / scale + zp).max(0.0).round().min(max) as u8
 }
 
 /// `(q - zp) * scale`, two roundings, as OpenVINO dequantizes (also before re-quantizing a block).
@@ -59,11 +69,38 @@ pub fn dequant(q: u8, scale: f32, zp: f32) -> f32 {
     (q as f32 - zp) * scale
 }
 
-/// Quantizes one group of one token: writes `[scale f32][zp f32][x.len() bytes]` into `dst`.
+/// Element `i` of quantized data of `bits`-bit elements (u4: the even element in the high
+/// nibble).
 #[inline(always)]
-pub fn quantize_group(x: &[f32], dst: &mut [u8]) {
+pub(crate) fn q_at(data: &[u8], i: usize, bits: usize) -> u8 {
+    if bits == 8 {
+        data[i]
+    } else {
+        (data[i / 2] >> (4 * (1 - i % 2))) & 15
+    }
+}
+
+/// Writes quantized values into `dst` (`n * bits / 8` bytes): `q(i)` for element `i`.
+#[inline(always)]
+fn put_q(dst: &mut [u8], n: usize, bits: usize, q: impl Fn(usize) -> u8) {
+    if bits == 8 {
+        for (i, o) in dst[..n].iter_mut().enumerate() {
+            *o = q(i);
+        }
+    } else {
+        for (i, o) in dst[..n / 2].iter_mut().enumerate() {
+            *o = (q(2 * i) << 4) | q(2 * i + 1);
+        }
+    }
+}
+
+/// Quantizes one group of one token: writes `[scale f32][zp f32][x.len() elements]` into `dst`
+/// (u8: a byte each; u4: a nibble each, `x.len()` even).
+#[inline(always)]
+pub fn quantize_group(x: &[f32], dst: &mut [u8], bits: usize) {
+    let max = levels(bits);
     let (lo, hi) = min_max(x.iter().copied());
-    let mut scale = (hi - lo) / 255.0;
+    let mut scale = (hi - lo) / max;
     if scale == 0.0 {
         scale = ZERO_RANGE_SCALE;
     }
@@ -71,47 +108,71 @@ pub fn quantize_group(x: &[f32], dst: &mut [u8]) {
     let inv = 1.0 / scale;
     write_f32(dst, 0, scale);
     write_f32(dst, 1, zp);
+    // Both widths: the leading multiple of 16 on the vector path, the rest on the scalar one.
     let vec_len = x.len() - x.len() % 16;
+    if bits != 8 {
+        let q = |i: usize| {
+            if i < vec_len {
+                q_vector(x[i], inv, zp, max)
+            } else {
+                q_scalar(x[i], scale, zp, max)
+            }
+        };
+        put_q(&mut dst[PARAM_BYTES..], x.len(), bits, q);
+        return;
+    }
     let q = &mut dst[PARAM_BYTES..PARAM_BYTES + x.len()];
     // Two loops, not one with a per-element choice: a choice compiles to both paths (a division
     // per element) and a select.
     let (qv, qs) = q.split_at_mut(vec_len);
     let (xv, xs) = x.split_at(vec_len);
     for (o, &v) in qv.iter_mut().zip(xv) {
-        *o = q_vector(v, inv, zp);
+        *o = q_vector(v, inv, zp, 255.0);
     }
     for (o, &v) in qs.iter_mut().zip(xs) {
-        *o = q_scalar(v, scale, zp);
+        *o = q_scalar(v, scale, zp, 255.0);
     }
 }
 
-/// Quantizes a token row of `x.len()` channels into `dst` (`token_row_bytes` long), by groups.
+/// Bytes of one group of `g` elements of `bits` bits with its parameters.
 #[inline(always)]
-pub fn quantize_token_row(x: &[f32], group: usize, dst: &mut [u8]) {
+fn group_bytes(g: usize, bits: usize) -> usize {
+    PARAM_BYTES + g * bits / 8
+}
+
+/// Quantizes a token row of `x.len()` channels into `dst` (`token_row_bytes_bits` long), by
+/// groups.
+#[inline(always)]
+pub fn quantize_token_row(x: &[f32], group: usize, dst: &mut [u8], bits: usize) {
     let g = effective_group(group, x.len());
-    for (xs, ds) in x.chunks(g).zip(dst.chunks_mut(g + PARAM_BYTES)) {
-        quantize_group(xs, ds);
+    for (xs, ds) in x.chunks(g).zip(dst.chunks_mut(group_bytes(g, bits))) {
+        quantize_group(xs, ds, bits);
     }
 }
 
-/// Dequantizes a token row (`token_row_bytes(out.len(), group)` bytes) into `out`.
-pub fn dequantize_token_row(row: &[u8], group: usize, out: &mut [f32]) {
+/// Dequantizes a token row (`token_row_bytes_bits(out.len(), group, bits)` bytes) into `out`.
+pub fn dequantize_token_row(row: &[u8], group: usize, out: &mut [f32], bits: usize) {
     let g = effective_group(group, out.len());
-    for (os, rs) in out.chunks_mut(g).zip(row.chunks(g + PARAM_BYTES)) {
+    for (os, rs) in out.chunks_mut(g).zip(row.chunks(group_bytes(g, bits))) {
         let (scale, zp) = (read_f32(rs, 0), read_f32(rs, 1));
-        for (o, &q) in os.iter_mut().zip(&rs[PARAM_BYTES..]) {
-            *o = dequant(q, scale, zp);
+        let data = &rs[PARAM_BYTES..];
+        for (i, o) in os.iter_mut().enumerate() {
+            *o = dequant(q_at(data, i, bits), scale, zp);
         }
     }
 }
 
 /// Quantizes `rows` (`n x d`, row-major, `n >= 1`) as the tokens of one by-channel key block:
-/// writes the slab's scales, zero points and its first `n` rows; later rows are left alone.
+/// writes the slab's scales, zero points and its first `n` rows (`d * bits / 8` bytes each);
+/// later rows are left alone.
 #[inline(always)]
-pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8]) {
-    // Channels 16 and 8 at a time take the vector paths (scale from the f32 reciprocal of 255);
-    // the last d % 8 the scalar one (a true division).
+pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8], bits: usize) {
+    let max = levels(bits);
+    // Scales: channels 16 and 8 at a time take the vector paths (the range times the f32
+    // reciprocal of 255 or 15), the last d % 8 the scalar one (a true division). Values: u8
+    // likewise; u4 has no 8-wide quantizer, so its last d % 16 channels take the scalar path.
     let vec_len = d - d % 8;
+    let q_len = if bits == 8 { vec_len } else { d - d % 16 };
     let (params, data) = slab.split_at_mut(PARAM_BYTES * d);
     // Each channel's range is folded in token order, as one channel at a time would, but the
     // loops run across channels (contiguous, so they vectorize).
@@ -124,9 +185,9 @@ pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8]) {
     // From here `lo` holds the zero points and `hi` what the quantizer multiplies or divides by.
     for j in 0..d {
         let mut scale = if j < vec_len {
-            (hi[j] - lo[j]) * (1.0f32 / 255.0)
+            (hi[j] - lo[j]) * (1.0f32 / max)
         } else {
-            (hi[j] - lo[j]) / 255.0
+            (hi[j] - lo[j]) / max
         };
         if scale == 0.0 {
             scale += ZERO_RANGE_SCALE;
@@ -135,33 +196,46 @@ pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8]) {
         write_f32(params, j, scale);
         write_f32(params, d + j, zp);
         lo[j] = zp;
-        hi[j] = if j < vec_len { 1.0 / scale } else { scale };
+        hi[j] = if j < q_len { 1.0 / scale } else { scale };
     }
-    for (row, out) in rows.chunks_exact(d).zip(data.chunks_exact_mut(d)) {
+    let row_bytes = d * bits / 8;
+    for (row, out) in rows.chunks_exact(d).zip(data.chunks_exact_mut(row_bytes)) {
+        if bits != 8 {
+            let q = |j: usize| {
+                if j < q_len {
+                    q_vector(row[j], hi[j], lo[j], max)
+                } else {
+                    q_scalar(row[j], hi[j], lo[j], max)
+                }
+            };
+            put_q(out, d, bits, q);
+            continue;
+        }
         for j in 0..vec_len {
-            out[j] = q_vector(row[j], hi[j], lo[j]);
+            out[j] = q_vector(row[j], hi[j], lo[j], 255.0);
         }
         for j in vec_len..d {
-            out[j] = q_scalar(row[j], hi[j], lo[j]);
+            out[j] = q_scalar(row[j], hi[j], lo[j], 255.0);
         }
     }
 }
 
 /// Dequantizes token `slot` of a by-channel key slab into `out` (D values).
 #[inline(always)]
-pub fn dequantize_channel_row(slab: &[u8], slot: usize, out: &mut [f32]) {
+pub fn dequantize_channel_row(slab: &[u8], slot: usize, out: &mut [f32], bits: usize) {
     let d = out.len();
-    let row = &slab[PARAM_BYTES * d + slot * d..][..d];
-    for (j, (o, &q)) in out.iter_mut().zip(row).enumerate() {
-        *o = dequant(q, read_f32(slab, j), read_f32(slab, d + j));
+    let rb = d * bits / 8;
+    let row = &slab[PARAM_BYTES * d + slot * rb..][..rb];
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dequant(q_at(row, j, bits), read_f32(slab, j), read_f32(slab, d + j));
     }
 }
 
 /// Appends `new_rows` (`n x d`) after the first `prev` tokens of a by-channel key slab. A block
-/// that already holds tokens is re-quantized as a whole, as OpenVINO does: its tokens are
-/// dequantized with the old parameters, the range is taken over them and the new keys, and all
-/// are quantized again (so earlier keys stay within the block's range, at the cost of a second
-/// rounding). `scratch` is reused between calls.
+/// that already holds tokens is re-quantized as a whole, as OpenVINO does (u8 and u4 alike):
+/// its tokens are dequantized with the old parameters, the range is taken over them and the new
+/// keys, and all are quantized again (so earlier keys stay within the block's range, at the
+/// cost of a second rounding). `scratch` is reused between calls.
 #[inline(always)]
 pub fn insert_channel_block(
     slab: &mut [u8],
@@ -169,21 +243,73 @@ pub fn insert_channel_block(
     prev: usize,
     new_rows: &[f32],
     scratch: &mut Vec<f32>,
+    bits: usize,
 ) {
     if new_rows.is_empty() {
         return;
     }
     if prev == 0 {
-        quantize_channel_block(new_rows, d, slab);
+        quantize_channel_block(new_rows, d, slab, bits);
         return;
     }
     scratch.clear();
     scratch.resize(prev * d, 0.0);
     for (t, row) in scratch.chunks_mut(d).enumerate() {
-        dequantize_channel_row(slab, t, row);
+        dequantize_channel_row(slab, t, row, bits);
     }
     scratch.extend_from_slice(new_rows);
-    quantize_channel_block(scratch, d, slab);
+    quantize_channel_block(scratch, d, slab, bits);
+}
+
+/// Nibbles `src` (two per byte, the even one high) as one byte each into `dst` (twice as long).
+#[inline(always)]
+fn unpack_nibbles(src: &[u8], dst: &mut [u8]) {
+    // 16 bytes at a time through fixed-size arrays, which compile to byte shuffles (a loop over
+    // pairs does not vectorize: a decode over u4 caches spent most of its time here).
+    let mut outs = dst.chunks_exact_mut(32);
+    let mut ins = src.chunks_exact(16);
+    for (o, s) in (&mut outs).zip(&mut ins) {
+        let s: &[u8; 16] = s.try_into().expect("16 bytes");
+        let mut hi = [0u8; 16];
+        let mut lo = [0u8; 16];
+        for i in 0..16 {
+            hi[i] = s[i] >> 4;
+            lo[i] = s[i] & 15;
+        }
+        let mut out = [0u8; 32];
+        for i in 0..16 {
+            out[2 * i] = hi[i];
+            out[2 * i + 1] = lo[i];
+        }
+        o.copy_from_slice(&out);
+    }
+    for (pair, &b) in outs
+        .into_remainder()
+        .chunks_exact_mut(2)
+        .zip(ins.remainder())
+    {
+        pair[0] = b >> 4;
+        pair[1] = b & 15;
+    }
+}
+
+/// A u4 by-channel key slab (`8 * d` parameter bytes, then rows of `d / 2` bytes) as the u8
+/// slab that dequantizes to the same keys (the parameters, then rows of `d` bytes).
+pub(crate) fn unpack_u4_slab(src: &[u8], d: usize, dst: &mut [u8]) {
+    let p = PARAM_BYTES * d;
+    dst[..p].copy_from_slice(&src[..p]);
+    unpack_nibbles(&src[p..], &mut dst[p..]);
+}
+
+/// u4 by-token rows (groups of `group` channels, 0 = `d`) as the u8 rows that dequantize to
+/// the same values: per group, the 8 parameter bytes copied and the nibbles widened to bytes.
+pub(crate) fn unpack_u4_token_rows(src: &[u8], d: usize, group: usize, dst: &mut [u8]) {
+    let g = effective_group(group, d);
+    let (g4, g8) = (group_bytes(g, 4), group_bytes(g, 8));
+    for (s, o) in src.chunks_exact(g4).zip(dst.chunks_exact_mut(g8)) {
+        o[..PARAM_BYTES].copy_from_slice(&s[..PARAM_BYTES]);
+        unpack_nibbles(&s[PARAM_BYTES..], &mut o[PARAM_BYTES..]);
+    }
 }
 
 /// Cache bytes insertion writes to: `rows(at, len)` is bytes `at..at + len` of one cache. The
@@ -311,13 +437,13 @@ fn insert_head<Q: Float>(
             buf.row.clear();
             widen(value, sp.begin + i, &mut buf.row);
             let dst = value_cache.rows(row, value_row);
-            quantize_token_row(&buf.row, layout.value_group, dst);
+            quantize_token_row(&buf.row, layout.value_group, dst, layout.bits);
             if let KeyQuant::ByToken { group } = layout.key {
                 buf.row.clear();
                 widen(key, sp.begin + i, &mut buf.row);
                 let kr = key_slab / bs;
                 let row = ((block * hkv + head) * bs + pos % bs) * kr;
-                quantize_token_row(&buf.row, group, key_cache.rows(row, kr));
+                quantize_token_row(&buf.row, group, key_cache.rows(row, kr), layout.bits);
             }
         }
     }
@@ -336,7 +462,7 @@ fn insert_head<Q: Float>(
                 widen(key, sp.begin + (pos - sp.past) + t, &mut buf.new_rows);
             }
             let slab = key_cache.rows((block * hkv + head) * key_slab, key_slab);
-            insert_channel_block(slab, d, prev, &buf.new_rows, &mut buf.block);
+            insert_channel_block(slab, d, prev, &buf.new_rows, &mut buf.block, layout.bits);
             pos += take;
         }
     }
@@ -429,7 +555,7 @@ pub(crate) fn rotate_u8_head(
     key_cache: &mut (impl CacheRows + ?Sized),
     buf: &mut InsertScratch,
 ) {
-    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    let (d, bs, hkv, bits) = (layout.d, layout.bs, layout.hkv, layout.bits);
     let key_slab = layout.key_slab();
     let buf = &mut buf.block;
     for (r, (&block, &fill)) in rot.blocks.iter().zip(fills).enumerate() {
@@ -447,10 +573,10 @@ pub(crate) fn rotate_u8_head(
         match layout.key {
             KeyQuant::ByChannel => {
                 for (slot, row) in buf.chunks_exact_mut(d).enumerate() {
-                    dequantize_channel_row(slab, slot, row);
+                    dequantize_channel_row(slab, slot, row, bits);
                     rope_row(row, lut_row(slot));
                 }
-                quantize_channel_block(buf, d, slab);
+                quantize_channel_block(buf, d, slab, bits);
             }
             KeyQuant::ByToken { group } => {
                 let kr = key_slab / bs;
@@ -459,9 +585,9 @@ pub(crate) fn rotate_u8_head(
                     .zip(slab.chunks_exact_mut(kr))
                     .enumerate()
                 {
-                    dequantize_token_row(bytes, group, row);
+                    dequantize_token_row(bytes, group, row, bits);
                     rope_row(row, lut_row(slot));
-                    quantize_token_row(row, group, bytes);
+                    quantize_token_row(row, group, bytes, bits);
                 }
             }
         }
@@ -496,10 +622,10 @@ pub fn key_row(
     let slab_len = layout.key_slab();
     let slab = &kc[(block * hkv + head) * slab_len..][..slab_len];
     match layout.key {
-        KeyQuant::ByChannel => dequantize_channel_row(slab, slot, out),
+        KeyQuant::ByChannel => dequantize_channel_row(slab, slot, out, layout.bits),
         KeyQuant::ByToken { group } => {
             let r = slab_len / layout.bs;
-            dequantize_token_row(&slab[slot * r..(slot + 1) * r], group, out)
+            dequantize_token_row(&slab[slot * r..(slot + 1) * r], group, out, layout.bits)
         }
     }
 }
@@ -515,7 +641,7 @@ pub fn value_row(
 ) {
     let r = layout.value_row();
     let at = ((block * layout.hkv + head) * layout.bs + slot) * r;
-    dequantize_token_row(&vc[at..at + r], layout.value_group, out);
+    dequantize_token_row(&vc[at..at + r], layout.value_group, out, layout.bits);
 }
 
 /// The caches dequantized to f32 `[NB, Hkv, BS, D]`, for the reference twin only: a fast kernel
@@ -561,6 +687,7 @@ mod tests {
             bs: 32,
             key: KeyQuant::ByChannel,
             value_group: 0,
+            bits: 8,
         };
         assert_eq!(l.key_cache_dims(3), Some([3, 2, 40, 64]));
         assert_eq!(l.value_cache_dims(3), Some([3, 2, 32, 72]));
@@ -569,11 +696,13 @@ mod tests {
     #[test]
     fn rounding_of_the_two_paths_differs_on_ties() {
         // scale 1, zp 0: x = 2.5 is a tie; vector path -> even (2), scalar tail -> away (3)
-        assert_eq!(q_vector(2.5, 1.0, 0.0), 2);
-        assert_eq!(q_scalar(2.5, 1.0, 0.0), 3);
-        assert_eq!(q_vector(-3.0, 1.0, 0.0), 0);
-        assert_eq!(q_vector(300.0, 1.0, 0.0), 255);
-        assert_eq!(q_vector(f32::NAN, 1.0, 0.0), 0);
+        assert_eq!(q_vector(2.5, 1.0, 0.0, 255.0), 2);
+        assert_eq!(q_scalar(2.5, 1.0, 0.0, 255.0), 3);
+        assert_eq!(q_vector(-3.0, 1.0, 0.0, 255.0), 0);
+        assert_eq!(q_vector(300.0, 1.0, 0.0, 255.0), 255);
+        assert_eq!(q_vector(f32::NAN, 1.0, 0.0, 255.0), 0);
+        assert_eq!(q_vector(16.0, 1.0, 0.0, 15.0), 15);
+        assert_eq!(q_scalar(16.0, 1.0, 0.0, 15.0), 15);
     }
 
     #[test]
@@ -629,7 +758,7 @@ mod tests {
                 (-1.0, 3.0),
             ] {
                 assert_eq!(
-                    q_vector(x, inv, zp),
+                    q_vector(x, inv, zp, 255.0),
                     model(x, inv, zp),
                     "x={x} inv={inv} zp={zp}"
                 );
@@ -641,10 +770,36 @@ mod tests {
     fn constant_group_uses_the_substitute_scale() {
         let x = [1.5f32; 16];
         let mut dst = [0u8; 24];
-        quantize_group(&x, &mut dst);
+        quantize_group(&x, &mut dst, 8);
         assert_eq!(read_f32(&dst, 0), ZERO_RANGE_SCALE);
         let mut back = [0f32; 16];
-        dequantize_token_row(&dst, 0, &mut back);
+        dequantize_token_row(&dst, 0, &mut back, 8);
         assert!(back.iter().all(|&v| (v - 1.5).abs() < 1e-4), "{back:?}");
+    }
+
+    #[test]
+    fn unpacking_nibbles_keeps_their_order() {
+        for n in [0usize, 1, 7, 16, 17, 40, 64, 100] {
+            let src: Vec<u8> = (0..n).map(|i| (i * 37 + 11) as u8).collect();
+            let mut dst = vec![0u8; 2 * n];
+            unpack_nibbles(&src, &mut dst);
+            for i in 0..2 * n {
+                assert_eq!(dst[i], q_at(&src, i, 4), "n {n} i {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn u4_nibbles_pack_the_even_element_high() {
+        // 0..15 in one group: scale 1, zero point 0, bytes 0x01 0x23 ... as OpenVINO writes
+        // them (tools/ov_u4_cache.py)
+        let x: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        let mut dst = [0u8; 16];
+        quantize_group(&x, &mut dst, 4);
+        assert_eq!(read_f32(&dst, 0), 1.0);
+        assert_eq!(&dst[8..], &[0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef]);
+        let mut back = [0f32; 16];
+        dequantize_token_row(&dst, 0, &mut back, 4);
+        assert_eq!(&back[..], &x[..]);
     }
 }

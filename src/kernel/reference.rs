@@ -216,15 +216,16 @@ pub fn run_reference_u8<Q: Float>(
             detail: "the rotation inputs do not match the plan".into(),
         });
     }
+    // The layouts' shapes count elements: u4 packs two per byte.
     let expect = |what: &str, got: usize, want: Option<[usize; 4]>| match want {
-        Some(dims) if dims.iter().product::<usize>() == got => Ok(()),
+        Some(dims) if dims.iter().product::<usize>() * layout.bits / 8 == got => Ok(()),
         _ => Err(PaError::InvalidArgument {
-            detail: format!("{what}: {got} bytes do not match the u8 layout {want:?}"),
+            detail: format!("{what}: {got} bytes do not match the quantized layout {want:?}"),
         }),
     };
     if !layout.is_valid() || layout.d != plan.d || layout.bs != plan.bs || layout.hkv != plan.hkv {
         return Err(PaError::InvalidArgument {
-            detail: format!("u8 layout {layout:?} does not match the call"),
+            detail: format!("quantized cache layout {layout:?} does not match the call"),
         });
     }
     expect("key_cache", key_cache.len(), layout.key_cache_dims(plan.nb))?;

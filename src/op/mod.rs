@@ -89,6 +89,7 @@ impl<'a> InputArg<'a> {
                     crate::tensor::ElemsMut::BF16(s) => crate::tensor::Elems::BF16(s),
                     crate::tensor::ElemsMut::I32(s) => crate::tensor::Elems::I32(s),
                     crate::tensor::ElemsMut::U8(s) => crate::tensor::Elems::U8(s),
+                    crate::tensor::ElemsMut::U4(s) => crate::tensor::Elems::U4(s),
                 };
                 Tensor { shape, data }
             }

@@ -6,7 +6,7 @@
 //! shapes (one contract, not two).
 
 use super::contract::*;
-use super::u8_layout::{group_of_row, KeyQuant, PARAM_BYTES};
+use super::u8_layout::{group_of_row_bits, param_elems, KeyQuant};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Result};
 
@@ -168,13 +168,13 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
         if let Some(e) = inp.elem {
             let ok = match s.ty {
                 TypeRule::I32 => e == ElemType::I32,
-                TypeRule::Cache => e.is_float() || e == ElemType::U8,
+                TypeRule::Cache => e.is_float() || e.is_quantized(),
                 _ => e.is_float(),
             };
             if !ok {
                 let expected = match s.ty {
                     TypeRule::I32 => "i32",
-                    TypeRule::Cache => "f32, f16, bf16 or u8",
+                    TypeRule::Cache => "f32, f16, bf16, u8 or u4",
                     _ => "f32, f16 or bf16",
                 };
                 return Err(PaError::ElementType {
@@ -233,8 +233,8 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
 
     let kc = &inputs[KEY_CACHE].shape;
     let vc = &inputs[VALUE_CACHE].shape;
-    if k.cache_type == Some(ElemType::U8) {
-        u8_geometry(inputs, &mut k)?;
+    if let Some(ct) = k.cache_type.filter(|c| c.is_quantized()) {
+        u8_geometry(inputs, &mut k, ct)?;
     } else {
         // Cache geometry: key [NB, Hkv, BS, D], value [NB, Hkv, BS, Dv]: the same blocks,
         // heads and block size; the value head size may differ from the key's (OpenVINO's
@@ -462,7 +462,8 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
 /// from a by-channel key cache's last dimension); the key mode from the key cache's rows (`BS + 8`
 /// by channel, `BS` by token) and each by-token group size from its cache's last dimension
 /// (`D + 8 * D / G`).
-fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
+fn u8_geometry(inputs: &[PartialInput], k: &mut Dims, ct: ElemType) -> Result<()> {
+    let p = param_elems(ct.bits());
     let kc = &inputs[KEY_CACHE].shape;
     let vc = &inputs[VALUE_CACHE].shape;
     for (i, slot) in [(0, &mut k.nb), (1, &mut k.hkv)] {
@@ -491,7 +492,7 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
             if w % hkv != 0 || w == 0 {
                 return Err(PaError::shape(
                     name,
-                    format!("{name}.dim1 = {w} is not a positive multiple of num_kv_heads = {hkv} (cache dim 1); with u8 caches it gives head_size"),
+                    format!("{name}.dim1 = {w} is not a positive multiple of num_kv_heads = {hkv} (cache dim 1); with {ct} caches it gives head_size"),
                 ));
             }
             let slot = if i == KEY { &mut k.d } else { &mut k.dv };
@@ -502,7 +503,15 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
         if d != dv {
             return Err(PaError::shape(
                 "value",
-                format!("with u8 caches the value head size (value.dim1 / num_kv_heads = {dv}) must equal the key head size ({d}): u8 caches with Dv != D are not supported yet (f32, f16 and bf16 caches are)"),
+                format!("with {ct} caches the value head size (value.dim1 / num_kv_heads = {dv}) must equal the key head size ({d}): {ct} caches with Dv != D are not supported yet (f32, f16 and bf16 caches are)"),
+            ));
+        }
+    }
+    if let (ElemType::U4, Some(d)) = (ct, k.d) {
+        if d % 2 != 0 {
+            return Err(PaError::shape(
+                "key",
+                format!("with u4 caches the head size (key.dim1 / num_kv_heads = {d}) must be even: u4 rows pack two values per byte"),
             ));
         }
     }
@@ -510,36 +519,43 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims) -> Result<()> {
     k.dv = k.dv.or(k.d);
     if let (Some(rows), Some(bs)) = (kc.dim(2), k.bs) {
         // Checked: a declared block size near i64::MAX must be refused, not wrap.
-        let with_params = bs.checked_add(PARAM_BYTES as i64);
+        let with_params = bs.checked_add(p as i64);
         if Some(rows) == with_params {
             k.key_quant = Some(KeyQuant::ByChannel);
             unify(&mut k.d, kc.dim(3), "key_cache", |v, known| {
-                format!("key_cache (u8, by channel) has head_size {v} (dim 3), but key/value give {known}")
+                format!("key_cache ({ct}, by channel) has head_size {v} (dim 3), but key/value give {known}")
             })?;
         } else if rows == bs {
             if let (Some(cols), Some(d)) = (kc.dim(3), k.d) {
-                let group = u8_group("key_cache", cols, d)?;
+                let group = u8_group("key_cache", cols, d, ct)?;
                 k.key_quant = Some(KeyQuant::ByToken { group });
             }
         } else {
             return Err(PaError::shape(
                 "key_cache",
-                format!("u8 key_cache has {rows} rows per block (dim 2); it must be block_size + 8{} (keys by channel, 8 rows of f32 scales and zero points) or block_size = {bs} (keys by token), with block_size = {bs} from value_cache dim 2", with_params.map(|v| format!(" = {v}")).unwrap_or_default()),
+                format!("{ct} key_cache has {rows} rows per block (dim 2); it must be block_size + {p}{} (keys by channel, {p} rows of f32 scales and zero points) or block_size = {bs} (keys by token), with block_size = {bs} from value_cache dim 2", with_params.map(|v| format!(" = {v}")).unwrap_or_default()),
             ));
         }
     }
     if let (Some(cols), Some(d)) = (vc.dim(3), k.d) {
-        k.value_group = Some(u8_group("value_cache", cols, d)?);
+        k.value_group = Some(u8_group("value_cache", cols, d, ct)?);
     }
     Ok(())
 }
 
-/// The group size of a by-token u8 cache whose rows are `cols` bytes, for head size `d`.
-fn u8_group(name: &'static str, cols: i64, d: i64) -> Result<usize> {
-    group_of_row(cols as usize, d as usize).ok_or_else(|| {
+/// The group size of a by-token u8 or u4 cache whose rows are `cols` elements, for head size `d`.
+fn u8_group(name: &'static str, cols: i64, d: i64, ct: ElemType) -> Result<usize> {
+    let (bits, p) = (ct.bits(), param_elems(ct.bits()));
+    let even = if bits == 4 {
+        " and even (whole bytes)"
+    } else {
+        ""
+    };
+    let unit = if bits == 8 { "bytes" } else { "elements" };
+    group_of_row_bits(cols as usize, d as usize, bits).ok_or_else(|| {
         PaError::shape(
             name,
-            format!("{name} (u8, by token) has {cols} bytes per token (dim 3), which matches no group size for head_size {d}: a row holds D + 8 * D / G bytes for a group size G dividing D ({} for one group of D)", d.checked_add(PARAM_BYTES as i64).map_or("D + 8".into(), |v| v.to_string())),
+            format!("{name} ({ct}, by token) has {cols} {unit} per token (dim 3), which matches no group size for head_size {d}: a row holds D + {p} * D / G {unit} for a group size G dividing D{even} ({} for one group of D)", d.checked_add(p as i64).map_or(format!("D + {p}"), |v| v.to_string())),
         )
     })
 }

@@ -62,8 +62,8 @@ pub struct Plan {
     pub g: usize,
     pub query_type: ElemType,
     pub cache_type: ElemType,
-    /// The layout of u8 caches (`cache_type` u8); `bs` and `d` are then the logical block size
-    /// and head size, not the caches' last two dimensions.
+    /// The layout of u8 or u4 caches (`cache_type` u8 or u4, the layout's `bits`); `bs` and `d`
+    /// are then the logical block size and head size, not the caches' last two dimensions.
     pub u8: Option<U8Layout>,
     /// Effective scale (the default `1/sqrt(D)` substituted for absent or 0).
     pub scale: f32,
@@ -337,19 +337,20 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
     };
 
     let cache_type = k.cache_type.unwrap_or(ElemType::F32);
-    let u8 = match (cache_type, k.key_quant, k.value_group) {
-        (ElemType::U8, Some(key), Some(value_group)) => Some(U8Layout {
+    let u8 = match (cache_type.is_quantized(), k.key_quant, k.value_group) {
+        (true, Some(key), Some(value_group)) => Some(U8Layout {
             hkv,
             d,
             bs,
             key,
             value_group,
+            bits: cache_type.bits(),
         }),
-        (ElemType::U8, ..) => {
+        (true, ..) => {
             // Static shapes always resolve both (or `check` reported why not).
             return Err(PaError::shape(
                 "key_cache",
-                "the u8 cache layout could not be resolved from the shapes".to_string(),
+                format!("the {cache_type} cache layout could not be resolved from the shapes"),
             ));
         }
         _ => None,

@@ -13,6 +13,8 @@ pub enum Data {
     I32(Vec<i32>),
     /// u8 cache bytes.
     U8(Vec<u8>),
+    /// u4 cache bytes (two elements each, the even one in the high nibble).
+    U4(Vec<u8>),
 }
 
 /// Rounds `x` to the nearest value of float type `ty` (f64 -> storage type).
@@ -38,7 +40,7 @@ pub fn round_to(ty: ElemType, x: f64) -> f64 {
         ElemType::F32 => x as f32 as f64,
         ElemType::F16 => f16::from_f64(x).to_f64(),
         ElemType::BF16 => bf16_of(x).to_f64(),
-        ElemType::I32 | ElemType::U8 => panic!("round_to({ty})"),
+        ElemType::I32 | ElemType::U8 | ElemType::U4 => panic!("round_to({ty})"),
     }
 }
 
@@ -50,6 +52,11 @@ impl Data {
             ElemType::BF16 => Data::BF16(v.iter().map(|&x| bf16_of(x)).collect()),
             ElemType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
             ElemType::U8 => Data::U8(v.iter().map(|&x| x as u8).collect()),
+            ElemType::U4 => Data::U4(
+                v.chunks(2)
+                    .map(|c| ((c[0] as u8 & 15) << 4) | c.get(1).map_or(0, |&x| x as u8 & 15))
+                    .collect(),
+            ),
         }
     }
     pub fn zeros(ty: ElemType, n: usize) -> Data {
@@ -60,6 +67,7 @@ impl Data {
         match ty {
             ElemType::I32 => Data::I32(vec![i32::MIN; n]),
             ElemType::U8 => Data::U8(vec![0xA5; n]),
+            ElemType::U4 => Data::U4(vec![0xA5; n.div_ceil(2)]),
             _ => Data::from_f64(ty, &vec![f64::NAN; n]),
         }
     }
@@ -70,6 +78,7 @@ impl Data {
             Data::BF16(_) => ElemType::BF16,
             Data::I32(_) => ElemType::I32,
             Data::U8(_) => ElemType::U8,
+            Data::U4(_) => ElemType::U4,
         }
     }
     pub fn len(&self) -> usize {
@@ -79,6 +88,7 @@ impl Data {
             Data::BF16(v) => v.len(),
             Data::I32(v) => v.len(),
             Data::U8(v) => v.len(),
+            Data::U4(v) => 2 * v.len(),
         }
     }
     pub fn to_f64(&self) -> Vec<f64> {
@@ -88,6 +98,10 @@ impl Data {
             Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
             Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
             Data::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::U4(v) => v
+                .iter()
+                .flat_map(|&x| [(x >> 4) as f64, (x & 15) as f64])
+                .collect(),
         }
     }
     /// The raw bits of every element, for bit-exact comparisons (NaN included).
@@ -97,13 +111,13 @@ impl Data {
             Data::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
             Data::BF16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
             Data::I32(v) => v.iter().map(|&x| x as u32).collect(),
-            Data::U8(v) => v.iter().map(|&x| x as u32).collect(),
+            Data::U8(v) | Data::U4(v) => v.iter().map(|&x| x as u32).collect(),
         }
     }
     pub fn u8s(&self) -> &[u8] {
         match self {
-            Data::U8(v) => v,
-            _ => panic!("not u8"),
+            Data::U8(v) | Data::U4(v) => v,
+            _ => panic!("not u8 or u4"),
         }
     }
     pub fn i32s(&self) -> &[i32] {
@@ -126,6 +140,10 @@ impl Data {
             Data::BF16(v) => v[i] = bf16_of(x),
             Data::I32(v) => v[i] = x as i32,
             Data::U8(v) => v[i] = x as u8,
+            Data::U4(v) => {
+                let shift = 4 * (1 - i % 2);
+                v[i / 2] = (v[i / 2] & !(15 << shift)) | ((x as u8 & 15) << shift);
+            }
         }
     }
     pub fn elems(&self) -> Elems<'_> {
@@ -135,6 +153,7 @@ impl Data {
             Data::BF16(v) => Elems::BF16(v),
             Data::I32(v) => Elems::I32(v),
             Data::U8(v) => Elems::U8(v),
+            Data::U4(v) => Elems::U4(v),
         }
     }
     pub fn elems_mut(&mut self) -> ElemsMut<'_> {
@@ -144,6 +163,7 @@ impl Data {
             Data::BF16(v) => ElemsMut::BF16(v),
             Data::I32(v) => ElemsMut::I32(v),
             Data::U8(v) => ElemsMut::U8(v),
+            Data::U4(v) => ElemsMut::U4(v),
         }
     }
     /// Address of the first element (for the C ABI).
@@ -153,7 +173,7 @@ impl Data {
             Data::F16(v) => v.as_mut_ptr().cast(),
             Data::BF16(v) => v.as_mut_ptr().cast(),
             Data::I32(v) => v.as_mut_ptr().cast(),
-            Data::U8(v) => v.as_mut_ptr().cast(),
+            Data::U8(v) | Data::U4(v) => v.as_mut_ptr().cast(),
         }
     }
 }

@@ -19,6 +19,11 @@ pub const LAYOUTS: [(KeyQuant, usize); 4] = [
 /// The layout of `(key, value_group)` for the case's geometry, a group of D written as 0 (one
 /// group), as the op reads it from the shapes.
 pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> U8Layout {
+    layout_for_bits(c, key, value_group, 8)
+}
+
+/// [`layout_for`] with `bits`-bit elements (8: u8, 4: u4).
+pub fn layout_for_bits(c: &Case, key: KeyQuant, value_group: usize, bits: usize) -> U8Layout {
     let one = |g: usize| if g == c.d { 0 } else { g };
     U8Layout {
         hkv: c.hkv,
@@ -29,17 +34,30 @@ pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> U8Layout {
             k => k,
         },
         value_group: one(value_group),
+        bits,
     }
 }
 
-/// The case as an op call whose caches are u8 of layout `l`, holding the past tokens (quantized
-/// as a prefill of each sequence would).
+/// The case as an op call whose caches are u8 (u4 when `l.bits` is 4) of layout `l`, holding
+/// the past tokens (quantized as a prefill of each sequence would).
 pub fn u8_call(c: &Case, l: &U8Layout) -> Call {
     let (kc, vc) = u8_caches_with_past(c, l);
+    let data = |b: Vec<u8>| {
+        if l.bits == 4 {
+            Data::U4(b)
+        } else {
+            Data::U8(b)
+        }
+    };
     let mut call = c.to_call();
-    call.inputs[idx::KEY_CACHE] = Owned::new(&l.key_cache_dims(c.nb).unwrap(), Data::U8(kc));
-    call.inputs[idx::VALUE_CACHE] = Owned::new(&l.value_cache_dims(c.nb).unwrap(), Data::U8(vc));
+    call.inputs[idx::KEY_CACHE] = Owned::new(&l.key_cache_dims(c.nb).unwrap(), data(kc));
+    call.inputs[idx::VALUE_CACHE] = Owned::new(&l.value_cache_dims(c.nb).unwrap(), data(vc));
     call
+}
+
+/// Bytes of a cache of `dims` elements of `bits` bits.
+fn cache_bytes(dims: [usize; 4], bits: usize) -> usize {
+    dims.iter().product::<usize>() * bits / 8
 }
 
 /// Rows `[T, Hkv*D]` of the case's cache at each sequence's first `upto(s)` positions.
@@ -58,8 +76,8 @@ pub fn cached_rows(c: &Case, cache: &[f64], upto: impl Fn(usize) -> usize) -> Ve
 
 /// The past tokens of `c` quantized into fresh u8 caches, as a prefill of each sequence would.
 pub fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
-    let mut kc = vec![0u8; l.key_cache_dims(c.nb).unwrap().iter().product()];
-    let mut vc = vec![0u8; l.value_cache_dims(c.nb).unwrap().iter().product()];
+    let mut kc = vec![0u8; cache_bytes(l.key_cache_dims(c.nb).unwrap(), l.bits)];
+    let mut vc = vec![0u8; cache_bytes(l.value_cache_dims(c.nb).unwrap(), l.bits)];
     let mut begin = 0;
     let seqs: Vec<SeqPlan> = c
         .seqs

@@ -258,14 +258,22 @@ pub fn encode_npy(dtype: NpyDtype, shape: &[usize], data: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The `.npy` encoding of a tensor (bf16 as `<u2`).
+/// The `.npy` encoding of a tensor (bf16 as `<u2`; u4 as its packed bytes, `|u1` with the last
+/// dimension halved, as OpenVINO's Python API shows a u4 tensor's data).
 pub fn tensor_npy(t: &OwnedTensor) -> Vec<u8> {
+    if let OwnedData::U4(bytes) = t.data() {
+        let mut shape = t.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = last.div_ceil(2);
+        }
+        return encode_npy(NpyDtype::U8, &shape, bytes);
+    }
     let dtype = match t.data() {
         OwnedData::F32(_) => NpyDtype::F32,
         OwnedData::F16(_) => NpyDtype::F16,
         OwnedData::BF16(_) => NpyDtype::U16,
         OwnedData::I32(_) => NpyDtype::I32,
-        OwnedData::U8(_) => NpyDtype::U8,
+        OwnedData::U8(_) | OwnedData::U4(_) => NpyDtype::U8,
     };
     encode_npy(dtype, t.shape(), &t.to_le_bytes())
 }

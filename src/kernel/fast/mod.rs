@@ -68,6 +68,7 @@ pub mod rotate;
 mod scores;
 mod shared;
 mod tile;
+mod u4;
 pub(crate) use tile::prefetch_part;
 mod u8attn;
 

@@ -193,6 +193,8 @@ impl HeadState {
 struct DecodeScratch {
     sc: Scratch,
     heads: Vec<HeadState>,
+    /// u4 caches: the item's blocks unpacked to u8.
+    u4: super::u4::ItemBlocks,
 }
 
 impl DecodeScratch {
@@ -1132,11 +1134,35 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
             quant::insert_u8_head(l, seqs, bi, new, head, &mut kr, &mut vr, &mut buf);
         });
     }
-    let inputs = Inputs {
-        query: b.query,
-        kc: b.key_cache,
-        vc: b.value_cache,
-        block_indices: b.block_indices,
+    // u4 caches: attention reads blocks unpacked to u8 (`fast::u4`): the prefill sequences'
+    // once per call here, a decode item's own ones when it runs.
+    let packed = (&*b.key_cache, &*b.value_cache, b.block_indices);
+    let l4 = l;
+    let unpacked = match l.bits {
+        8 => None,
+        _ => Some(super::u4::unpack(runner, plan, l, packed, |s| {
+            is_prefill(plan, &plan.seqs[s])
+        })?),
+    };
+    let (l, inputs) = match &unpacked {
+        None => (
+            l,
+            Inputs {
+                query: b.query,
+                kc: &*b.key_cache,
+                vc: &*b.value_cache,
+                block_indices: b.block_indices,
+            },
+        ),
+        Some(u) => (
+            &u.layout,
+            Inputs {
+                query: b.query,
+                kc: &u.kc[..],
+                vc: &u.vc[..],
+                block_indices: &u.block_indices[..],
+            },
+        ),
     };
     let prefill = |s: usize| is_prefill(plan, &plan.seqs[s]);
     let wide = dequant_prefill_rows(m, (plan, runner), l, &inputs, prefill);
@@ -1165,6 +1191,29 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
             }
             DECODE_SCRATCH.with(|s| {
                 let mut s = s.borrow_mut();
+                let mut item_blocks = std::mem::take(&mut s.u4);
+                let cut = cuts[w.seq];
+                let keys = cut.range(w.chunk, sp.ctx());
+                // u4: this item's blocks and heads, unpacked (a sequence whose blocks start at 0)
+                let u4_sp = SeqPlan {
+                    block_begin: 0,
+                    ..*sp
+                };
+                let (sp, item_inputs) = if l4.bits == 8 {
+                    (sp, None)
+                } else {
+                    let heads = (w.kvh, w.kvh + w.nkvh);
+                    let (kc, vc, bi) =
+                        item_blocks.unpack(plan, l4, packed, sp.block_begin, keys, heads);
+                    let inputs = Inputs {
+                        query: b.query,
+                        kc,
+                        vc,
+                        block_indices: bi,
+                    };
+                    (&u4_sp, Some(inputs))
+                };
+                let inputs = item_inputs.as_ref().unwrap_or(&inputs);
                 let (sc, heads) = s.fit(plan, w.nkvh);
                 let mut none = [];
                 let part: &mut [f32] = part.unwrap_or(&mut none);
@@ -1181,8 +1230,6 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                                 .extend_from_slice(&rows[c0..(c0 + ROWS).min(per_head)]);
                         }
                         let hs = &mut heads[..];
-                        let cut = cuts[w.seq];
-                        let keys = cut.range(w.chunk, sp.ctx());
                         let sink = if cut.nchunks > 1 {
                             let (slots, stash, c) = (&slots, &stash, w.chunk);
                             Sink::Chunk {
@@ -1197,9 +1244,10 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
                                 parts: &mut *part,
                             }
                         };
-                        attend_tile(m, plan, l, &inputs, sp, w.kvh, hs, sc, keys, sink);
+                        attend_tile(m, plan, l, inputs, sp, w.kvh, hs, sc, keys, sink);
                     }
                 }
+                s.u4 = item_blocks;
             });
         });
     }
@@ -1295,6 +1343,9 @@ pub(crate) fn run<M: U8Micro + TileMicro, Q: Float>(
         for (o, &x) in b.scores[at..at + ctx].iter_mut().zip(&sum) {
             *o = Q::from_f32(x);
         }
+    }
+    if let Some(u) = unpacked {
+        u.keep();
     }
     Ok(())
 }
