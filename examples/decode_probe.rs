@@ -100,8 +100,8 @@ where
         };
         best = best.min(t);
     }
-    let kv: usize =
-        seqs.iter().map(|s| s.0 + s.1).sum::<usize>() * HKV * D * 2 * C::TYPE.size_bytes();
+    let elems = seqs.iter().map(|s| s.0 + s.1).sum::<usize>() * HKV * D * 2;
+    let kv = C::TYPE.bytes_for(elems).unwrap_or(0);
     (best * 1e3, kv as f64 / best / 1e9)
 }
 

@@ -783,8 +783,8 @@ mod tests {
             let src: Vec<u8> = (0..n).map(|i| (i * 37 + 11) as u8).collect();
             let mut dst = vec![0u8; 2 * n];
             unpack_nibbles(&src, &mut dst);
-            for i in 0..2 * n {
-                assert_eq!(dst[i], q_at(&src, i, 4), "n {n} i {i}");
+            for (i, &x) in dst.iter().enumerate() {
+                assert_eq!(x, q_at(&src, i, 4), "n {n} i {i}");
             }
         }
     }

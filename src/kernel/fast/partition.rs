@@ -142,7 +142,7 @@ impl Partition {
         let split = (DECODE_ITEMS_PER_THREAD * threads.max(1)).div_ceil(decode_items.max(1));
         let decode_heads = (1..=plan.hkv.max(1))
             .rev()
-            .find(|&k| plan.hkv % k == 0 && plan.hkv / k >= split.min(plan.hkv))
+            .find(|&k| plan.hkv.is_multiple_of(k) && plan.hkv / k >= split.min(plan.hkv))
             .unwrap_or(1);
         for (s, (sp, lay)) in plan.seqs.iter().zip(&seqs).enumerate() {
             let nqt = sp.n.div_ceil(lay.qtok);

@@ -29,10 +29,13 @@ pub(crate) struct Unpacked {
     pub block_indices: Vec<i32>,
 }
 
-static KEPT: Mutex<(Vec<u8>, Vec<u8>)> = Mutex::new((Vec::new(), Vec::new()));
+/// The unpacked key and value buffers kept between calls.
+type Kept = (Vec<u8>, Vec<u8>);
+
+static KEPT: Mutex<Kept> = Mutex::new((Vec::new(), Vec::new()));
 
 /// A buffer of `n` bytes (contents unspecified), from the kept ones when there is one.
-fn take(which: fn(&mut (Vec<u8>, Vec<u8>)) -> &mut Vec<u8>, n: usize) -> Result<Vec<u8>> {
+fn take(which: fn(&mut Kept) -> &mut Vec<u8>, n: usize) -> Result<Vec<u8>> {
     let mut v = {
         let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
         std::mem::take(which(&mut kept))
