@@ -5,6 +5,7 @@
 //!
 //! - `layout`: the index arithmetic of caches, tokens and windows both kernel families use.
 //! - `prefetch`: cache-line prefetch hints.
+//! - `rope`: the re-rotation of one cached key row (step 1), for every cache type.
 //! - `softmax`: the online-softmax step every kernel takes (`softmax::OnlineSoftmax`).
 //! - `bind`: the validated call bound to typed slices, and the one (query type, cache type)
 //!   dispatch into a monomorphised kernel.
@@ -21,6 +22,7 @@ pub mod fast;
 pub(crate) mod layout;
 pub(crate) mod prefetch;
 pub mod quant;
+pub(crate) mod rope;
 // Public only for the tests (`run_reference_u8`, feature `test-hooks`); the reference kernels
 // reach users through `execute_reference`.
 #[cfg(feature = "test-hooks")]

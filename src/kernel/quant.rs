@@ -14,6 +14,7 @@
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::kernel::prefetch::prefetch_part;
+use crate::kernel::rope::{lut_row, rope_row};
 use crate::op::u8_layout::effective_group;
 pub use crate::op::u8_layout::{
     token_row_bytes, token_row_bytes_bits, KeyQuant, U8Layout, PARAM_BYTES,
@@ -527,20 +528,6 @@ pub fn rotated_fills(
         .collect()
 }
 
-/// Rotates one dequantized key row (D values, halves `x` and `y`) by a LUT row (cos in its first
-/// D/2 columns, sin in the last), in f32 as the float caches' rotation does.
-#[inline(always)]
-fn rope_row(row: &mut [f32], lut_row: &[f32]) {
-    let half = row.len() / 2;
-    let (cos, sin) = lut_row.split_at(half);
-    let (xs, ys) = row.split_at_mut(half);
-    for i in 0..half {
-        let (x, y) = (xs[i], ys[i]);
-        xs[i] = x * cos[i] - y * sin[i];
-        ys[i] = x * sin[i] + y * cos[i];
-    }
-}
-
 /// Step 1 (rotation) on a u8 key cache for KV head `head`: for each rotated block in list order
 /// (a block listed twice is rotated twice), its first `fills[r]` keys (see [`rotated_fills`])
 /// are dequantized, rotated in f32 by the LUT rows of their deltas and quantized again as
@@ -562,11 +549,7 @@ pub(crate) fn rotate_u8_head(
         if fill == 0 {
             continue;
         }
-        let lut_row = |slot: usize| {
-            let col = if rot.delta_cols == 1 { 0 } else { slot };
-            let delta = rot.deltas[r * rot.delta_cols + col] as usize;
-            &rot.lut[delta * d..(delta + 1) * d]
-        };
+        let lut_of = |slot: usize| lut_row(rot.lut, d, (rot.deltas, rot.delta_cols), r, slot);
         let slab = key_cache.rows((block as usize * hkv + head) * key_slab, key_slab);
         buf.clear();
         buf.resize(fill * d, 0.0);
@@ -574,7 +557,7 @@ pub(crate) fn rotate_u8_head(
             KeyQuant::ByChannel => {
                 for (slot, row) in buf.chunks_exact_mut(d).enumerate() {
                     dequantize_channel_row(slab, slot, row, bits);
-                    rope_row(row, lut_row(slot));
+                    rope_row(row, lut_of(slot));
                 }
                 quantize_channel_block(buf, d, slab, bits);
             }
@@ -586,7 +569,7 @@ pub(crate) fn rotate_u8_head(
                     .enumerate()
                 {
                     dequantize_token_row(bytes, group, row, bits);
-                    rope_row(row, lut_row(slot));
+                    rope_row(row, lut_of(slot));
                     quantize_token_row(row, group, bytes, bits);
                 }
             }

@@ -5,6 +5,7 @@
 use super::bind::{Bound, BoundRotation, TypedOp};
 use super::layout::{cache_row, seq_row, seq_row_of, token_seqs, visible, window_start};
 use super::quant::{self, KeyRotation};
+use super::rope::{lut_row, rope_row};
 use super::softmax::{Lanes, OnlineSoftmax};
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
@@ -47,22 +48,13 @@ impl TypedOp for Reference {
 
 /// Step 1: rotates the keys of each listed block by its LUT rows, in place.
 pub(crate) fn rotate<C: Float>(plan: &Plan, rot: &BoundRotation<'_>, kc: &mut [C]) {
-    let (delta_cols, rbi, rd, lut) = (rot.delta_cols, rot.blocks, rot.deltas, &rot.lut);
-    let half = plan.d / 2;
-    for (r, &block) in rbi.iter().enumerate() {
+    let d = plan.d;
+    for (r, &block) in rot.blocks.iter().enumerate() {
         for slot in 0..plan.bs {
-            let col = if delta_cols == 1 { 0 } else { slot };
-            let delta = rd[r * delta_cols + col] as usize;
-            let cos = &lut[delta * plan.d..delta * plan.d + half];
-            let sin = &lut[delta * plan.d + half..(delta + 1) * plan.d];
+            let lut = lut_row(&rot.lut, d, (rot.deltas, rot.delta_cols), r, slot);
             for head in 0..plan.hkv {
                 let row = cache_row(plan, block as usize, head, slot);
-                for i in 0..half {
-                    let x = kc[row + i].to_f32();
-                    let y = kc[row + half + i].to_f32();
-                    kc[row + i] = C::from_f32(x * cos[i] - y * sin[i]);
-                    kc[row + half + i] = C::from_f32(x * sin[i] + y * cos[i]);
-                }
+                rope_row(&mut kc[row..row + d], lut);
             }
         }
     }

@@ -6,6 +6,7 @@
 use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::kernel::layout::cache_row;
+use crate::kernel::rope::{lut_row, rope_row};
 use crate::op::Plan;
 use crate::threads::Runner;
 
@@ -20,22 +21,14 @@ pub fn rotate<C: Float>(
     lut: &[f32],
 ) {
     let (d, bs) = (plan.d, plan.bs);
-    let half = d / 2;
     let w = SharedMut::new(kc);
     runner.for_each(plan.hkv, &|head| {
         for (r, &block) in rbi.iter().enumerate() {
             for slot in 0..bs {
-                let col = if delta_cols == 1 { 0 } else { slot };
-                let delta = rd[r * delta_cols + col] as usize;
-                let (cos, sin) = lut[delta * d..(delta + 1) * d].split_at(half);
+                let lut = lut_row(lut, d, (rd, delta_cols), r, slot);
                 // SAFETY: the row includes `head`: tasks touch disjoint rows, one at a time.
                 let row = unsafe { w.part(cache_row(plan, block as usize, head, slot), d) };
-                let (xs, ys) = row.split_at_mut(half);
-                for i in 0..half {
-                    let (x, y) = (xs[i].to_f32(), ys[i].to_f32());
-                    xs[i] = C::from_f32(x * cos[i] - y * sin[i]);
-                    ys[i] = C::from_f32(x * sin[i] + y * cos[i]);
-                }
+                rope_row(row, lut);
             }
         }
     });
