@@ -461,7 +461,7 @@ fn shape_inference_reads_u8_layouts() {
     assert!(msg.contains("5 rows") && !msg.contains("= -"), "{msg}");
 }
 
-/// Every SIMD level's u8 loops (`fast::u8attn` on that level's `U8Micro`) against float64 attention
+/// Every SIMD level's u8 loops (`fast::quantized` on that level's `U8Micro`) against float64 attention
 /// over the dequantized caches and against the scalar level, on edge geometries: head sizes that
 /// leave 16-lane tails (24, 40), more query heads per KV head than a tile has rows (10), block
 /// size 16, long contexts spanning many blocks.

@@ -1,18 +1,22 @@
 //! Step 3, the driver: runs the work items of a [`Partition`](super::partition::Partition)
-//! (`decode` or `prefill` items) and merges their partial softmaxes.
+//! (decode or prefill items, on whatever cache type: a [`Source`]) and merges their partial
+//! softmaxes.
 //!
 //! One item = the rows of one query tile (tokens x the G query heads of one KV head) over one
-//! key range. Keys are visited a tile at a time, a tile being the keys of one cache block
-//! (contiguous `[n, D]` rows), so each block is read once for all rows of the item. Per row:
-//! online softmax ([`OnlineSoftmax`] and an accumulator `acc`). A decode item writes
-//! `[max, sum, acc]` per row into its own slot, and the merge folds the slots of each row in
-//! chunk order ([`OnlineSoftmax::merge`]); a prefill item sees all keys of its rows and writes
-//! their output itself, leaving `[max, sum]`.
+//! key range. Keys are visited a tile at a time, a tile being the keys of one cache block, so
+//! each block is read once for all rows of the item. Per row: online softmax
+//! ([`OnlineSoftmax`] and an accumulator `acc`). A decode item writes `[max, sum, acc]` per row
+//! into its own slot, and the merge folds the slots of each row in chunk order
+//! ([`OnlineSoftmax::merge`]) into the output, ending the row with its sink; a prefill item
+//! sees all keys of its rows and writes their output itself, leaving `[max, sum]`. Either kind
+//! stashes the masked logits of the score rows (when the partition asks for it) for step 4.
 
-use super::micro::TileMicro;
+use super::micro::{TileMicro, U8Micro};
 use super::shared::SharedMut;
-use super::tile::{Ctx, SCRATCH};
+use super::source::Source;
+use super::tile::Ctx;
 use crate::dtype::Float;
+use crate::error::Result;
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// (token, head) rows per merge task at least: a decode row's merge takes a fraction of a
@@ -23,13 +27,15 @@ const MERGE_TASKS: usize = 256;
 
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
-pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
+#[allow(clippy::type_complexity)]
+pub(crate) fn attention<M: TileMicro + U8Micro, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     out: &mut [Q],
-) -> (Vec<OnlineSoftmax>, Option<Vec<f32>>) {
+) -> Result<(Vec<OnlineSoftmax>, Option<Vec<f32>>)> {
     let plan = ctx.plan;
     let (h, dv) = (plan.h, plan.dv);
+    let prep = C::prepare(m, ctx)?;
     // Every slot and every stash entry a later step reads is written by an item first.
     let mut partials = super::pool::take(ctx.part.part_len);
     let mut stash = ctx.part.stash_len.map(super::pool::take);
@@ -37,29 +43,22 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         let pw = SharedMut::new(&mut partials);
         let ow = SharedMut::new(&mut *out);
         let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
-        let prep = prepare(m, ctx);
         ctx.runner.for_each(ctx.part.items.len(), &|i| {
             let it = &ctx.part.items[i];
             if ctx.part.seqs[it.seq as usize].prefill {
-                run_prefill_item(m, ctx, it, &pw, &ow, sw.as_ref(), prep.as_ref())
+                C::prefill_item(m, ctx, it, (&pw, &ow, sw.as_ref()), prep.as_ref())
             } else {
-                SCRATCH.with(|s| {
-                    super::decode::run_decode_item(
-                        m,
-                        ctx,
-                        it,
-                        &pw,
-                        sw.as_ref(),
-                        &mut s.borrow_mut(),
-                    )
-                })
+                C::decode_item(m, ctx, it, &pw, sw.as_ref())
             }
         });
+    }
+    if let Some(p) = prep {
+        C::release(p);
     }
     let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * h];
     if plan.t == 0 {
         super::pool::give(partials);
-        return (stats, stash);
+        return Ok((stats, stash));
     }
     {
         let ow = SharedMut::new(out);
@@ -89,7 +88,7 @@ pub(crate) fn attention<M: TileMicro, Q: Float, C: Float>(
         });
     }
     super::pool::give(partials);
-    (stats, stash)
+    Ok((stats, stash))
 }
 
 /// The `[max, sum]` of chunk `c`'s slot.
@@ -108,19 +107,6 @@ fn slots_max(slots: &[f32], d: usize) -> (usize, f32) {
         .map(|c| slot(slots, d, c).max)
         .fold(f32::NEG_INFINITY, f32::max);
     (nc, mx)
-}
-
-/// The softmax statistics [`merge`] ends with for these slots (and the row's sink), without
-/// the accumulators (what the scores of a row need).
-pub(super) fn merged_stats(slots: &[f32], d: usize, sink: Option<f32>) -> OnlineSoftmax {
-    let (nc, mx) = slots_max(slots, d);
-    let mut st = OnlineSoftmax::EMPTY;
-    st.update(mx);
-    for c in 0..nc {
-        st.merge(slot(slots, d, c));
-    }
-    st.finish(sink);
-    st
 }
 
 /// Merges the `[max, sum, acc]` slots of one row's key chunks into its output: the running
@@ -160,52 +146,3 @@ pub(super) fn merge<Q: Float>(
     st
 }
 
-/// What prefill items read besides the cache, prepared once per call.
-pub(crate) enum Prepared {
-    /// f32 copies of f16/bf16 K and V rows.
-    Wide(super::prefill::Widened),
-    /// bf16 K and V rows in AMX tile layouts (items of a bf16 query on AMX).
-    #[cfg(target_arch = "x86_64")]
-    Tiles(super::prefill_amx::Packed),
-}
-
-/// Prepares the K and V rows of the prefill sequences: packed for AMX tiles when the items run
-/// on them, else widened to f32 (see `prefill::prewiden`); `None` when items read the cache tile by
-/// tile.
-pub(crate) fn prepare<M: TileMicro, Q: Float, C: Float>(
-    m: M,
-    ctx: &Ctx<'_, Q, C>,
-) -> Option<Prepared> {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(amx) = ctx.amx {
-        return super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles);
-    }
-    super::prefill::prewiden(m, ctx).map(Prepared::Wide)
-}
-
-/// Runs one prefill item: on AMX tiles when `ctx.amx` is set (a bf16 query), else on the f32
-/// tiles of `prefill`.
-#[allow(clippy::too_many_arguments)]
-fn run_prefill_item<M: TileMicro, Q: Float, C: Float>(
-    m: M,
-    ctx: &Ctx<'_, Q, C>,
-    it: &super::partition::Item,
-    pw: &SharedMut<'_, f32>,
-    out: &SharedMut<'_, Q>,
-    sw: Option<&SharedMut<'_, f32>>,
-    prep: Option<&Prepared>,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(amx) = ctx.amx {
-        let packed = match prep {
-            Some(Prepared::Tiles(p)) => Some(p),
-            _ => None,
-        };
-        return super::prefill_amx::run_item(m, amx, ctx, it, pw, out, sw, packed);
-    }
-    let wide = match prep {
-        Some(Prepared::Wide(w)) => Some(w),
-        _ => None,
-    };
-    super::prefill::run_item(m, ctx, it, pw, out, sw, wide)
-}

@@ -4,29 +4,34 @@
 //! - `rotate`, `insert`: one rayon task per KV head (KV heads never share cache rows, and
 //!   within a head the rows are written in the reference's order, so aliasing block tables
 //!   behave exactly as in the reference).
-//! - `partition`: cuts attention into work items (sequence, KV head, query tile, key chunk).
+//! - `source`: a cache type as a source of key and value tiles ([`source::Source`]): what a
+//!   call prepares once, how a decode item's rows meet its keys and values, which f32 tiles a
+//!   prefill item reads, and how its decode work is cut. Float caches there; quantized ones in
+//!   `quantized`. Everything else below is written once for every cache type.
+//! - `partition`: cuts attention into work items (sequence, KV heads, query tile, key chunk).
 //!   Decode-like sequences (all new tokens fit in one query tile) get their context split into
 //!   chunks (flash-decoding), one item per chunk covering every KV head (a block stores its
 //!   heads contiguously, so the item streams whole blocks); prefill sequences get query tiles of
-//!   about 64 rows (tokens x the G query heads of one KV head) over the whole visible key range. The cut depends only on the
-//!   plan, never on the thread count, so results are bit-identical for any number of threads.
+//!   about 64 rows (tokens x the G query heads of one KV head) over the whole visible key
+//!   range. The cut depends only on the plan and the cache type's tuning, never on the thread
+//!   count, so results are bit-identical for any number of threads.
 //! - `attention`: the driver: runs every item (each KV block read once for all rows of the
 //!   tile, masked tiles skipped, online softmax per row) and merges the chunks of each row in a
 //!   fixed order.
 //! - `tile`: what items share: the call's context, per-thread scratch, query rows,
 //!   masks and ALiBi, prefetch hints.
-//! - `decode`: runs decode items (every KV head of a sequence, one key chunk) with the
-//!   `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
+//! - `decode`: runs decode items of float caches (every KV head of a sequence, one key chunk)
+//!   with the `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
 //! - `prefill`: runs the items of prefill sequences (transposed logits, `TileMicro` loops).
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
 //!   would exceed its budget, by recomputing those logits tile by tile).
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
 //!   tiles (same masks, softmax step and output writing as `prefill`).
-//! - `u8attn`: insertion (one task per KV head), attention and scores over u8 caches
-//!   (OpenVINO's layout): decode tiles read the bytes through the `U8Micro` loops (dequantized
-//!   in registers), prefill items dequantize one block at a time into f32 tiles for the
-//!   `TileMicro` loops.
+//! - `quantized`: u8 caches in OpenVINO's layouts as a source: insertion (one task per KV
+//!   head), decode tiles that read the bytes through the `U8Micro` loops (dequantized in
+//!   registers), prefill tiles dequantized once per call or one block at a time into f32 tiles
+//!   for the `TileMicro` loops. `u4`: u4 caches read through their u8 form.
 //! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, built
 //!   on x86_64 only; scalar twins in `micro/`, the only tier elsewhere).
 //!
@@ -70,7 +75,8 @@ mod shared;
 mod tile;
 mod u4;
 pub(crate) use tile::prefetch_part;
-mod u8attn;
+mod quantized;
+mod source;
 
 use super::bind::{dispatch, Bound, TypedOp};
 use crate::dtype::Float;
@@ -197,21 +203,22 @@ fn is_bf16<T: 'static>() -> bool {
 /// value would meet parts of mixed sign or zero parts (inf - inf, 0 * inf = NaN) where the
 /// contract's rule gives +-inf or 0, so such a call stays on the FMA loops. One read of those
 /// rows, next to a prefill that reads them many times.
-fn prefill_rows_finite<Q: Float, C: Float>(
+fn prefill_rows_finite<C: Float>(
     plan: &Plan,
     part: &partition::Partition,
-    b: &Bound<'_, Q, C>,
+    (kc, vc): (&[C], &[C]),
+    bi: &[i32],
 ) -> bool {
     let d = plan.d;
     plan.seqs.iter().enumerate().all(|(s, sp)| {
         !part.seqs[s].prefill
             || (0..plan.hkv).all(|kvh| {
                 crate::kernel::layout::tiles(0, sp.ctx(), plan.bs).all(|(j0, j1)| {
-                    let off = crate::kernel::layout::seq_row(plan, b.block_indices, sp, kvh, j0);
+                    let off = crate::kernel::layout::seq_row(plan, bi, sp, kvh, j0);
                     let rows = off..off + (j1 - j0) * d;
                     // A fold without early exit per block, so it vectorizes.
                     let finite = |r: &[C]| r.iter().fold(true, |a, x| a & x.to_f32().is_finite());
-                    finite(&b.key_cache[rows.clone()]) && finite(&b.value_cache[rows])
+                    finite(&kc[rows.clone()]) && finite(&vc[rows])
                 })
             })
     })
@@ -359,33 +366,60 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
             ],
             b.block_indices,
         );
-        let part = partition::Partition::new(plan, opts.scores, opts.runner.max_threads());
-        let ctx = tile::Ctx {
-            plan,
-            part: &part,
-            query: b.query,
-            kc: b.key_cache,
-            vc: b.value_cache,
-            block_indices: b.block_indices,
-            runner: opts.runner,
-            // AMX tiles pack K and V alike (D wide): a value head of another size runs on the
-            // f32 tiles.
-            amx: amx_for::<Q, C>(opts).filter(|_| {
-                plan.dv == plan.d && (is_bf16::<Q>() || prefill_rows_finite(plan, &part, &b))
-            }),
+        let amx = amx_for::<Q, C>(opts);
+        let (caches, bi) = ((&*b.key_cache, &*b.value_cache), b.block_indices);
+        // AMX tiles pack K and V alike (D wide): a value head of another size runs on the f32
+        // tiles.
+        let amx = |part: &partition::Partition| {
+            amx.filter(|_| {
+                plan.dv == plan.d && (is_bf16::<Q>() || prefill_rows_finite(plan, part, caches, bi))
+            })
         };
-        let (stats, stash) = attention::attention(m, &ctx, b.output);
-        match stash {
-            Some(stash) => {
-                scores::from_stash(m, &ctx, &stats, &stash, b.scores);
-                pool::give(stash);
-            }
-            None => scores::recompute(m, &ctx, b.scores),
-        }
-        Ok(())
+        let inputs = (b.query, caches, b.block_indices);
+        pipeline(m, opts, plan, inputs, (b.output, b.scores), ((), amx))
     }
 
     fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
-        u8attn::run(self.m, self.opts.runner, plan, layout, b)
+        let Fast { m, opts } = self;
+        let mut b = b;
+        quantized::write(opts.runner, plan, layout, &mut b);
+        let caches = (&*b.key_cache, &*b.value_cache);
+        pipeline(m, opts, plan, (b.query, caches, b.block_indices), (b.output, b.scores), (*layout, |_| None))
     }
+}
+
+/// Steps 3 and 4 of a call whose caches hold their new rows: the partition of cache type `C`,
+/// its items and merge (`attention`), then the scores (from the stashed logits, or recomputed).
+/// `amx(part)`: whether prefill items run on AMX tiles.
+#[allow(clippy::type_complexity)]
+fn pipeline<M: TileMicro + U8Micro, Q: Float, C: source::Source>(
+    m: M,
+    opts: FastOptions,
+    plan: &Plan,
+    (query, (kc, vc), block_indices): (&[Q], (&[C], &[C]), &[i32]),
+    (output, scores): (&mut [Q], &mut [Q]),
+    (layout, amx): (C::Layout, impl FnOnce(&partition::Partition) -> Option<Amx>),
+) -> Result<()> {
+    let threads = opts.runner.max_threads();
+    let part = partition::Partition::new(plan, opts.scores, threads, &C::TUNING);
+    let ctx = tile::Ctx {
+        plan,
+        part: &part,
+        query,
+        kc,
+        vc,
+        block_indices,
+        runner: opts.runner,
+        amx: amx(&part),
+        layout,
+    };
+    let (stats, stash) = attention::attention(m, &ctx, output)?;
+    match stash {
+        Some(stash) => {
+            scores::from_stash(m, &ctx, &stats, &stash, scores);
+            pool::give(stash);
+        }
+        None => scores::recompute(m, &ctx, scores),
+    }
+    Ok(())
 }

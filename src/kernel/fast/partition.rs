@@ -7,31 +7,55 @@ use super::ScoresMode;
 use crate::kernel::layout::window_start;
 use crate::op::Plan;
 
-/// Query rows (tokens x the G query heads of one KV head) of a decode-like sequence's single
-/// tile: a sequence with more tokens than fit in this many rows is a prefill sequence.
-pub(crate) const ROW_TARGET: usize = 32;
 /// Query rows a prefill tile aims for (the `prefill` item path; a multiple of 16, the row
 /// block of its QK kernel).
 pub(crate) const PREFILL_ROWS: usize = 64;
-/// Keys a decode chunk aims for (flash-decoding split).
-pub(crate) const CHUNK_KEYS: usize = 256;
 /// Upper bound of chunks per row, so partial results stay O(T*H*D).
 pub(crate) const MAX_CHUNKS: usize = 64;
-/// Decode items a call aims for at least, so that many threads find work even when only a few
-/// sequences decode (one long context is split further). Like every cut, independent of the
-/// thread count.
-pub(crate) const MIN_DECODE_ITEMS: usize = 64;
-/// Decode items per thread a call is cut into at least, by splitting items across KV heads
-/// (which changes no arithmetic: each row's keys and chunks stay the same), so that 16 to 64
-/// threads end together (the scaling simulation, `examples/scaling_sim.rs`). Items with every
-/// KV head stream whole `[Hkv, BS, D]` blocks, which cold caches read fastest: at 2 threads no
-/// benchmark workload is split.
-pub(crate) const DECODE_ITEMS_PER_THREAD: usize = 16;
-/// Fewest keys a decode chunk is cut to (below this, per-chunk start-up and merge costs win).
-pub(crate) const MIN_CHUNK_KEYS: usize = 128;
 /// Score logits stashed during attention, at most this many f32 beyond 8*T*H*D (16 MiB).
 pub(crate) const STASH_EXTRA: usize = 1 << 22;
 
+/// A cache type's cut of decode work (its decode loops differ in what a chunk and an item
+/// cost): one rule, these numbers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tuning {
+    /// Query rows (tokens x the G query heads of one KV head) of a decode-like sequence's
+    /// single tile: a sequence with more tokens than fit in this many rows is a prefill
+    /// sequence.
+    pub row_target: usize,
+    /// Keys a decode chunk aims for (flash-decoding split); `usize::MAX`: no split for length.
+    pub chunk_keys: usize,
+    /// Fewest keys a decode chunk is cut to (below this, per-chunk start-up and merge costs
+    /// win).
+    pub min_chunk_keys: usize,
+    /// Decode items a call aims for at least, so that many threads find work even when only a
+    /// few sequences decode (one long context is split further): (sequence, chunk) pairs, or
+    /// (sequence, KV head, chunk) triples when `count_heads`. Like every cut, independent of
+    /// the thread count.
+    pub min_decode_items: usize,
+    pub count_heads: bool,
+    /// Decode items per thread a call is cut into at least, by splitting items across KV heads
+    /// (which changes no arithmetic: each row's keys and chunks stay the same), so that 16 to
+    /// 64 threads end together (the scaling simulation, `examples/scaling_sim.rs`).
+    pub items_per_thread: usize,
+    /// Keys chunks are aligned to and a multiple of (0: the block size).
+    pub chunk_align: usize,
+}
+
+impl Tuning {
+    /// Float caches: decode items stream whole `[Hkv, BS, D]` blocks (cold caches read them
+    /// fastest, so at 2 threads no benchmark workload is split across KV heads), chunks of
+    /// about 256 keys, at least 64 items per call.
+    pub const FLOAT: Tuning = Tuning {
+        row_target: 32,
+        chunk_keys: 256,
+        min_chunk_keys: 128,
+        min_decode_items: 64,
+        count_heads: false,
+        items_per_thread: 16,
+        chunk_align: 0,
+    };
+}
 /// How one sequence is cut.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SeqLayout {
@@ -87,9 +111,14 @@ pub(crate) struct Partition {
 }
 
 impl Partition {
-    pub fn new(plan: &Plan, mode: ScoresMode, threads: usize) -> Partition {
+    pub fn new(plan: &Plan, mode: ScoresMode, threads: usize, tune: &Tuning) -> Partition {
         let (h, d, g, bs) = (plan.h, plan.d, plan.g, plan.bs);
-        let decode_qtok = (ROW_TARGET / g.max(1)).max(1);
+        let decode_qtok = (tune.row_target / g.max(1)).max(1);
+        let align = if tune.chunk_align == 0 {
+            bs
+        } else {
+            tune.chunk_align
+        };
         let prefill_qtok = (PREFILL_ROWS / g.max(1)).max(1);
         let mut seqs = Vec::with_capacity(plan.seqs.len());
         let mut items = Vec::new();
@@ -108,14 +137,15 @@ impl Partition {
             let (mut nchunks, mut chunk0, mut chunk_len) = (1, 0, sp.ctx().max(1));
             if !prefill && sp.n > 0 {
                 // Decode-like: split the visible keys of the tile into block-aligned chunks.
-                chunk0 = window_start(plan, sp.past) / bs * bs;
+                chunk0 = window_start(plan, sp.past) / align * align;
                 let span = sp.ctx() - chunk0;
+                let per = decoding * if tune.count_heads { plan.hkv.max(1) } else { 1 };
                 let want = span
-                    .div_ceil(CHUNK_KEYS)
-                    .max(MIN_DECODE_ITEMS.div_ceil(decoding))
-                    .min(span.div_ceil(MIN_CHUNK_KEYS))
+                    .div_ceil(tune.chunk_keys)
+                    .max(tune.min_decode_items.div_ceil(per))
+                    .min(span.div_ceil(tune.min_chunk_keys))
                     .clamp(1, MAX_CHUNKS);
-                chunk_len = span.div_ceil(want).div_ceil(bs) * bs;
+                chunk_len = span.div_ceil(want).div_ceil(align) * align;
                 nchunks = span.div_ceil(chunk_len).max(1);
             }
             seqs.push(SeqLayout {
@@ -131,7 +161,7 @@ impl Partition {
             stash_len += sp.score_tokens * h * sp.ctx();
         }
         // Decode items take every KV head of their query tile and chunk (whole blocks), unless
-        // that leaves fewer than DECODE_ITEMS_PER_THREAD per thread: then they take a divisor
+        // that leaves fewer than `items_per_thread` per thread: then they take a divisor
         // of Hkv heads each.
         let decode_items: usize = seqs
             .iter()
@@ -139,7 +169,7 @@ impl Partition {
             .filter(|(l, sp)| !l.prefill && sp.n > 0)
             .map(|(l, sp)| sp.n.div_ceil(l.qtok) * l.nchunks)
             .sum();
-        let split = (DECODE_ITEMS_PER_THREAD * threads.max(1)).div_ceil(decode_items.max(1));
+        let split = (tune.items_per_thread * threads.max(1)).div_ceil(decode_items.max(1));
         let decode_heads = (1..=plan.hkv.max(1))
             .rev()
             .find(|&k| plan.hkv.is_multiple_of(k) && plan.hkv / k >= split.min(plan.hkv))

@@ -12,6 +12,7 @@ use super::micro::TileMicro;
 use super::partition::Item;
 use super::pool::{Buf, Pooled};
 use super::shared::SharedMut;
+use super::source::Source;
 use super::tile::{finite_outside, grow, mask_tile_strided, prefetch_part, Ctx};
 use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, seq_row_of, tiles, visible_span, window_start};
@@ -30,8 +31,7 @@ fn slice_part<T>(x: &[T], i: usize, parts: usize) -> &[T] {
     &x[x.len() * i / parts..x.len() * (i + 1) / parts]
 }
 
-/// Per-thread buffers of prefill items, grown on demand (no allocation per tile); also the
-/// core of u8 prefill items' buffers.
+/// Per-thread buffers of prefill items, grown on demand (no allocation per tile).
 #[derive(Default)]
 pub(super) struct Scratch {
     pub qr: Vec<f32>,
@@ -265,7 +265,7 @@ pub(super) struct ItemRows {
 }
 
 impl ItemRows {
-    pub fn new<Q, C>(ctx: &Ctx<'_, Q, C>, it: &Item) -> ItemRows {
+    pub fn new<Q, C: Source>(ctx: &Ctx<'_, Q, C>, it: &Item) -> ItemRows {
         let plan = ctx.plan;
         let si = it.seq as usize;
         let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
@@ -289,7 +289,7 @@ impl ItemRows {
 /// Copies the masked logits of the item's score rows (`st[jj*ldt + r]`, keys `j0..j0+n`) into
 /// the stash.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn stash_logits<Q, C>(
+pub(super) fn stash_logits<Q, C: Source>(
     ctx: &Ctx<'_, Q, C>,
     ir: &ItemRows,
     kvh: usize,
@@ -344,7 +344,7 @@ pub(super) fn prefetch_out<Q>(
 
 /// Writes each row's output `acc[r*lda..][..Dv] / l` and its `[m, l]` partial-result slot.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn write_rows<Q: Float, C>(
+pub(super) fn write_rows<Q: Float, C: Source>(
     ctx: &Ctx<'_, Q, C>,
     ir: &ItemRows,
     kvh: usize,
@@ -383,9 +383,9 @@ pub(super) fn write_rows<Q: Float, C>(
     }
 }
 
-/// Runs one prefill item (one KV head, one query tile, all visible keys) on the f32 tiles:
-/// writes its rows' output `acc / l` into `out` and their `[m, l]` into their partial-result
-/// slots. `wide`: the call's f32 copies of half-precision K and V rows, when it made them.
+/// Runs one prefill item (one KV head, one query tile, all visible keys) of a float cache on
+/// the f32 tiles: the cache read in place, or `wide`, the call's f32 copies of half-precision
+/// K and V rows, when it made them.
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
@@ -395,28 +395,46 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     sw: Option<&SharedMut<'_, f32>>,
     wide: Option<&Widened>,
 ) {
+    let plan = ctx.plan;
+    let sp = &plan.seqs[it.seq as usize];
+    let (nk, nv) = (sp.ctx() * plan.d, sp.ctx() * plan.dv);
+    run_item_on(m, ctx, it, (pw, out, sw), |kvh| CacheTiles {
+        m,
+        ctx,
+        sp,
+        kvh,
+        wide: wide.and_then(|w| w.rows_kv(it.seq as usize, kvh, (nk, nv))),
+    })
+}
+
+/// Runs one prefill item on the tiles `tiles(kvh)` gives for each of its KV heads (whatever
+/// the cache type): writes its rows' output `acc / l` into `out`, their `[m, l]` into their
+/// partial-result slots (`pw`), and the score rows' logits into the stash (`sw`).
+pub(super) fn run_item_on<M: TileMicro, Q: Float, C: Source, S: TileSource>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    it: &Item,
+    (pw, out, sw): (&SharedMut<'_, f32>, &SharedMut<'_, Q>, Option<&SharedMut<'_, f32>>),
+    tiles: impl Fn(usize) -> S,
+) {
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
-            run_head(m, ctx, it, kvh, pw, out, sw, wide, sc);
+            run_head(m, ctx, it, kvh, (pw, out, sw), &tiles(kvh), sc);
         }
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_head<M: TileMicro, Q: Float, C: Float>(
+fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
     kvh: usize,
-    pw: &SharedMut<'_, f32>,
-    out: &SharedMut<'_, Q>,
-    sw: Option<&SharedMut<'_, f32>>,
-    wide: Option<&Widened>,
+    (pw, out, sw): (&SharedMut<'_, f32>, &SharedMut<'_, Q>, Option<&SharedMut<'_, f32>>),
+    src: &S,
     sc: &mut Scratch,
 ) {
     let plan = ctx.plan;
-    let (d, dv) = (plan.d, plan.dv);
     let ir = ItemRows::new(ctx, it);
     let sp = &plan.seqs[ir.si];
     let rows8 = ir.rows.div_ceil(8) * 8;
@@ -425,18 +443,11 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         mut state,
         tiles,
     } = sc.start(m, plan, ctx.query, sp, kvh, (ir.t0, ir.nt));
-    let src = CacheTiles {
-        m,
-        ctx,
-        sp,
-        kvh,
-        wide: wide.and_then(|w| w.rows_kv(ir.si, kvh, (sp.ctx() * d, sp.ctx() * dv))),
-    };
     let span = (ir.pos0, ir.nt, ir.lo, ir.hi);
     attend(
         m,
         plan,
-        &src,
+        src,
         kvh,
         span,
         qt,
@@ -457,7 +468,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let RowState {
         acc, m: mb, l: lb, ..
     } = state;
-    write_rows(ctx, &ir, kvh, acc, dv, mb, lb, pw, out);
+    write_rows(ctx, &ir, kvh, acc, plan.dv, mb, lb, pw, out);
 }
 
 /// The running state of a prefill item's rows: accumulators `[rows][Dv]` and the lane-wise
@@ -508,7 +519,7 @@ pub(super) trait TileSource {
 
 /// A float cache's tiles: the call's widened copies of the head when there are, else the cache
 /// read in place (f32) or widened tile by tile.
-struct CacheTiles<'c, 'a, M, Q, C> {
+struct CacheTiles<'c, 'a, M, Q, C: Float> {
     m: M,
     ctx: &'c Ctx<'a, Q, C>,
     sp: &'c SeqPlan,

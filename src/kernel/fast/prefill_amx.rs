@@ -303,7 +303,7 @@ fn all_bf16_finite(s: &[u16]) -> bool {
 /// for every row, and its weighted value is added to `acc_t` (`[d][r32]`) here, for the rows
 /// that see it (f32 products, in place of the bf16 tile's).
 #[allow(clippy::too_many_arguments)]
-fn masked_non_finite<Q, C>(
+fn masked_non_finite<Q, C: Float>(
     ctx: &Ctx<'_, Q, C>,
     ir: &ItemRows,
     j0: usize,

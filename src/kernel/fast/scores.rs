@@ -8,18 +8,19 @@
 //! Work is cut into fixed spans of keys per sequence; each span sums its terms in a fixed order
 //! (token, then head), independent of the thread count.
 
-use super::micro::Micro;
+use super::micro::{Micro, TileMicro, U8Micro};
+use super::source::Source;
 use super::shared::SharedMut;
 use super::tile::{load_q, mask_tile, Ctx, Scratch, SCRATCH};
 use crate::dtype::Float;
-use crate::kernel::layout::{seq_row, tiles, visible_span, window_start};
+use crate::kernel::layout::{tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;
 
 /// Keys per scores task.
 const SPAN: usize = 256;
 
 /// (sequence, first key, keys) of every scores task.
-fn spans<Q, C>(ctx: &Ctx<'_, Q, C>) -> Vec<(usize, usize, usize)> {
+fn spans<Q, C: Source>(ctx: &Ctx<'_, Q, C>) -> Vec<(usize, usize, usize)> {
     let mut v = Vec::new();
     for (s, sp) in ctx.plan.seqs.iter().enumerate() {
         for j0 in (0..sp.ctx()).step_by(SPAN) {
@@ -31,7 +32,7 @@ fn spans<Q, C>(ctx: &Ctx<'_, Q, C>) -> Vec<(usize, usize, usize)> {
 
 /// Runs `f(seq, j0, acc)` for every span and stores `acc` (zeros when a sequence has no score
 /// tokens) into the scores output.
-fn for_spans<Q: Float, C: Float>(
+fn for_spans<Q: Float, C: Source>(
     ctx: &Ctx<'_, Q, C>,
     scores: &mut [Q],
     f: impl Fn(usize, usize, &mut [f32]) + Sync,
@@ -57,7 +58,7 @@ fn for_spans<Q: Float, C: Float>(
 }
 
 /// Scores from the logits stashed during attention.
-pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
+pub(crate) fn from_stash<M: Micro, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     stats: &[OnlineSoftmax],
@@ -94,7 +95,11 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Float>(
 /// over the same tiles), not by the attention's: the recomputation runs another kernel, whose
 /// logits may differ from the attention's in the last bit, and `exp(s - max)` turns a last-bit
 /// difference of a huge logit (say 3e38, whose spacing is 2e31) into 0 or infinity.
-pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(m: M, ctx: &Ctx<'_, Q, C>, scores: &mut [Q]) {
+pub(crate) fn recompute<M: TileMicro + U8Micro, Q: Float, C: Source>(
+    m: M,
+    ctx: &Ctx<'_, Q, C>,
+    scores: &mut [Q],
+) {
     let plan = ctx.plan;
     let (h, g) = (plan.h, plan.g);
     // Pass 1: per score row, the online softmax of its recomputed logits, span by span in key
@@ -160,7 +165,7 @@ pub(crate) fn recompute<M: Micro, Q: Float, C: Float>(m: M, ctx: &Ctx<'_, Q, C>,
 /// row `r`'s logits `l` of its visible keys `b0..b0 + l.len()` of each tile (never a masked
 /// key: a NaN row, or one without a distribution, must not reach the keys it is masked for).
 #[allow(clippy::too_many_arguments)]
-fn score_logits<M: Micro, Q: Float, C: Float>(
+fn score_logits<M: TileMicro + U8Micro, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     sc: &mut Scratch,
@@ -183,22 +188,14 @@ fn score_logits<M: Micro, Q: Float, C: Float>(
         return;
     }
     sc.ensure(rows, (d, 0), bs);
-    let Scratch { q, s: st, .. } = sc;
+    super::tile::grow(&mut sc.k, bs * d);
+    let Scratch { q, s: st, k, .. } = sc;
     load_q(plan, ctx.query, sp, kvh, t0, nt, q);
     for (a0, a1) in tiles(lo, hi, bs) {
         let n = a1 - a0;
-        let off = seq_row(plan, ctx.block_indices, sp, kvh, a0);
+        let keys = C::keys(m, ctx, sp, kvh, a0, a1, k);
         let t = &mut st[..rows * n];
-        m.qk(
-            &q[..rows * d],
-            rows,
-            &ctx.kc[off..off + n * d],
-            n,
-            d,
-            t,
-            n,
-            plan.scale,
-        );
+        Micro::qk(m, &q[..rows * d], rows, keys, n, d, t, n, plan.scale);
         mask_tile(plan, t, rows, n, kvh, pos0, a0);
         for r in 0..rows {
             let (b0, b1) = visible_span(plan, pos0 + r / g, a0, a1);

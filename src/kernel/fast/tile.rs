@@ -4,6 +4,7 @@
 
 use super::micro::Amx;
 use super::partition::Partition;
+use super::source::Source;
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, window_start};
 pub(crate) use crate::kernel::prefetch::{prefetch_lines, prefetch_part};
@@ -12,7 +13,7 @@ use crate::op::{Plan, SeqPlan};
 use std::cell::RefCell;
 
 /// What every item reads.
-pub(crate) struct Ctx<'a, Q, C> {
+pub(crate) struct Ctx<'a, Q, C: Source> {
     pub plan: &'a Plan,
     pub part: &'a Partition,
     pub query: &'a [Q],
@@ -23,6 +24,8 @@ pub(crate) struct Ctx<'a, Q, C> {
     pub runner: crate::threads::Runner,
     /// Set when prefill items run their products on AMX tiles (bf16 query only).
     pub amx: Option<Amx>,
+    /// How the cache type lays out its rows (quantized caches: OpenVINO's layout).
+    pub layout: C::Layout,
 }
 
 /// Per-thread buffers, grown on demand and reused across items (no allocation per tile).
@@ -32,6 +35,8 @@ pub(crate) struct Scratch {
     pub acc: Vec<f32>,
     pub s: Vec<f32>,
     pub st: Vec<OnlineSoftmax>,
+    /// f32 keys of a tile whose cache is not f32 (the scores' recomputation).
+    pub k: Vec<f32>,
 }
 
 /// Grows `v` to at least `n` elements (new ones default; never shrinks: per-thread buffers keep

@@ -1,7 +1,7 @@
 //! u4 caches on the u8 kernel: insertion and rotation write the u4 bytes (`kernel::quant`, the
 //! byte-checked code, at the layout's 4 bits); attention and scores read u8 caches of the same
 //! layout at 8 bits (each nibble a byte, the f32 scales and zero points copied), which
-//! dequantize to exactly the same values (`(q - zp) * scale`), through `u8attn`'s own loops. No
+//! dequantize to exactly the same values (`(q - zp) * scale`), through `quantized`'s loops. No
 //! second attention kernel. Decode items unpack their own blocks and heads just before
 //! attending ([`ItemBlocks`], per thread); the blocks of prefill sequences are unpacked once
 //! per call ([`unpack`]), since many query tiles read them.

@@ -10,7 +10,7 @@
 //!   twins also keep the next tile's cache lines coming while they compute.
 //! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
 //! - `scalar_u8`: the [`U8Micro`] loops over u8 cache bytes (OpenVINO's layout; the driver
-//!   `fast::u8attn` folds scales and zero points around them); `x86/avx2_u8` and `x86/avx512_u8`
+//!   `fast::quantized` folds scales and zero points around them); `x86/avx2_u8` and `x86/avx512_u8`
 //!   are the AVX2 and AVX-512 tiers.
 //! - `x86/amx`: AMX-BF16 tile products (QK and PV) for prefill items of a bf16
 //!   query; `scalar_amx` is its twin (test oracle).
@@ -64,14 +64,6 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     );
     /// `dst[j] += exp(s[j] - m) * c`.
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32);
-    /// `dst[j] += w[j] * c` for `j < dst.len()` (a product, then a sum: every tier gives the
-    /// same bits). The default is the scalar twin.
-    fn add_scaled(self, dst: &mut [f32], w: &[f32], c: f32) {
-        assert!(w.len() >= dst.len(), "add_scaled: weights too short");
-        for (o, &x) in dst.iter_mut().zip(w) {
-            *o += x * c;
-        }
-    }
     /// `x[j] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
     /// `s[j] = cap(s[j] * c)` ([`Lanes::cap`](crate::kernel::softmax::Lanes::cap)): logits as
