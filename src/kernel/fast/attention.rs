@@ -14,7 +14,7 @@
 use super::micro::{TileMicro, U8Micro};
 use super::shared::SharedMut;
 use super::source::Source;
-use super::tile::Ctx;
+use super::source::Ctx;
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::kernel::softmax::OnlineSoftmax;

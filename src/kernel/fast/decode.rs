@@ -8,7 +8,8 @@
 use super::micro::Micro;
 use super::partition::Item;
 use super::shared::SharedMut;
-use super::tile::{finite_outside, load_q, mask_tile, Ctx, Scratch};
+use super::source::Ctx;
+use super::tile::{finite_outside, load_q, mask_tile, Scratch};
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, seq_row, seq_row_of, tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;

@@ -32,6 +32,7 @@
 //!   head), decode tiles that read the bytes through the `U8Micro` loops (dequantized in
 //!   registers), prefill tiles dequantized once per call or one block at a time into f32 tiles
 //!   for the `TileMicro` loops. `u4`: u4 caches read through their u8 form.
+//! - `float`: f32, f16 and bf16 caches as a source (`decode`, `prefill`, `prefill_amx`).
 //! - `micro`: the inner loops of each SIMD level (one tier per file under `micro/x86/`, built
 //!   on x86_64 only; scalar twins in `micro/`, the only tier elsewhere).
 //!
@@ -75,6 +76,7 @@ mod shared;
 mod tile;
 mod u4;
 pub(crate) use tile::prefetch_part;
+mod float;
 mod quantized;
 mod source;
 
@@ -402,7 +404,7 @@ fn pipeline<M: TileMicro + U8Micro, Q: Float, C: source::Source>(
 ) -> Result<()> {
     let threads = opts.runner.max_threads();
     let part = partition::Partition::new(plan, opts.scores, threads, &C::TUNING);
-    let ctx = tile::Ctx {
+    let ctx = source::Ctx {
         plan,
         part: &part,
         query,

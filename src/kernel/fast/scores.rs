@@ -9,9 +9,9 @@
 //! (token, then head), independent of the thread count.
 
 use super::micro::{Micro, TileMicro, U8Micro};
-use super::source::Source;
+use super::source::{Ctx, Source};
 use super::shared::SharedMut;
-use super::tile::{load_q, mask_tile, Ctx, Scratch, SCRATCH};
+use super::tile::{load_q, mask_tile, Scratch, SCRATCH};
 use crate::dtype::Float;
 use crate::kernel::layout::{tiles, visible_span, window_start};
 use crate::kernel::softmax::OnlineSoftmax;

@@ -38,7 +38,7 @@ impl<'a, T> SharedMut<'a, T> {
     pub(crate) fn prefetch(&self, off: usize, len: usize, part: (usize, usize)) {
         self.check(off, len);
         let p = self.ptr.wrapping_add(off) as *const u8;
-        super::tile::prefetch_lines(p, len * std::mem::size_of::<T>(), part);
+        crate::kernel::prefetch::prefetch_lines(p, len * std::mem::size_of::<T>(), part);
     }
 
     /// `len` elements from `off`.

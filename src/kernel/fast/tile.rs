@@ -1,32 +1,12 @@
-//! What the work items of one call share: the call's context ([`Ctx`]), per-thread scratch
-//! buffers, and the steps every tile takes around its softmax (query rows, ALiBi and masks, the
+//! What the work items of one call share: per-thread scratch buffers, and the steps every tile takes around its softmax (query rows, ALiBi and masks, the
 //! check that keeps masked non-finite values out of the value product, prefetch hints).
 
-use super::micro::Amx;
-use super::partition::Partition;
-use super::source::Source;
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, window_start};
-pub(crate) use crate::kernel::prefetch::{prefetch_lines, prefetch_part};
+pub(crate) use crate::kernel::prefetch::prefetch_part;
 use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 use crate::op::{Plan, SeqPlan};
 use std::cell::RefCell;
-
-/// What every item reads.
-pub(crate) struct Ctx<'a, Q, C: Source> {
-    pub plan: &'a Plan,
-    pub part: &'a Partition,
-    pub query: &'a [Q],
-    pub kc: &'a [C],
-    pub vc: &'a [C],
-    pub block_indices: &'a [i32],
-    /// Where the parallel regions run.
-    pub runner: crate::threads::Runner,
-    /// Set when prefill items run their products on AMX tiles (bf16 query only).
-    pub amx: Option<Amx>,
-    /// How the cache type lays out its rows (quantized caches: OpenVINO's layout).
-    pub layout: C::Layout,
-}
 
 /// Per-thread buffers, grown on demand and reused across items (no allocation per tile).
 #[derive(Default)]

@@ -1,0 +1,97 @@
+//! Float caches (f32, f16, bf16) as a [`Source`]: decode items on the `DecodeMicro` loops
+//! (`decode`), prefill items on the f32 tiles (`prefill`: f32 rows read in place, f16/bf16
+//! rows widened once per call) or, for a bf16 query or cache on AMX CPUs, on AMX tiles
+//! (`prefill_amx`).
+
+use super::micro::{TileMicro, U8Micro};
+use super::partition::{Item, Tuning};
+use super::shared::SharedMut;
+use super::source::{Ctx, PrefillOut, Source};
+use super::tile::SCRATCH;
+use crate::dtype::{as_f32, Float};
+use crate::error::Result;
+use crate::kernel::layout::seq_row;
+use crate::op::SeqPlan;
+
+/// What prefill items of a float cache read besides the cache, prepared once per call.
+pub(crate) enum Prepared {
+    /// f32 copies of f16/bf16 K and V rows.
+    Wide(super::prefill::Widened),
+    /// bf16 K and V rows in AMX tile layouts (items of a bf16 query on AMX).
+    #[cfg(target_arch = "x86_64")]
+    Tiles(super::prefill_amx::Packed),
+}
+
+impl<C: Float> Source for C {
+    const TUNING: Tuning = Tuning::FLOAT;
+    type Layout = ();
+    type Prep = Prepared;
+
+    /// Packed for AMX tiles when the items run on them, else widened to f32 (see
+    /// `prefill::prewiden`).
+    fn prepare<M: TileMicro + U8Micro, Q: Float>(
+        m: M,
+        ctx: &Ctx<'_, Q, C>,
+    ) -> Result<Option<Prepared>> {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(amx) = ctx.amx {
+            return Ok(super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles));
+        }
+        Ok(super::prefill::prewiden(m, ctx).map(Prepared::Wide))
+    }
+
+    /// On AMX tiles when `ctx.amx` is set, else on the f32 tiles of `prefill`.
+    fn prefill_item<M: TileMicro + U8Micro, Q: Float>(
+        m: M,
+        ctx: &Ctx<'_, Q, C>,
+        it: &Item,
+        (pw, out, sw): PrefillOut<'_, '_, '_, '_, Q>,
+        prep: Option<&Prepared>,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(amx) = ctx.amx {
+            let packed = match prep {
+                Some(Prepared::Tiles(p)) => Some(p),
+                _ => None,
+            };
+            return super::prefill_amx::run_item(m, amx, ctx, it, pw, out, sw, packed);
+        }
+        let wide = match prep {
+            Some(Prepared::Wide(w)) => Some(w),
+            _ => None,
+        };
+        super::prefill::run_item(m, ctx, it, pw, out, sw, wide)
+    }
+
+    fn decode_item<M: TileMicro + U8Micro, Q: Float>(
+        m: M,
+        ctx: &Ctx<'_, Q, C>,
+        it: &Item,
+        pw: &SharedMut<'_, f32>,
+        sw: Option<&SharedMut<'_, f32>>,
+    ) {
+        SCRATCH.with(|s| super::decode::run_decode_item(m, ctx, it, pw, sw, &mut s.borrow_mut()))
+    }
+
+    fn keys<'s, M: TileMicro + U8Micro, Q>(
+        m: M,
+        ctx: &'s Ctx<'_, Q, C>,
+        sp: &SeqPlan,
+        kvh: usize,
+        j0: usize,
+        j1: usize,
+        buf: &'s mut [f32],
+    ) -> &'s [f32] {
+        let plan = ctx.plan;
+        let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
+        let k = &ctx.kc[off..off + (j1 - j0) * plan.d];
+        match as_f32(k) {
+            Some(k) => k,
+            None => {
+                let buf = &mut buf[..k.len()];
+                m.widen(k, buf);
+                buf
+            }
+        }
+    }
+}
