@@ -11,10 +11,10 @@
 //! sees all keys of its rows and writes their output itself, leaving `[max, sum]`. Either kind
 //! stashes the masked logits of the score rows (when the partition asks for it) for step 4.
 
-use super::micro::{TileMicro, U8Micro};
+use super::micro::Kernels;
 use super::shared::SharedMut;
-use super::source::Source;
 use super::source::Ctx;
+use super::source::{Out, Source};
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::kernel::softmax::OnlineSoftmax;
@@ -28,7 +28,7 @@ const MERGE_TASKS: usize = 256;
 /// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
 /// the partition asks for it, the stashed logits of the score rows.
 #[allow(clippy::type_complexity)]
-pub(crate) fn attention<M: TileMicro + U8Micro, Q: Float, C: Source>(
+pub(crate) fn attention<M: Kernels, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     out: &mut [Q],
@@ -39,20 +39,21 @@ pub(crate) fn attention<M: TileMicro + U8Micro, Q: Float, C: Source>(
     // Every slot and every stash entry a later step reads is written by an item first.
     let mut partials = super::pool::take(ctx.part.part_len);
     let mut stash = ctx.part.stash_len.map(super::pool::take);
-    {
-        let pw = SharedMut::new(&mut partials);
-        let ow = SharedMut::new(&mut *out);
-        let sw = stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice()));
-        ctx.runner.for_each(ctx.part.items.len(), &|i| {
-            let it = &ctx.part.items[i];
-            if ctx.part.seqs[it.seq as usize].prefill {
-                C::prefill_item(m, ctx, it, (&pw, &ow, sw.as_ref()), prep.as_ref())
-            } else {
-                C::decode_item(m, ctx, it, &pw, sw.as_ref())
-            }
-        });
-    }
-    if let Some(p) = prep {
+    let io = Out {
+        pw: SharedMut::new(&mut partials),
+        out: SharedMut::new(&mut *out),
+        sw: stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice())),
+        prep,
+    };
+    ctx.runner.for_each(ctx.part.items.len(), &|i| {
+        let it = &ctx.part.items[i];
+        if ctx.part.seqs[it.seq as usize].prefill {
+            C::prefill_item(m, ctx, it, &io)
+        } else {
+            C::decode_item(m, ctx, it, &io)
+        }
+    });
+    if let Some(p) = io.prep {
         C::release(p);
     }
     let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * h];
@@ -145,4 +146,3 @@ pub(super) fn merge<Q: Float>(
     }
     st
 }
-

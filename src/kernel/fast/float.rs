@@ -3,15 +3,13 @@
 //! rows widened once per call) or, for a bf16 query or cache on AMX CPUs, on AMX tiles
 //! (`prefill_amx`).
 
-use super::micro::{TileMicro, U8Micro};
+use super::micro::Kernels;
 use super::partition::{Item, Tuning};
-use super::shared::SharedMut;
-use super::source::{Ctx, PrefillOut, Source};
+use super::source::{Ctx, KeyTile, Out, Source};
 use super::tile::SCRATCH;
 use crate::dtype::{as_f32, Float};
 use crate::error::Result;
 use crate::kernel::layout::seq_row;
-use crate::op::SeqPlan;
 
 /// What prefill items of a float cache read besides the cache, prepared once per call.
 pub(crate) enum Prepared {
@@ -29,10 +27,7 @@ impl<C: Float> Source for C {
 
     /// Packed for AMX tiles when the items run on them, else widened to f32 (see
     /// `prefill::prewiden`).
-    fn prepare<M: TileMicro + U8Micro, Q: Float>(
-        m: M,
-        ctx: &Ctx<'_, Q, C>,
-    ) -> Result<Option<Prepared>> {
+    fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, C>) -> Result<Option<Prepared>> {
         #[cfg(target_arch = "x86_64")]
         if let Some(amx) = ctx.amx {
             return Ok(super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles));
@@ -41,13 +36,8 @@ impl<C: Float> Source for C {
     }
 
     /// On AMX tiles when `ctx.amx` is set, else on the f32 tiles of `prefill`.
-    fn prefill_item<M: TileMicro + U8Micro, Q: Float>(
-        m: M,
-        ctx: &Ctx<'_, Q, C>,
-        it: &Item,
-        (pw, out, sw): PrefillOut<'_, '_, '_, '_, Q>,
-        prep: Option<&Prepared>,
-    ) {
+    fn prefill_item<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, C>, it: &Item, o: &Out<'_, Q, C>) {
+        let (pw, out, sw, prep) = (&o.pw, &o.out, o.sw.as_ref(), o.prep.as_ref());
         #[cfg(target_arch = "x86_64")]
         if let Some(amx) = ctx.amx {
             let packed = match prep {
@@ -63,35 +53,23 @@ impl<C: Float> Source for C {
         super::prefill::run_item(m, ctx, it, pw, out, sw, wide)
     }
 
-    fn decode_item<M: TileMicro + U8Micro, Q: Float>(
-        m: M,
-        ctx: &Ctx<'_, Q, C>,
-        it: &Item,
-        pw: &SharedMut<'_, f32>,
-        sw: Option<&SharedMut<'_, f32>>,
-    ) {
+    fn decode_item<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, C>, it: &Item, o: &Out<'_, Q, C>) {
+        let (pw, sw) = (&o.pw, o.sw.as_ref());
         SCRATCH.with(|s| super::decode::run_decode_item(m, ctx, it, pw, sw, &mut s.borrow_mut()))
     }
 
-    fn keys<'s, M: TileMicro + U8Micro, Q>(
-        m: M,
-        ctx: &'s Ctx<'_, Q, C>,
-        sp: &SeqPlan,
-        kvh: usize,
-        j0: usize,
-        j1: usize,
-        buf: &'s mut [f32],
-    ) -> &'s [f32] {
-        let plan = ctx.plan;
+    /// f32 rows read in place, f16/bf16 rows widened.
+    fn keys<'s, Q>(ctx: &'s Ctx<'_, Q, C>, at: KeyTile, buf: &'s mut [f32]) -> &'s [f32] {
+        let (plan, (sp, kvh, (j0, j1))) = (ctx.plan, at);
         let off = seq_row(plan, ctx.block_indices, sp, kvh, j0);
         let k = &ctx.kc[off..off + (j1 - j0) * plan.d];
-        match as_f32(k) {
-            Some(k) => k,
-            None => {
-                let buf = &mut buf[..k.len()];
-                m.widen(k, buf);
-                buf
-            }
+        if let Some(k) = as_f32(k) {
+            return k;
         }
+        let buf = &mut buf[..k.len()];
+        for (o, x) in buf.iter_mut().zip(k) {
+            *o = x.to_f32();
+        }
+        buf
     }
 }

@@ -89,7 +89,7 @@ use crate::threads::Runner;
 use micro::scalar::Scalar;
 #[cfg(target_arch = "x86_64")]
 use micro::x86::{avx2::Avx2, avx512::Avx512};
-use micro::{Amx, TileMicro, U8Micro};
+use micro::{Amx, Kernels};
 use std::any::TypeId;
 use std::sync::OnceLock;
 
@@ -298,7 +298,7 @@ fn run_in(
     }
     impl OnMicro for Call<'_, '_, '_> {
         type Out = Result<()>;
-        fn on<M: TileMicro + U8Micro>(self, m: M) -> Result<()> {
+        fn on<M: Kernels>(self, m: M) -> Result<()> {
             let opts = self.opts;
             dispatch(Fast { m, opts }, self.plan, self.inputs, self.outputs)
         }
@@ -317,7 +317,7 @@ fn run_in(
 /// Work run on the micro-kernels of one SIMD level (see [`on_level`]).
 pub(crate) trait OnMicro {
     type Out;
-    fn on<M: TileMicro + U8Micro>(self, m: M) -> Self::Out;
+    fn on<M: Kernels>(self, m: M) -> Self::Out;
 }
 
 /// Runs `op` on the micro-kernels of `level`, or of the best level below it this CPU has:
@@ -344,7 +344,7 @@ struct Fast<M> {
     opts: FastOptions,
 }
 
-impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
+impl<M: Kernels> TypedOp for Fast<M> {
     fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()> {
         let Fast { m, opts } = self;
         if let Some(rot) = &b.rotation {
@@ -386,7 +386,14 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
         let mut b = b;
         quantized::write(opts.runner, plan, layout, &mut b);
         let caches = (&*b.key_cache, &*b.value_cache);
-        pipeline(m, opts, plan, (b.query, caches, b.block_indices), (b.output, b.scores), (*layout, |_| None))
+        pipeline(
+            m,
+            opts,
+            plan,
+            (b.query, caches, b.block_indices),
+            (b.output, b.scores),
+            (*layout, |_| None),
+        )
     }
 }
 
@@ -394,7 +401,7 @@ impl<M: TileMicro + U8Micro> TypedOp for Fast<M> {
 /// its items and merge (`attention`), then the scores (from the stashed logits, or recomputed).
 /// `amx(part)`: whether prefill items run on AMX tiles.
 #[allow(clippy::type_complexity)]
-fn pipeline<M: TileMicro + U8Micro, Q: Float, C: source::Source>(
+fn pipeline<M: Kernels, Q: Float, C: source::Source>(
     m: M,
     opts: FastOptions,
     plan: &Plan,

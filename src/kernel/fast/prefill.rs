@@ -414,7 +414,11 @@ pub(super) fn run_item_on<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
-    (pw, out, sw): (&SharedMut<'_, f32>, &SharedMut<'_, Q>, Option<&SharedMut<'_, f32>>),
+    (pw, out, sw): (
+        &SharedMut<'_, f32>,
+        &SharedMut<'_, Q>,
+        Option<&SharedMut<'_, f32>>,
+    ),
     tiles: impl Fn(usize) -> S,
 ) {
     SCRATCH.with(|s| {
@@ -430,7 +434,11 @@ fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
     kvh: usize,
-    (pw, out, sw): (&SharedMut<'_, f32>, &SharedMut<'_, Q>, Option<&SharedMut<'_, f32>>),
+    (pw, out, sw): (
+        &SharedMut<'_, f32>,
+        &SharedMut<'_, Q>,
+        Option<&SharedMut<'_, f32>>,
+    ),
     src: &S,
     sc: &mut Scratch,
 ) {

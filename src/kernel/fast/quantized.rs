@@ -6,8 +6,9 @@
 //! - decode items (the rows of a query tile of a run of KV heads, over one key chunk) walk
 //!   their key blocks once per tile of up to [`ROWS`] rows per head, (block, KV head) in
 //!   storage order, in online-softmax steps of about [`STEP_KEYS`] keys, reading each key and
-//!   value byte once for all G heads through the [`U8Micro`] loops (dequantized in registers).
-//!   Per block and head:
+//!   value byte once for all G heads through the [`U8Micro`] loops (dequantized in registers),
+//!   and write each row's `[max, sum, acc]` slot and their score rows' logits, as float decode
+//!   items do. Per block and head:
 //!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
 //!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
 //!     scales once and the second sum is one constant per row and block ([`U8Micro::fold`]);
@@ -15,8 +16,6 @@
 //!   - values (by token): `acc += (p * scale_g) * q8` per group, the accumulators held in
 //!     registers across a block's keys, and `sum p * scale_g * zp_g` kept per (row, group)
 //!     beside them (rescaled with them) and taken off once at the end.
-//!   They write each row's `[max, sum, acc]` slot and stash their score rows' logits, as float
-//!   decode items do.
 //! - prefill items run the f32 prefill loop (`prefill::attend`) on their sequence's rows
 //!   dequantized once per call (as f16/bf16 rows are widened, within the same memory bound),
 //!   else on one key block and one value block at a time dequantized into f32 tiles; both as
@@ -25,11 +24,11 @@
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
 //! reference's (`kernel::layout`), logits capped at the f32 range as every path caps them.
 
-use super::micro::{Micro, TileMicro, U8Micro};
+use super::micro::{Kernels, Micro, U8Micro};
 use super::partition::{Item, Tuning};
 use super::prefill::{self, aligned, KvRows, TileSource, Widened};
 use super::shared::SharedMut;
-use super::source::{Ctx, PrefillOut, Source};
+use super::source::{Ctx, KeyTile, Out, Source};
 use super::tile::{grow, share};
 use super::u4::{ItemBlocks, Unpacked};
 use crate::dtype::Float;
@@ -391,7 +390,11 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let (bs, dv, h) = (plan.bs, plan.dv, plan.h);
     let l = &v.l;
     let span = step_span(bs);
-    let vg = if l.value_group == 0 { dv } else { l.value_group };
+    let vg = if l.value_group == 0 {
+        dv
+    } else {
+        l.value_group
+    };
     let ngroups = dv / vg;
     let vrow = l.value_row();
     // The rows' keys within the item's chunk (none: the chunk's slots say so).
@@ -723,10 +726,7 @@ impl Source for u8 {
     type Layout = U8Layout;
     type Prep = Prep;
 
-    fn prepare<M: TileMicro + U8Micro, Q: Float>(
-        m: M,
-        ctx: &Ctx<'_, Q, u8>,
-    ) -> Result<Option<Prep>> {
+    fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, u8>) -> Result<Option<Prep>> {
         let plan = ctx.plan;
         let prefill = |s: usize| ctx.part.seqs[s].prefill;
         if !(0..plan.seqs.len()).any(prefill) {
@@ -738,24 +738,32 @@ impl Source for u8 {
             8 => None,
             _ => {
                 let packed = (ctx.kc, ctx.vc, ctx.block_indices);
-                Some(super::u4::unpack(ctx.runner, plan, &ctx.layout, packed, prefill)?)
+                Some(super::u4::unpack(
+                    ctx.runner,
+                    plan,
+                    &ctx.layout,
+                    packed,
+                    prefill,
+                )?)
             }
         };
-        let v = unpacked.as_ref().map_or_else(|| View::of(ctx), View::unpacked);
+        let v = unpacked
+            .as_ref()
+            .map_or_else(|| View::of(ctx), View::unpacked);
         let wide = dequant_prefill_rows(m, (plan, ctx.runner), &v, prefill);
         Ok(Some(Prep { unpacked, wide }))
     }
 
-    fn prefill_item<M: TileMicro + U8Micro, Q: Float>(
+    fn prefill_item<M: Kernels, Q: Float>(
         m: M,
         ctx: &Ctx<'_, Q, u8>,
         it: &Item,
-        out: PrefillOut<'_, '_, '_, '_, Q>,
-        prep: Option<&Prep>,
+        o: &Out<'_, Q, u8>,
     ) {
-        let plan = ctx.plan;
+        let (plan, prep) = (ctx.plan, o.prep.as_ref());
         let (si, n) = (it.seq as usize, plan.seqs[it.seq as usize].ctx() * plan.d);
         let sp = &plan.seqs[si];
+        let out = (&o.pw, &o.out, o.sw.as_ref());
         let v = match prep.and_then(|p| p.unpacked.as_ref()) {
             Some(u) => View::unpacked(u),
             None => View::of(ctx),
@@ -772,13 +780,13 @@ impl Source for u8 {
         })
     }
 
-    fn decode_item<M: TileMicro + U8Micro, Q: Float>(
+    fn decode_item<M: Kernels, Q: Float>(
         m: M,
         ctx: &Ctx<'_, Q, u8>,
         it: &Item,
-        pw: &SharedMut<'_, f32>,
-        sw: Option<&SharedMut<'_, f32>>,
+        o: &Out<'_, Q, u8>,
     ) {
+        let (pw, sw) = (&o.pw, o.sw.as_ref());
         let plan = ctx.plan;
         let (si, chunk) = (it.seq as usize, it.chunk as usize);
         let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
@@ -832,16 +840,8 @@ impl Source for u8 {
     }
 
     /// Dequantized as the reference does (`kernel::quant::key_row`, u4 included).
-    fn keys<'s, M: TileMicro + U8Micro, Q>(
-        _m: M,
-        ctx: &'s Ctx<'_, Q, u8>,
-        sp: &SeqPlan,
-        kvh: usize,
-        j0: usize,
-        j1: usize,
-        buf: &'s mut [f32],
-    ) -> &'s [f32] {
-        let (d, bs) = (ctx.plan.d, ctx.plan.bs);
+    fn keys<'s, Q>(ctx: &'s Ctx<'_, Q, u8>, at: KeyTile, buf: &'s mut [f32]) -> &'s [f32] {
+        let ((d, bs), (sp, kvh, (j0, j1))) = ((ctx.plan.d, ctx.plan.bs), at);
         let block = block_of(ctx.block_indices, sp.block_begin, bs, j0);
         let out = &mut buf[..(j1 - j0) * d];
         for (k, o) in out.chunks_exact_mut(d).enumerate() {
@@ -868,7 +868,6 @@ impl CacheRows for HeadRows<'_, '_> {
         unsafe { self.0.part(at, len) }
     }
 }
-
 
 /// Steps 1 and 2 on quantized caches: rotation of the cached keys, then insertion of the new
 /// rows, each KV head a task of its own (they touch only its bytes), in the reference's order.

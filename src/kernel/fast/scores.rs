@@ -8,9 +8,9 @@
 //! Work is cut into fixed spans of keys per sequence; each span sums its terms in a fixed order
 //! (token, then head), independent of the thread count.
 
-use super::micro::{Micro, TileMicro, U8Micro};
-use super::source::{Ctx, Source};
+use super::micro::{Kernels, Micro};
 use super::shared::SharedMut;
+use super::source::{Ctx, Source};
 use super::tile::{load_q, mask_tile, Scratch, SCRATCH};
 use crate::dtype::Float;
 use crate::kernel::layout::{tiles, visible_span, window_start};
@@ -95,7 +95,7 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Source>(
 /// over the same tiles), not by the attention's: the recomputation runs another kernel, whose
 /// logits may differ from the attention's in the last bit, and `exp(s - max)` turns a last-bit
 /// difference of a huge logit (say 3e38, whose spacing is 2e31) into 0 or infinity.
-pub(crate) fn recompute<M: TileMicro + U8Micro, Q: Float, C: Source>(
+pub(crate) fn recompute<M: Kernels, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     scores: &mut [Q],
@@ -165,7 +165,7 @@ pub(crate) fn recompute<M: TileMicro + U8Micro, Q: Float, C: Source>(
 /// row `r`'s logits `l` of its visible keys `b0..b0 + l.len()` of each tile (never a masked
 /// key: a NaN row, or one without a distribution, must not reach the keys it is masked for).
 #[allow(clippy::too_many_arguments)]
-fn score_logits<M: TileMicro + U8Micro, Q: Float, C: Source>(
+fn score_logits<M: Kernels, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     sc: &mut Scratch,
@@ -193,7 +193,7 @@ fn score_logits<M: TileMicro + U8Micro, Q: Float, C: Source>(
     load_q(plan, ctx.query, sp, kvh, t0, nt, q);
     for (a0, a1) in tiles(lo, hi, bs) {
         let n = a1 - a0;
-        let keys = C::keys(m, ctx, sp, kvh, a0, a1, k);
+        let keys = C::keys(ctx, (sp, kvh, (a0, a1)), k);
         let t = &mut st[..rows * n];
         Micro::qk(m, &q[..rows * d], rows, keys, n, d, t, n, plan.scale);
         mask_tile(plan, t, rows, n, kvh, pos0, a0);

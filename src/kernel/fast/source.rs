@@ -5,20 +5,25 @@
 //! and items its decode work is cut into ([`Tuning`]). Float caches (f32, f16, bf16) are
 //! `float`; quantized caches (u8, and u4 through their u8 form) are `quantized`.
 
-use super::micro::{Amx, TileMicro, U8Micro};
+use super::micro::{Amx, Kernels};
 use super::partition::{Item, Partition, Tuning};
 use super::shared::SharedMut;
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::op::{Plan, SeqPlan};
 
-/// Where a prefill item writes: its rows' `[m, l]` partial-result slots, its output rows, and
-/// the stash of score-row logits (when the partition keeps one).
-pub(crate) type PrefillOut<'a, 'p, 'o, 's, Q> = (
-    &'a SharedMut<'p, f32>,
-    &'a SharedMut<'o, Q>,
-    Option<&'a SharedMut<'s, f32>>,
-);
+/// What an item writes, and what the call prepared for it: the partial-result slots, the
+/// output rows (prefill items write theirs), the stash of score-row logits (when the partition
+/// keeps one), and the cache type's preparation.
+pub(crate) struct Out<'a, Q, C: Source> {
+    pub pw: SharedMut<'a, f32>,
+    pub out: SharedMut<'a, Q>,
+    pub sw: Option<SharedMut<'a, f32>>,
+    pub prep: Option<C::Prep>,
+}
+
+/// The keys `j0..j1` (inside one block) of KV head `kvh` of a sequence: `(sp, kvh, (j0, j1))`.
+pub(crate) type KeyTile<'a> = (&'a SeqPlan, usize, (usize, usize));
 
 /// A cache type (its element: `f32`, `f16`, `bf16`, or `u8` bytes in OpenVINO's quantized
 /// layouts).
@@ -31,40 +36,27 @@ pub(crate) trait Source: Copy + Send + Sync + 'static {
     /// AMX tiles packed, u4 blocks unpacked).
     type Prep: Sync;
     /// Prepares the call's prefill items, `None` when they read the cache tile by tile.
-    fn prepare<M: TileMicro + U8Micro, Q: Float>(
-        m: M,
-        ctx: &Ctx<'_, Q, Self>,
-    ) -> Result<Option<Self::Prep>>;
-    /// Runs one prefill item (see `prefill::run_item_on`).
-    fn prefill_item<M: TileMicro + U8Micro, Q: Float>(
+    fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, Self>) -> Result<Option<Self::Prep>>;
+    /// Runs one prefill item (see `prefill::run_item_on`): writes its rows' outputs, their
+    /// `[max, sum]` slots and its score rows' logits into the stash.
+    fn prefill_item<M: Kernels, Q: Float>(
         m: M,
         ctx: &Ctx<'_, Q, Self>,
         it: &Item,
-        out: PrefillOut<'_, '_, '_, '_, Q>,
-        prep: Option<&Self::Prep>,
+        o: &Out<'_, Q, Self>,
     );
     /// Runs one decode item: writes the `[max, sum, acc]` slot of each of its rows for its
-    /// chunk into `pw` (rows `[n][H]` from the sequence's `part_base`, `nchunks` slots of
-    /// `Dv + 2` each), and its score rows' masked logits over its chunk's keys into `sw`.
-    fn decode_item<M: TileMicro + U8Micro, Q: Float>(
+    /// chunk (rows `[n][H]` from the sequence's `part_base`, `nchunks` slots of `Dv + 2` each),
+    /// and its score rows' masked logits over its chunk's keys into the stash.
+    fn decode_item<M: Kernels, Q: Float>(
         m: M,
         ctx: &Ctx<'_, Q, Self>,
         it: &Item,
-        pw: &SharedMut<'_, f32>,
-        sw: Option<&SharedMut<'_, f32>>,
+        o: &Out<'_, Q, Self>,
     );
-    /// The f32 keys `j0..j1` (inside one block) of KV head `kvh` of sequence `sp`, as the
-    /// attention read them (`[n][D]`, in `buf` unless f32 in memory): what the scores
-    /// recompute logits from when their stash would be over budget.
-    fn keys<'s, M: TileMicro + U8Micro, Q>(
-        m: M,
-        ctx: &'s Ctx<'_, Q, Self>,
-        sp: &SeqPlan,
-        kvh: usize,
-        j0: usize,
-        j1: usize,
-        buf: &'s mut [f32],
-    ) -> &'s [f32];
+    /// The f32 keys of `at`, as the attention read them (`[n][D]`, in `buf` unless f32 in
+    /// memory): what the scores recompute logits from when their stash would be over budget.
+    fn keys<'s, Q>(ctx: &'s Ctx<'_, Q, Self>, at: KeyTile, buf: &'s mut [f32]) -> &'s [f32];
     /// Gives back what `prepare` took.
     fn release(_prep: Self::Prep) {}
 }

@@ -80,6 +80,10 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
 /// The loops over u8 cache rows. Bytes are widened to f32 as they are loaded (never a whole
 /// row or cache ahead of use); the zero point here is one per call (a by-token group's), the
 /// driver folds per-channel parameters into the query rows.
+/// Every loop a tier has: what the pipeline runs on.
+pub(crate) trait Kernels: TileMicro + U8Micro {}
+impl<T: TileMicro + U8Micro> Kernels for T {}
+
 pub(crate) trait U8Micro: Copy + Send + Sync {
     /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t*ldk + c] - zp[t])` for `r < rows`,
     /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each).

@@ -376,7 +376,6 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
     }
 }
 
-
 /// `x[j] *= c`, then [`Lanes::cap`] when `CAP` (logits).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scale<const CAP: bool>(x: &mut [f32], c: f32) {
