@@ -7,15 +7,14 @@
 //! long decodes cut into key chunks, windows down to 1, ALiBi, sinks) each with one of:
 //! - NaN query elements or rows: NaN for those rows (output, and their score contributions to
 //!   the keys they see) and nothing else: a masked key gets no NaN from a row that cannot see it;
+//! - `+-inf` query elements: logits of `+-inf` (or NaN where a key element is 0), as the
+//!   dequantized keys give them (the by-channel fold `sum q s q8 - sum q s zp` alone would turn
+//!   them into `inf - inf`);
 //! - `+inf`, huge or NaN ALiBi slopes, and sinks of `+-inf`, NaN or 1e38;
 //! - a scale of 1e38 to 3e38 (logits overflow and are capped: the overflowing keys share the
 //!   weight). Which near-threshold logits overflow depends on the last bits of each path's dot
 //!   products, so these calls are held to the class of each value (finite, NaN, same infinity)
 //!   only; the others to 2e-5 as well (relative to 1 + |value|, as tests/u8_op.rs).
-//!
-//! (`+-inf` query elements are left out: the by-channel fold `sum q s q8 - sum q s zp` turns an
-//! infinite query element into `inf - inf`, where the reference's dot product of the dequantized
-//! key may stay infinite.)
 
 mod common;
 
@@ -161,15 +160,17 @@ fn an_overflowing_scale_gives_finite_outputs_as_float_caches_do() {
 enum Poison {
     NanQueryElement,
     NanQueryRow,
+    InfQueryElement,
     AlibiInf,
     AlibiHuge,
     Sinks,
     HugeScale,
 }
 
-const POISONS: [Poison; 6] = [
+const POISONS: [Poison; 7] = [
     Poison::NanQueryElement,
     Poison::NanQueryRow,
+    Poison::InfQueryElement,
     Poison::AlibiInf,
     Poison::AlibiHuge,
     Poison::Sinks,
@@ -214,6 +215,13 @@ fn poisoned(seed: u64, p: Poison) -> Case {
                 }
             }
         }
+        Poison::InfQueryElement if t > 0 => {
+            for _ in 0..rng.range(1, 2) {
+                let row = rng.range(0, t * h - 1);
+                let inf = rng.pick(&[f64::INFINITY, f64::NEG_INFINITY]);
+                case.query[row * d + rng.range(0, d - 1)] = inf;
+            }
+        }
         Poison::AlibiInf | Poison::AlibiHuge => {
             let mut a: Vec<f64> = (0..h).map(|_| rng.uniform(0.0, 0.5)).collect();
             a[rng.range(0, h - 1)] = match p {
@@ -232,10 +240,10 @@ fn poisoned(seed: u64, p: Poison) -> Case {
     case
 }
 
-/// The property run: 240 seeded cases, each on every layout that fits its head size.
+/// The property run: 280 seeded cases, each on every layout that fits its head size.
 #[test]
 fn fast_u8_kernels_agree_with_their_twin_on_non_finite_and_extreme_inputs() {
-    for seed in 0..240u64 {
+    for seed in 0..280u64 {
         let p = POISONS[seed as usize % POISONS.len()];
         let case = poisoned(seed, p);
         for (key, vg) in LAYOUTS {

@@ -176,8 +176,10 @@ fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<R
 /// One KV head's part of a decode tile: its rows and their state across the key blocks.
 struct HeadState {
     rows: Vec<RowRef>,
-    /// The rows' queries, scaled by the softmax scale.
+    /// The rows' queries (not scaled: the logits are).
     q: Vec<f32>,
+    /// The rows whose query has a non-finite element.
+    odd: Vec<usize>,
     /// The rows' logits, then weights, over a step's keys (`[ROWS][step_span]`).
     s: Vec<f32>,
     acc: Vec<f32>,
@@ -192,6 +194,7 @@ impl HeadState {
         HeadState {
             rows: Vec::new(),
             q: Vec::new(),
+            odd: Vec::new(),
             s: Vec::new(),
             acc: Vec::new(),
             st: [OnlineSoftmax::EMPTY; ROWS],
@@ -253,7 +256,7 @@ fn block_logits<M: U8Micro + Micro>(
     (block, slot0): (usize, usize),
     kvh: usize,
     (j0, j1): (usize, usize),
-    (rows, q): (&[RowRef], &[f32]),
+    (rows, q, odd): (&[RowRef], &[f32], &[usize]),
     sc: &mut Scratch,
     (s, lds): (&mut [f32], usize),
     ahead: &[u8],
@@ -274,6 +277,17 @@ fn block_logits<M: U8Micro + Micro>(
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
                 for x in &mut s[r * lds..][..n] {
                     *x -= c;
+                }
+            }
+            // A row with a non-finite query element: the fold's two sums would meet as
+            // `inf - inf` where the product with the dequantized key stays infinite, so its
+            // logits are those products (as the reference makes them; rare, so scalar).
+            for &r in odd {
+                let qr = &q[r * d..][..d];
+                for (t, x) in s[r * lds..][..n].iter_mut().enumerate() {
+                    let k = data[t * d..][..d].iter().zip(sc_.iter().zip(zp));
+                    let dot = qr.iter().zip(k);
+                    *x = dot.map(|(&q, (&k, (&sc, &z)))| q * quant::dequant(k, sc, z)).sum();
                 }
             }
         }
@@ -404,6 +418,9 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     for h in heads.iter_mut() {
         let nr = h.rows.len();
         load_queries(plan, query, &h.rows, &mut h.q);
+        let finite = |r: &usize| h.q[r * plan.d..][..plan.d].iter().all(|x| x.is_finite());
+        h.odd.clear();
+        h.odd.extend((0..nr).filter(|r| !finite(r)));
         h.acc[..nr * dv].fill(0.0);
         h.st = [OnlineSoftmax::EMPTY; ROWS];
         h.zsum.clear();
@@ -434,6 +451,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             for (i, hd) in heads.iter_mut().enumerate() {
                 let next = ahead.next().unwrap_or(&[]);
                 let (rows, q) = (&hd.rows[..], &hd.q[..]);
+                let rows = (rows, q, &hd.odd[..]);
                 let s = (&mut hd.s[j0 - s0..], span);
                 let (keys, kvh) = ((blk, slot0), kvh0 + i);
                 block_logits(
@@ -444,7 +462,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     keys,
                     kvh,
                     (j0, j1),
-                    (rows, q),
+                    rows,
                     sc,
                     s,
                     next,
