@@ -154,7 +154,8 @@ impl OnlineSoftmax<f32> {
     /// Ends a row: folds in its attention sink, if it has one (a logit `sink` that joins the
     /// max and the sum and has no value), and returns the factor that turns the accumulator
     /// into the output. Every kernel ends its rows here, so the sink is written once; the
-    /// state then gives the final weights ([`weight`](Self::weight)) with the sink in the denominator.
+    /// state then gives the final weights ([`weight`](Self::weight), [`factor`](Self::factor))
+    /// with the sink in the denominator.
     ///
     /// A sink is capped like any logit; a `-inf` sink changes nothing, a NaN one makes the row
     /// NaN, and a row that saw only masked keys gets output 0 (all weight on the sink).
@@ -174,10 +175,64 @@ impl OnlineSoftmax<f32> {
     pub fn weight(&self, s: f32) -> f32 {
         (s - self.max).exp() * self.norm()
     }
+
+    /// What turns a block's weights `exp(s - step.sub)` into final weights (the scores),
+    /// given `block_max`, the running max right after that block's [`update`](Self::update):
+    /// `exp(block_max - max) * norm()`, so no logit needs a second `exp`. A block before any
+    /// unmasked key (`block_max` `-inf`) had weights exactly 0 and gets factor 0, as
+    /// `weight(-inf)` is 0; `block_max <= max` keeps the factor finite.
+    #[inline(always)]
+    pub fn factor(&self, block_max: f32) -> f32 {
+        (block_max - self.max).exp() * self.norm()
+    }
 }
 
 impl Default for OnlineSoftmax<f32> {
     fn default() -> Self {
         OnlineSoftmax::EMPTY
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OnlineSoftmax;
+
+    /// Scores from stored block weights ([`OnlineSoftmax::factor`]) against `exp(s - max) /
+    /// sum` in float64, over blocks that raise the max, blocks that do not, and a first block
+    /// with every key masked.
+    #[test]
+    fn block_weights_times_factor_are_the_final_weights() {
+        // Logits -100 and lower: `exp(0 - max)` overflows f32, so a factor of 0 for the masked
+        // block is what keeps its weights (0) from becoming 0 * inf = NaN.
+        let blocks: [&[f32]; 4] = [
+            &[f32::NEG_INFINITY; 3],
+            &[-130.0, -120.5, f32::NEG_INFINITY],
+            &[-100.25, -101.0, -140.0],
+            &[-115.0, -100.5, -100.25],
+        ];
+        let mut st = OnlineSoftmax::EMPTY;
+        let mut kept = Vec::new();
+        for b in blocks {
+            let step = st.update(b.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let w: Vec<f32> = b.iter().map(|&s| (s - step.sub).exp()).collect();
+            st.add(w.iter().sum());
+            kept.push((w, st.max));
+        }
+        let all: Vec<f64> = blocks.concat().iter().map(|&s| s as f64).collect();
+        let max = all.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = all.iter().map(|s| (s - max).exp()).sum();
+        let mut i = 0;
+        for (w, block_max) in kept {
+            let f = st.factor(block_max);
+            for x in w {
+                let (got, want) = (x * f, (all[i] - max).exp() / sum);
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * want + 1e-30,
+                    "key {i}: {got} want {want}"
+                );
+                i += 1;
+            }
+        }
+        assert_eq!(i, all.len());
     }
 }

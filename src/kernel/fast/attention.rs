@@ -25,21 +25,32 @@ const MERGE_ROWS: usize = 4;
 /// Merge tasks a call aims for at most (a prefill row's merge is a copy of two floats).
 const MERGE_TASKS: usize = 256;
 
-/// Runs every item, then merges. Returns each (token, head)'s softmax statistics and, when
-/// the partition asks for it, the stashed logits of the score rows.
-#[allow(clippy::type_complexity)]
+/// What the attention leaves for the scores: each (token, head)'s softmax statistics, the
+/// stashed logits of the score rows (when the partition asks for them), and the direct partial
+/// scores of the sequences whose decode items summed them.
+pub(crate) struct ForScores {
+    pub stats: Vec<OnlineSoftmax>,
+    pub stash: Option<Vec<f32>>,
+    pub direct: Vec<f32>,
+}
+
+/// Runs every item, then merges.
 pub(crate) fn attention<M: Kernels, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     out: &mut [Q],
-) -> Result<(Vec<OnlineSoftmax>, Option<Vec<f32>>)> {
+) -> Result<ForScores> {
     let plan = ctx.plan;
     let (h, dv) = (plan.h, plan.dv);
     let prep = C::prepare(m, ctx)?;
     // Every slot and every stash entry a later step reads is written by an item first.
     let mut partials = super::pool::take(ctx.part.part_len);
     let mut stash = ctx.part.stash_len.map(super::pool::take);
+    // Each sequence's direct partial scores are written (not added) first by its one item
+    // per KV head.
+    let mut direct = super::pool::take(ctx.part.direct_len);
     let io = Out {
+        direct: SharedMut::new(&mut direct),
         pw: SharedMut::new(&mut partials),
         out: SharedMut::new(&mut *out),
         sw: stash.as_mut().map(|s| SharedMut::new(s.as_mut_slice())),
@@ -59,7 +70,11 @@ pub(crate) fn attention<M: Kernels, Q: Float, C: Source>(
     let mut stats = vec![OnlineSoftmax::EMPTY; plan.t * h];
     if plan.t == 0 {
         super::pool::give(partials);
-        return Ok((stats, stash));
+        return Ok(ForScores {
+            stats,
+            stash,
+            direct,
+        });
     }
     {
         let ow = SharedMut::new(out);
@@ -89,7 +104,11 @@ pub(crate) fn attention<M: Kernels, Q: Float, C: Source>(
         });
     }
     super::pool::give(partials);
-    Ok((stats, stash))
+    Ok(ForScores {
+        stats,
+        stash,
+        direct,
+    })
 }
 
 /// The `[max, sum]` of chunk `c`'s slot.

@@ -422,13 +422,12 @@ fn pipeline<M: Kernels, Q: Float, C: source::Source>(
         amx: amx(&part),
         layout,
     };
-    let (stats, stash) = attention::attention(m, &ctx, output)?;
-    match stash {
-        Some(stash) => {
-            scores::from_stash(m, &ctx, &stats, &stash, scores);
-            pool::give(stash);
-        }
-        None => scores::recompute(m, &ctx, scores),
+    let fs = attention::attention(m, &ctx, output)?;
+    match &fs.stash {
+        Some(stash) => scores::from_stash(m, &ctx, (&fs.stats, stash, &fs.direct), scores),
+        None => scores::recompute(m, &ctx, (&fs.direct, scores)),
     }
+    fs.stash.map(pool::give);
+    pool::give(fs.direct);
     Ok(())
 }

@@ -40,6 +40,12 @@ pub(crate) struct Tuning {
     pub items_per_thread: usize,
     /// Keys chunks are aligned to and a multiple of (0: the block size).
     pub chunk_align: usize,
+    /// Decode items of sequences not cut into chunks add their score rows' final weights into
+    /// per-KV-head partial scores themselves (the rows' statistics are final when the item
+    /// ends), instead of stashing logits for step 4: the stash's round trip through memory
+    /// (`score_tokens * H * ctx` floats written, read back, a second `exp` each) costs where
+    /// decode is bound by memory.
+    pub direct_scores: bool,
 }
 
 impl Tuning {
@@ -54,6 +60,7 @@ impl Tuning {
         count_heads: false,
         items_per_thread: 16,
         chunk_align: 0,
+        direct_scores: false,
     };
 }
 /// How one sequence is cut.
@@ -73,6 +80,10 @@ pub(crate) struct SeqLayout {
     pub part_base: usize,
     /// Offset of this sequence's first stashed logit row (rows `[score_tokens][H]` x `ctx`).
     pub stash_base: usize,
+    /// Offset of this sequence's partial scores (`[Hkv][ctx]`) when its decode items add their
+    /// score rows' final weights there themselves ([`Tuning::direct_scores`]): then it has no
+    /// stash rows.
+    pub direct: Option<usize>,
 }
 
 impl SeqLayout {
@@ -107,6 +118,8 @@ pub(crate) struct Partition {
     pub part_len: usize,
     /// f32 elements of the score-logit stash, `None` when the scores are recomputed.
     pub stash_len: Option<usize>,
+    /// f32 elements of the direct partial scores ([`SeqLayout::direct`]).
+    pub direct_len: usize,
     pub seq_of_token: Vec<u32>,
 }
 
@@ -122,7 +135,7 @@ impl Partition {
         let prefill_qtok = (PREFILL_ROWS / g.max(1)).max(1);
         let mut seqs = Vec::with_capacity(plan.seqs.len());
         let mut items = Vec::new();
-        let (mut part_len, mut stash_len) = (0usize, 0usize);
+        let (mut part_len, mut stash_len, mut direct_len) = (0usize, 0usize, 0usize);
         let mut seq_of_token = vec![0u32; plan.t];
         let decoding = plan
             .seqs
@@ -148,6 +161,8 @@ impl Partition {
                 chunk_len = span.div_ceil(want).div_ceil(align) * align;
                 nchunks = span.div_ceil(chunk_len).max(1);
             }
+            let direct = (tune.direct_scores && !prefill && nchunks == 1 && sp.score_tokens > 0)
+                .then_some(direct_len);
             seqs.push(SeqLayout {
                 prefill,
                 qtok,
@@ -156,9 +171,14 @@ impl Partition {
                 chunk_len,
                 part_base: part_len,
                 stash_base: stash_len,
+                direct,
             });
             part_len += sp.n * h * if prefill { 2 } else { nchunks * (plan.dv + 2) };
-            stash_len += sp.score_tokens * h * sp.ctx();
+            if direct.is_some() {
+                direct_len += plan.hkv * sp.ctx();
+            } else {
+                stash_len += sp.score_tokens * h * sp.ctx();
+            }
         }
         // Decode items take every KV head of their query tile and chunk (whole blocks), unless
         // that leaves fewer than `items_per_thread` per thread: then they take a divisor
@@ -215,6 +235,7 @@ impl Partition {
             items,
             part_len,
             stash_len,
+            direct_len,
             seq_of_token,
         }
     }

@@ -34,7 +34,7 @@ use super::u4::{ItemBlocks, Unpacked};
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::kernel::bind::Bound;
-use crate::kernel::layout::{block_of, tiles, visible, window_start};
+use crate::kernel::layout::{block_of, tiles, visible, visible_span, window_start};
 use crate::kernel::quant::{
     self, read_f32, CacheRows, InsertScratch, KeyQuant, U8Layout, PARAM_BYTES,
 };
@@ -187,6 +187,11 @@ struct HeadState {
     /// Per (row, value group): the value zero points' share of the accumulators, rescaled with
     /// them and taken off the group's columns once, at the end.
     zsum: Vec<f32>,
+    /// Direct scores: weights `exp(s - step.sub)` of the score rows over the tile's key range,
+    /// as the steps computed them for the values ...
+    kept: Vec<f32>,
+    /// ... and each row's running max after each step ([`OnlineSoftmax::factor`]).
+    kmax: Vec<f32>,
 }
 
 impl HeadState {
@@ -199,6 +204,8 @@ impl HeadState {
             acc: Vec::new(),
             st: [OnlineSoftmax::EMPTY; ROWS],
             zsum: Vec::new(),
+            kept: Vec::new(),
+            kmax: Vec::new(),
         }
     }
 }
@@ -287,7 +294,9 @@ fn block_logits<M: U8Micro + Micro>(
                 for (t, x) in s[r * lds..][..n].iter_mut().enumerate() {
                     let k = data[t * d..][..d].iter().zip(sc_.iter().zip(zp));
                     let dot = qr.iter().zip(k);
-                    *x = dot.map(|(&q, (&k, (&sc, &z)))| q * quant::dequant(k, sc, z)).sum();
+                    *x = dot
+                        .map(|(&q, (&k, (&sc, &z)))| q * quant::dequant(k, sc, z))
+                        .sum();
                 }
             }
         }
@@ -365,18 +374,23 @@ fn step_span(bs: usize) -> usize {
     (STEP_KEYS / bs).max(1) * bs
 }
 
-/// Where a decode tile's results go: the call's partial-result slots and score stash, at the
-/// item's sequence layout and key chunk.
-struct Slots<'a, 'p, 's> {
+/// Where a decode tile's results go: the call's partial-result slots, and the score stash or
+/// the direct partial scores (`partition::SeqLayout::direct`), at the item's sequence layout
+/// and key chunk.
+struct Slots<'a, 'p, 's, 'd> {
     pw: &'a SharedMut<'p, f32>,
     sw: Option<&'a SharedMut<'s, f32>>,
+    direct: &'a SharedMut<'d, f32>,
     lay: &'a super::partition::SeqLayout,
     chunk: usize,
 }
 
 /// Attention of one tile of rows over a run of KV heads `kvh0..` (one [`HeadState`] each, the
 /// same tokens of one sequence) and the keys `k0..k1` of the item's chunk: writes each row's
-/// `[max, sum, acc]` slot, and the score rows' logits into the stash.
+/// `[max, sum, acc]` slot, and the score rows' logits into the stash, or (direct scores: the
+/// rows' statistics are final here) their final weights into their KV head's partial scores
+/// (`ctx` per KV head from the sequence's `direct` offset), from the step weights the values
+/// were weighted with and each step's running max (`OnlineSoftmax::factor`: no second `exp`).
 ///
 /// The keys go in steps of whole blocks, about [`STEP_KEYS`] (the online softmax's step):
 /// the logits of the step's blocks, block by block and within a block KV head by KV head
@@ -399,7 +413,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     heads: &mut [HeadState],
     sc: &mut Scratch,
     (k0, k1): (usize, usize),
-    out: &Slots<'_, '_, '_>,
+    out: &Slots<'_, '_, '_, '_>,
 ) {
     let (bs, dv, h) = (plan.bs, plan.dv, plan.h);
     let l = &v.l;
@@ -415,8 +429,16 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let (lo, hi) = key_range(plan, &heads[0].rows);
     let lo = lo.max(k0);
     let hi = hi.min(k1).max(lo);
+    let nsteps = tiles(lo, hi, span).count();
+    let direct = out.lay.direct;
     for h in heads.iter_mut() {
         let nr = h.rows.len();
+        if direct.is_some() && h.rows.iter().any(|r| r.scored) {
+            // Every weight a score row reads is written by the steps first: no zeroing.
+            grow(&mut h.kept, nr * (hi - lo));
+            h.kmax.clear();
+            h.kmax.resize(nr * nsteps, f32::NEG_INFINITY);
+        }
         load_queries(plan, query, &h.rows, &mut h.q);
         let finite = |r: &usize| h.q[r * plan.d..][..plan.d].iter().all(|x| x.is_finite());
         h.odd.clear();
@@ -444,7 +466,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         }
     });
     let (ctx, first_score) = (sp.ctx(), sp.n - sp.score_tokens);
-    for (s0, s1) in tiles(lo, hi, span) {
+    for (step, (s0, s1)) in tiles(lo, hi, span).enumerate() {
         let n = s1 - s0;
         for (j0, j1) in tiles(s0, s1, bs) {
             let (blk, slot0) = (block(j0), j0 % bs);
@@ -454,19 +476,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                 let rows = (rows, q, &hd.odd[..]);
                 let s = (&mut hd.s[j0 - s0..], span);
                 let (keys, kvh) = ((blk, slot0), kvh0 + i);
-                block_logits(
-                    m,
-                    plan,
-                    l,
-                    v.kc,
-                    keys,
-                    kvh,
-                    (j0, j1),
-                    rows,
-                    sc,
-                    s,
-                    next,
-                );
+                block_logits(m, plan, l, v.kc, keys, kvh, (j0, j1), rows, sc, s, next);
             }
         }
         for hd in heads.iter_mut() {
@@ -475,7 +485,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             for (r, st) in hd.st.iter_mut().enumerate().take(nr) {
                 let row = hd.rows[r];
                 let s = &hd.s[r * span..][..n];
-                if let (Some(sw), true) = (out.sw, row.scored) {
+                if let (Some(sw), true, None) = (out.sw, row.scored, direct) {
                     let i = row.token - sp.begin;
                     let at = out.lay.stash_base + ((i - first_score) * h + row.head) * ctx;
                     // SAFETY: stash row (token, head) belongs to this item's KV heads and query
@@ -483,6 +493,9 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     unsafe { sw.part(at + s0, n) }.copy_from_slice(s);
                 }
                 let step_ = st.update(U8Micro::max(m, s));
+                if row.scored && direct.is_some() {
+                    hd.kmax[r * nsteps + step] = st.max;
+                }
                 if step_.rescale != 1.0 {
                     m.scale(&mut hd.acc[r * dv..][..dv], step_.rescale);
                     m.scale(&mut hd.zsum[r * ngroups..][..ngroups], step_.rescale);
@@ -491,8 +504,12 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             }
             // The rows' weights in one call (their exp chains overlap).
             m.exp_sum(&mut hd.s, span, n, &subs[..nr], &mut sums[..nr]);
-            for (st, &sum) in hd.st.iter_mut().zip(&sums[..nr]) {
+            for (r, (st, &sum)) in hd.st.iter_mut().zip(&sums[..nr]).enumerate() {
                 st.add(sum);
+                if hd.rows[r].scored && direct.is_some() {
+                    let w = &hd.s[r * span..][..n];
+                    hd.kept[r * (hi - lo) + s0 - lo..][..n].copy_from_slice(w);
+                }
             }
         }
         // The value products, block by block and group by group, requesting the next read's
@@ -529,8 +546,25 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
         }
     }
     let (lay, chunk) = (out.lay, out.chunk);
-    for hd in heads.iter() {
+    for (k, hd) in heads.iter().enumerate() {
         for (r, row) in hd.rows.iter().enumerate() {
+            if let (Some(base), true) = (direct, row.scored) {
+                // Final weight = step weight * factor(step's running max), over the keys the
+                // row sees only (a NaN row must not reach a masked key).
+                let mut st = hd.st[r];
+                st.finish(plan.sink(row.head));
+                let kept = &hd.kept[r * (hi - lo)..][..hi - lo];
+                let at = base + (kvh0 + k) * ctx;
+                // SAFETY: the KV head's partial scores belong to this item (the one item of an
+                // uncut decode sequence that holds the head).
+                let part = unsafe { out.direct.part(at, ctx) };
+                for ((j0, j1), &bm) in tiles(lo, hi, span).zip(&hd.kmax[r * nsteps..]) {
+                    let (a, b) = visible_span(plan, row.pos, j0, j1);
+                    if a < b {
+                        m.add_scaled(&mut part[a..b], &kept[a - lo..b - lo], st.factor(bm));
+                    }
+                }
+            }
             let (st, zsum) = (hd.st[r], &hd.zsum[r * ngroups..][..ngroups]);
             let acc = hd.acc[r * dv..][..dv].chunks_exact(vg);
             let i = row.token - sp.begin;
@@ -740,6 +774,7 @@ impl Source for u8 {
         count_heads: true,
         items_per_thread: 32,
         chunk_align: STEP_KEYS,
+        direct_scores: true,
     };
     type Layout = U8Layout;
     type Prep = Prep;
@@ -804,15 +839,29 @@ impl Source for u8 {
         it: &Item,
         o: &Out<'_, Q, u8>,
     ) {
-        let (pw, sw) = (&o.pw, o.sw.as_ref());
         let plan = ctx.plan;
         let (si, chunk) = (it.seq as usize, it.chunk as usize);
         let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
         let (kvh0, kvh1) = (it.kvh0 as usize, it.kvh1 as usize);
+        if let Some(base) = lay.direct {
+            // SAFETY: the item's KV heads' partial scores are its own (see `attend_tile`).
+            let part = unsafe {
+                o.direct
+                    .part(base + kvh0 * sp.ctx(), (kvh1 - kvh0) * sp.ctx())
+            };
+            part.fill(0.0);
+        }
         let t0 = it.qt as usize * lay.qtok;
         let t1 = (t0 + lay.qtok).min(sp.n);
         let keys = lay.chunk_range(chunk, sp.ctx());
-        let out = Slots { pw, sw, lay, chunk };
+        let (pw, sw, direct) = (&o.pw, o.sw.as_ref(), &o.direct);
+        let out = Slots {
+            pw,
+            sw,
+            direct,
+            lay,
+            chunk,
+        };
         DECODE_SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             let mut item_blocks = std::mem::take(&mut s.u4);

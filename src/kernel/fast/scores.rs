@@ -32,9 +32,11 @@ fn spans<Q, C: Source>(ctx: &Ctx<'_, Q, C>) -> Vec<(usize, usize, usize)> {
 
 /// Runs `f(seq, j0, acc)` for every span and stores `acc` (zeros when a sequence has no score
 /// tokens) into the scores output.
+/// Sequences whose decode items summed their scores themselves (`SeqLayout::direct`) take
+/// the sum of their per-KV-head partials, KV head by KV head, instead.
 fn for_spans<Q: Float, C: Source>(
     ctx: &Ctx<'_, Q, C>,
-    scores: &mut [Q],
+    (direct, scores): (&[f32], &mut [Q]),
     f: impl Fn(usize, usize, &mut [f32]) + Sync,
 ) {
     let plan = ctx.plan;
@@ -45,8 +47,15 @@ fn for_spans<Q: Float, C: Source>(
         let sp = &plan.seqs[s];
         let mut acc = [0f32; SPAN];
         let acc = &mut acc[..len];
-        if sp.score_tokens > 0 {
-            f(s, j0, acc);
+        match ctx.part.seqs[s].direct {
+            _ if sp.score_tokens == 0 => {}
+            Some(base) => {
+                for kvh in 0..plan.hkv {
+                    let part = &direct[base + kvh * sp.ctx() + j0..][..len];
+                    acc.iter_mut().zip(part).for_each(|(a, &x)| *a += x);
+                }
+            }
+            None => f(s, j0, acc),
         }
         // SAFETY: spans partition each sequence's keys, and sequences own disjoint ranges of
         // the scores output.
@@ -61,13 +70,12 @@ fn for_spans<Q: Float, C: Source>(
 pub(crate) fn from_stash<M: Micro, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
-    stats: &[OnlineSoftmax],
-    stash: &[f32],
+    (stats, stash, direct): (&[OnlineSoftmax], &[f32], &[f32]),
     scores: &mut [Q],
 ) {
     let plan = ctx.plan;
     let h = plan.h;
-    for_spans(ctx, scores, |s, j0, acc| {
+    for_spans(ctx, (direct, scores), |s, j0, acc| {
         let (sp, lay) = (&plan.seqs[s], &ctx.part.seqs[s]);
         let first = sp.n - sp.score_tokens;
         for i in first..sp.n {
@@ -98,7 +106,7 @@ pub(crate) fn from_stash<M: Micro, Q: Float, C: Source>(
 pub(crate) fn recompute<M: Kernels, Q: Float, C: Source>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
-    scores: &mut [Q],
+    (direct, scores): (&[f32], &mut [Q]),
 ) {
     let plan = ctx.plan;
     let (h, g) = (plan.h, plan.g);
@@ -107,6 +115,9 @@ pub(crate) fn recompute<M: Kernels, Q: Float, C: Source>(
     let mut tasks = Vec::new();
     for (s, sp) in plan.seqs.iter().enumerate() {
         let qtok = ctx.part.seqs[s].qtok;
+        if ctx.part.seqs[s].direct.is_some() {
+            continue;
+        }
         for kvh in 0..plan.hkv {
             for t0 in (sp.n - sp.score_tokens..sp.n).step_by(qtok) {
                 tasks.push((s, kvh, t0, qtok.min(sp.n - t0)));
@@ -142,7 +153,7 @@ pub(crate) fn recompute<M: Kernels, Q: Float, C: Source>(
         });
     }
     // Pass 2: the weights, on the same tiles.
-    for_spans(ctx, scores, |s, j0, acc| {
+    for_spans(ctx, (direct, scores), |s, j0, acc| {
         let (sp, lay) = (&plan.seqs[s], &ctx.part.seqs[s]);
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();

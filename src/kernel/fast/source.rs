@@ -14,11 +14,13 @@ use crate::op::{Plan, SeqPlan};
 
 /// What an item writes, and what the call prepared for it: the partial-result slots, the
 /// output rows (prefill items write theirs), the stash of score-row logits (when the partition
-/// keeps one), and the cache type's preparation.
+/// keeps one), the direct partial scores, and the cache type's preparation.
 pub(crate) struct Out<'a, Q, C: Source> {
     pub pw: SharedMut<'a, f32>,
     pub out: SharedMut<'a, Q>,
     pub sw: Option<SharedMut<'a, f32>>,
+    /// The direct partial scores (`partition::SeqLayout::direct`).
+    pub direct: SharedMut<'a, f32>,
     pub prep: Option<C::Prep>,
 }
 

@@ -64,6 +64,14 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     );
     /// `dst[j] += exp(s[j] - m) * c`.
     fn add_exp_scaled(self, dst: &mut [f32], s: &[f32], m: f32, c: f32);
+    /// `dst[j] += w[j] * c` for `j < dst.len()` (a product, then a sum: every tier gives the
+    /// same bits). The default is the scalar twin.
+    fn add_scaled(self, dst: &mut [f32], w: &[f32], c: f32) {
+        assert!(w.len() >= dst.len(), "add_scaled: weights too short");
+        for (o, &x) in dst.iter_mut().zip(w) {
+            *o += x * c;
+        }
+    }
     /// `x[j] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
     /// `s[j] = cap(s[j] * c)` ([`Lanes::cap`](crate::kernel::softmax::Lanes::cap)): logits as

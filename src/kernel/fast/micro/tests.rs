@@ -151,7 +151,7 @@ fn dec_softmax<M: Micro, C: Float>(m: M, tier: &str) {
     }
 }
 
-/// add_exp_scaled, scale, widen and narrow at every length up to 40.
+/// add_exp_scaled, add_scaled, scale, widen and narrow at every length up to 40.
 fn elementwise<M: Micro>(m: M, tier: &str) {
     let mut rng = Rng(0xe1e);
     for n in 0..=40 {
@@ -172,6 +172,16 @@ fn elementwise<M: Micro>(m: M, tier: &str) {
                 d0[i] as f64 + t,
                 tol,
             );
+        }
+
+        // A product, then a sum: the same bits on every tier.
+        let mut dst = d0.clone();
+        dst.extend([f32::NAN; 16]);
+        m.add_scaled(&mut dst[..n], &x, 0.375);
+        untouched(&format!("{what} add_scaled"), &dst[n..]);
+        for i in 0..n {
+            let want = d0[i] + x[i] * 0.375;
+            assert_eq!(dst[i].to_bits(), want.to_bits(), "{what} add_scaled [{i}]");
         }
 
         let mut sc = x.clone();

@@ -65,6 +65,12 @@ impl Micro for Avx2 {
         unsafe { add_exp_scaled(dst, s, m, c) }
     }
 
+    fn add_scaled(self, dst: &mut [f32], w: &[f32], c: f32) {
+        assert!(w.len() >= dst.len(), "add_scaled: weights too short");
+        // SAFETY: `self` proves the features; accesses stay inside `dst` and `w[..dst.len()]`.
+        unsafe { add_scaled(dst, w, c) }
+    }
+
     fn scale(self, x: &mut [f32], c: f32) {
         // SAFETY: `self` proves the features; the function stays inside `x`.
         unsafe { scale::<false>(x, c) }
@@ -373,6 +379,26 @@ unsafe fn add_exp_scaled(dst: &mut [f32], s: &[f32], m: f32, c: f32) {
             _mm256_storeu_ps(buf.as_mut_ptr(), r);
             std::ptr::copy_nonoverlapping(buf.as_ptr(), dp.add(j), n - j);
         }
+    }
+}
+
+/// [`Micro::add_scaled`]: a product, then a sum (not one FMA), as the scalar twin rounds.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_scaled(dst: &mut [f32], w: &[f32], c: f32) {
+    let cv = _mm256_set1_ps(c);
+    let n = dst.len();
+    let (dp, wp) = (dst.as_mut_ptr(), w.as_ptr());
+    let mut j = 0;
+    while j + 8 <= n {
+        // SAFETY: j + 8 <= n <= w.len() (checked by the caller).
+        unsafe {
+            let p = _mm256_mul_ps(_mm256_loadu_ps(wp.add(j)), cv);
+            _mm256_storeu_ps(dp.add(j), _mm256_add_ps(_mm256_loadu_ps(dp.add(j)), p));
+        }
+        j += 8;
+    }
+    for (o, &x) in dst[j..].iter_mut().zip(&w[j..n]) {
+        *o += x * c;
     }
 }
 
