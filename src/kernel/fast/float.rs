@@ -50,7 +50,7 @@ impl<C: Float> Source for C {
             Some(Prepared::Wide(w)) => Some(w),
             _ => None,
         };
-        super::prefill::run_item(m, ctx, it, pw, out, sw, wide)
+        super::prefill::run_item(m, ctx, it, o, wide)
     }
 
     fn decode_item<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, C>, it: &Item, o: &Out<'_, Q, C>) {

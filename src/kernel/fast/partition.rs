@@ -40,11 +40,11 @@ pub(crate) struct Tuning {
     pub items_per_thread: usize,
     /// Keys chunks are aligned to and a multiple of (0: the block size).
     pub chunk_align: usize,
-    /// Decode items of sequences not cut into chunks add their score rows' final weights into
-    /// per-KV-head partial scores themselves (the rows' statistics are final when the item
-    /// ends), instead of stashing logits for step 4: the stash's round trip through memory
-    /// (`score_tokens * H * ctx` floats written, read back, a second `exp` each) costs where
-    /// decode is bound by memory.
+    /// Prefill items, and decode items of sequences not cut into chunks, add their score rows'
+    /// final weights into partial scores of their own (the rows' statistics are final when the
+    /// item ends), instead of stashing logits for step 4: the stash's round trip through
+    /// memory (`score_tokens * H * ctx` floats written, read back, a second `exp` each) costs
+    /// where decode is bound by memory, and a prefill's stash is as large as its cache.
     pub direct_scores: bool,
 }
 
@@ -80,13 +80,24 @@ pub(crate) struct SeqLayout {
     pub part_base: usize,
     /// Offset of this sequence's first stashed logit row (rows `[score_tokens][H]` x `ctx`).
     pub stash_base: usize,
-    /// Offset of this sequence's partial scores (`[Hkv][ctx]`) when its decode items add their
-    /// score rows' final weights there themselves ([`Tuning::direct_scores`]): then it has no
-    /// stash rows.
+    /// Offset of this sequence's partial scores when its items add their score rows' final
+    /// weights there themselves ([`Tuning::direct_scores`]; then it has no stash rows): `ctx`
+    /// floats per (KV head, query tile with score rows), `[Hkv][direct_tiles][ctx]`, summed in
+    /// that order (so the sums do not depend on how items group KV heads).
     pub direct: Option<usize>,
+    /// Query tiles with score rows (the last ones), when `direct`.
+    pub direct_tiles: usize,
 }
 
 impl SeqLayout {
+    /// Offset of the direct partial scores of (KV head `kvh`, query tile `qt`) of a sequence of
+    /// `ctx` keys and `nqt` query tiles, when the tile has score rows.
+    pub fn direct_part(&self, kvh: usize, (qt, nqt): (usize, usize), ctx: usize) -> Option<usize> {
+        let first = nqt - self.direct_tiles;
+        let base = self.direct?;
+        (qt >= first).then(|| base + (kvh * self.direct_tiles + qt - first) * ctx)
+    }
+
     /// Keys `[k0, k1)` of chunk `c`, for a sequence of `ctx` keys.
     pub fn chunk_range(&self, c: usize, ctx: usize) -> (usize, usize) {
         if self.nchunks == 1 {
@@ -161,8 +172,11 @@ impl Partition {
                 chunk_len = span.div_ceil(want).div_ceil(align) * align;
                 nchunks = span.div_ceil(chunk_len).max(1);
             }
-            let direct = (tune.direct_scores && !prefill && nchunks == 1 && sp.score_tokens > 0)
-                .then_some(direct_len);
+            let direct =
+                (tune.direct_scores && nchunks == 1 && sp.score_tokens > 0).then_some(direct_len);
+            // The query tiles holding the last `score_tokens` tokens.
+            let nqt = sp.n.div_ceil(qtok);
+            let direct_tiles = nqt - (sp.n - sp.score_tokens) / qtok;
             seqs.push(SeqLayout {
                 prefill,
                 qtok,
@@ -172,10 +186,11 @@ impl Partition {
                 part_base: part_len,
                 stash_base: stash_len,
                 direct,
+                direct_tiles,
             });
             part_len += sp.n * h * if prefill { 2 } else { nchunks * (plan.dv + 2) };
             if direct.is_some() {
-                direct_len += plan.hkv * sp.ctx();
+                direct_len += plan.hkv * direct_tiles * sp.ctx();
             } else {
                 stash_len += sp.score_tokens * h * sp.ctx();
             }

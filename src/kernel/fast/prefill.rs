@@ -12,7 +12,7 @@ use super::micro::TileMicro;
 use super::partition::Item;
 use super::pool::{Buf, Pooled};
 use super::shared::SharedMut;
-use super::source::{Ctx, Source};
+use super::source::{Ctx, Out, Source};
 use super::tile::{finite_outside, grow, mask_tile_strided, prefetch_part};
 use crate::dtype::{as_f32, Float};
 use crate::kernel::layout::{seen_by_all, seq_row, seq_row_of, tiles, visible_span, window_start};
@@ -43,6 +43,7 @@ pub(super) struct Scratch {
     pub m: Vec<f32>,
     pub l: Vec<f32>,
     pub c: Vec<f32>,
+    pub kept: Vec<f32>,
 }
 
 /// What a prefill item works in, from its thread's [`Scratch`]: the query panel, fresh row
@@ -51,6 +52,8 @@ pub(super) struct ItemBufs<'s> {
     pub qt: &'s [f32],
     pub state: RowState<'s>,
     pub tiles: (&'s mut Vec<f32>, &'s mut Vec<f32>, &'s mut Vec<f32>),
+    /// The score rows' logits, for direct scores.
+    pub kept: &'s mut Vec<f32>,
 }
 
 impl Scratch {
@@ -78,6 +81,7 @@ impl Scratch {
             m: mb,
             l: lb,
             c: cb,
+            kept,
         } = self;
         let (h, d, g) = (plan.h, plan.d, plan.g);
         let rows = nt * g;
@@ -102,6 +106,7 @@ impl Scratch {
             qt,
             state: RowState::new(rows, plan.dv, acc, mb, lb, cb),
             tiles: (st, kf, vf),
+            kept,
         }
     }
 }
@@ -390,15 +395,13 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
-    pw: &SharedMut<'_, f32>,
-    out: &SharedMut<'_, Q>,
-    sw: Option<&SharedMut<'_, f32>>,
+    o: &Out<'_, Q, C>,
     wide: Option<&Widened>,
 ) {
     let plan = ctx.plan;
     let sp = &plan.seqs[it.seq as usize];
     let (nk, nv) = (sp.ctx() * plan.d, sp.ctx() * plan.dv);
-    run_item_on(m, ctx, it, (pw, out, sw), |kvh| CacheTiles {
+    run_item_on(m, ctx, it, o, |kvh| CacheTiles {
         m,
         ctx,
         sp,
@@ -408,23 +411,20 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
 }
 
 /// Runs one prefill item on the tiles `tiles(kvh)` gives for each of its KV heads (whatever
-/// the cache type): writes its rows' output `acc / l` into `out`, their `[m, l]` into their
-/// partial-result slots (`pw`), and the score rows' logits into the stash (`sw`).
+/// the cache type): writes its rows' output `acc / l` and their `[m, l]` partial-result slots,
+/// and the score rows' logits into the stash, or (`SeqLayout::direct`) their final weights
+/// into the partial scores of (KV head, query tile).
 pub(super) fn run_item_on<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
-    (pw, out, sw): (
-        &SharedMut<'_, f32>,
-        &SharedMut<'_, Q>,
-        Option<&SharedMut<'_, f32>>,
-    ),
+    o: &Out<'_, Q, C>,
     tiles: impl Fn(usize) -> S,
 ) {
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
-            run_head(m, ctx, it, kvh, (pw, out, sw), &tiles(kvh), sc);
+            run_head(m, ctx, (it, kvh), o, &tiles(kvh), sc);
         }
     })
 }
@@ -432,25 +432,32 @@ pub(super) fn run_item_on<M: TileMicro, Q: Float, C: Source, S: TileSource>(
 fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     m: M,
     ctx: &Ctx<'_, Q, C>,
-    it: &Item,
-    kvh: usize,
-    (pw, out, sw): (
-        &SharedMut<'_, f32>,
-        &SharedMut<'_, Q>,
-        Option<&SharedMut<'_, f32>>,
-    ),
+    (it, kvh): (&Item, usize),
+    o: &Out<'_, Q, C>,
     src: &S,
     sc: &mut Scratch,
 ) {
     let plan = ctx.plan;
+    let g = plan.g;
     let ir = ItemRows::new(ctx, it);
-    let sp = &plan.seqs[ir.si];
+    let (sp, lay) = (&plan.seqs[ir.si], &ctx.part.seqs[ir.si]);
     let rows8 = ir.rows.div_ceil(8) * 8;
+    let (out, sw) = (&o.out, o.sw.as_ref());
+    // Direct scores: the score rows (a suffix: rows are token-major) keep their logits
+    // row-major over the item's keys.
+    let direct = lay.direct_part(kvh, (it.qt as usize, sp.n.div_ceil(lay.qtok)), sp.ctx());
+    let first_scored = (sp.n - sp.score_tokens).clamp(ir.t0, ir.t0 + ir.nt);
+    let (r_sc, keys) = ((first_scored - ir.t0) * g, ir.hi - ir.lo);
     let ItemBufs {
         qt,
         mut state,
         tiles,
+        kept,
     } = sc.start(m, plan, ctx.query, sp, kvh, (ir.t0, ir.nt));
+    if direct.is_some() {
+        kept.clear();
+        kept.resize((ir.rows - r_sc) * keys, f32::NEG_INFINITY);
+    }
     let span = (ir.pos0, ir.nt, ir.lo, ir.hi);
     attend(
         m,
@@ -462,7 +469,14 @@ fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
         &mut state,
         tiles,
         |st, j0, n| {
-            if let Some(sw) = sw {
+            if direct.is_some() {
+                for r in r_sc..ir.rows {
+                    let dst = &mut kept[(r - r_sc) * keys + j0 - ir.lo..][..n];
+                    for (jj, o) in dst.iter_mut().enumerate() {
+                        *o = st[jj * rows8 + r];
+                    }
+                }
+            } else if let Some(sw) = sw {
                 stash_logits(ctx, &ir, kvh, st, rows8, j0, n, sw);
             }
             prefetch_out(
@@ -476,7 +490,26 @@ fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     let RowState {
         acc, m: mb, l: lb, ..
     } = state;
-    write_rows(ctx, &ir, kvh, acc, plan.dv, mb, lb, pw, out);
+    write_rows(ctx, &ir, kvh, acc, plan.dv, mb, lb, &o.pw, out);
+    if let Some(at) = direct {
+        // SAFETY: the partial scores of (KV head, query tile) belong to this item.
+        let part = unsafe { o.direct.part(at, sp.ctx()) };
+        part.fill(0.0);
+        for r in r_sc..ir.rows {
+            // Row r's final statistics, as `write_rows` ends it (with its sink).
+            let mut st = OnlineSoftmax {
+                max: mb[r],
+                sum: lb[r],
+            };
+            st.finish(plan.sink(kvh * g + r % g));
+            // The keys the row sees only: a NaN row must not reach a masked key.
+            let (a, b) = visible_span(plan, ir.pos0 + r / g, ir.lo, ir.hi);
+            if a < b {
+                let kept = &kept[(r - r_sc) * keys + a - ir.lo..][..b - a];
+                m.add_exp_scaled(&mut part[a..b], kept, st.max, st.norm());
+            }
+        }
+    }
 }
 
 /// The running state of a prefill item's rows: accumulators `[rows][Dv]` and the lane-wise

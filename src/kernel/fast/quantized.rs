@@ -430,10 +430,10 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let lo = lo.max(k0);
     let hi = hi.min(k1).max(lo);
     let nsteps = tiles(lo, hi, span).count();
-    let direct = out.lay.direct;
+    let direct = out.lay.direct.is_some();
     for h in heads.iter_mut() {
         let nr = h.rows.len();
-        if direct.is_some() && h.rows.iter().any(|r| r.scored) {
+        if direct && h.rows.iter().any(|r| r.scored) {
             // Every weight a score row reads is written by the steps first: no zeroing.
             grow(&mut h.kept, nr * (hi - lo));
             h.kmax.clear();
@@ -485,7 +485,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             for (r, st) in hd.st.iter_mut().enumerate().take(nr) {
                 let row = hd.rows[r];
                 let s = &hd.s[r * span..][..n];
-                if let (Some(sw), true, None) = (out.sw, row.scored, direct) {
+                if let (Some(sw), true, false) = (out.sw, row.scored, direct) {
                     let i = row.token - sp.begin;
                     let at = out.lay.stash_base + ((i - first_score) * h + row.head) * ctx;
                     // SAFETY: stash row (token, head) belongs to this item's KV heads and query
@@ -493,7 +493,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     unsafe { sw.part(at + s0, n) }.copy_from_slice(s);
                 }
                 let step_ = st.update(U8Micro::max(m, s));
-                if row.scored && direct.is_some() {
+                if row.scored && direct {
                     hd.kmax[r * nsteps + step] = st.max;
                 }
                 if step_.rescale != 1.0 {
@@ -506,7 +506,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
             m.exp_sum(&mut hd.s, span, n, &subs[..nr], &mut sums[..nr]);
             for (r, (st, &sum)) in hd.st.iter_mut().zip(&sums[..nr]).enumerate() {
                 st.add(sum);
-                if hd.rows[r].scored && direct.is_some() {
+                if hd.rows[r].scored && direct {
                     let w = &hd.s[r * span..][..n];
                     hd.kept[r * (hi - lo) + s0 - lo..][..n].copy_from_slice(w);
                 }
@@ -548,13 +548,13 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
     let (lay, chunk) = (out.lay, out.chunk);
     for (k, hd) in heads.iter().enumerate() {
         for (r, row) in hd.rows.iter().enumerate() {
-            if let (Some(base), true) = (direct, row.scored) {
+            let part_at = out.lay.direct_part(kvh0 + k, (0, 1), ctx);
+            if let (Some(at), true) = (part_at, row.scored) {
                 // Final weight = step weight * factor(step's running max), over the keys the
                 // row sees only (a NaN row must not reach a masked key).
                 let mut st = hd.st[r];
                 st.finish(plan.sink(row.head));
                 let kept = &hd.kept[r * (hi - lo)..][..hi - lo];
-                let at = base + (kvh0 + k) * ctx;
                 // SAFETY: the KV head's partial scores belong to this item (the one item of an
                 // uncut decode sequence that holds the head).
                 let part = unsafe { out.direct.part(at, ctx) };
@@ -816,13 +816,12 @@ impl Source for u8 {
         let (plan, prep) = (ctx.plan, o.prep.as_ref());
         let (si, n) = (it.seq as usize, plan.seqs[it.seq as usize].ctx() * plan.d);
         let sp = &plan.seqs[si];
-        let out = (&o.pw, &o.out, o.sw.as_ref());
         let v = match prep.and_then(|p| p.unpacked.as_ref()) {
             Some(u) => View::unpacked(u),
             None => View::of(ctx),
         };
         let wide = prep.and_then(|p| p.wide.as_ref());
-        prefill::run_item_on(m, ctx, it, out, |kvh| U8Tiles {
+        prefill::run_item_on(m, ctx, it, o, |kvh| U8Tiles {
             m,
             plan,
             v,
@@ -843,12 +842,9 @@ impl Source for u8 {
         let (si, chunk) = (it.seq as usize, it.chunk as usize);
         let (sp, lay) = (&plan.seqs[si], &ctx.part.seqs[si]);
         let (kvh0, kvh1) = (it.kvh0 as usize, it.kvh1 as usize);
-        if let Some(base) = lay.direct {
+        if let Some(at) = lay.direct_part(kvh0, (0, 1), sp.ctx()) {
             // SAFETY: the item's KV heads' partial scores are its own (see `attend_tile`).
-            let part = unsafe {
-                o.direct
-                    .part(base + kvh0 * sp.ctx(), (kvh1 - kvh0) * sp.ctx())
-            };
+            let part = unsafe { o.direct.part(at, (kvh1 - kvh0) * sp.ctx()) };
             part.fill(0.0);
         }
         let t0 = it.qt as usize * lay.qtok;

@@ -32,8 +32,8 @@ fn spans<Q, C: Source>(ctx: &Ctx<'_, Q, C>) -> Vec<(usize, usize, usize)> {
 
 /// Runs `f(seq, j0, acc)` for every span and stores `acc` (zeros when a sequence has no score
 /// tokens) into the scores output.
-/// Sequences whose decode items summed their scores themselves (`SeqLayout::direct`) take
-/// the sum of their per-KV-head partials, KV head by KV head, instead.
+/// Sequences whose items summed their scores themselves (`SeqLayout::direct`) take the sum of
+/// those partials, in their order, instead.
 fn for_spans<Q: Float, C: Source>(
     ctx: &Ctx<'_, Q, C>,
     (direct, scores): (&[f32], &mut [Q]),
@@ -47,11 +47,12 @@ fn for_spans<Q: Float, C: Source>(
         let sp = &plan.seqs[s];
         let mut acc = [0f32; SPAN];
         let acc = &mut acc[..len];
-        match ctx.part.seqs[s].direct {
+        let lay = &ctx.part.seqs[s];
+        match lay.direct {
             _ if sp.score_tokens == 0 => {}
             Some(base) => {
-                for kvh in 0..plan.hkv {
-                    let part = &direct[base + kvh * sp.ctx() + j0..][..len];
+                for p in 0..plan.hkv * lay.direct_tiles {
+                    let part = &direct[base + p * sp.ctx() + j0..][..len];
                     acc.iter_mut().zip(part).for_each(|(a, &x)| *a += x);
                 }
             }
