@@ -5,7 +5,7 @@ and a timed mode (time to first token, time per output token, throughput).
 CLI::
 
     python tools/genai_ref.py MODEL_DIR --prompts prompts.json [--max-new-tokens 64]
-        [--cache-type f32|u8|f16|bf16] [--precision f32|bf16|f16] [--threads N] [--chat]
+        [--cache-type f32|u8|u4|f16|bf16] [--precision f32|bf16|f16] [--threads N] [--chat]
         [--ignore-eos] [--json] [--timed [--arrival-steps 0,0,3,...]]
     python tools/genai_ref.py MODEL_DIR --make-prompts prompts.json   # the 8 standard prompts
 
@@ -359,7 +359,7 @@ def main():
     ap.add_argument("--lengths", default="",
                     help="--make-prompts: comma-separated token counts, e.g. 1024,1024,2048")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--cache-type", choices=["f32", "u8", "f16", "bf16", "default"], default="f32",
+    ap.add_argument("--cache-type", choices=["f32", "u8", "u4", "f16", "bf16", "default"], default="f32",
                     help="KV_CACHE_PRECISION (default f32; 'default' leaves the plugin's, u8)")
     ap.add_argument("--precision", choices=["f32", "bf16", "f16", "default"], default="f32",
                     help="INFERENCE_PRECISION_HINT (default f32)")
