@@ -22,7 +22,9 @@ What GenAI does (openvino-genai 2026.4.1.0, found on tools/model_dir.py's direct
   PagedAttentionExtension gets window 40). Block size 32 on CPU.
 - KV cache precision: the CPU plugin's default is u8 (``KV_CACHE_PRECISION`` unset gives 10240 bytes
   a block on gqa4 = u8 data + f32 scale/zero point per 32 values, the same as ``u8``); ``f32`` is
-  honoured (32768 bytes a block on gqa4: 2 layers x K,V x 2 KV heads x 32 x 32 x 4 bytes). The
+  honoured (32768 bytes a block on gqa4: 2 layers x K,V x 2 KV heads x 32 x 32 x 4 bytes), and
+  so is ``u4`` (the plugin's u4 layout: key ``u4 [?, 2, 48, 32]``, value ``u4 [?, 2, 32, 48]`` on
+  gqa4, 6144 bytes a block; its greedy ids leave the f32 ids on every standard prompt). The
   plugin refuses an f32 cache with bf16 inference and a bf16 cache with f32 inference; f16 and u8
   go with either. ``INFERENCE_PRECISION_HINT`` defaults to bf16 on CPUs with bf16 support, hence
   this tool's defaults: ``--precision f32 --cache-type f32``. With f32/f32 the greedy ids equal

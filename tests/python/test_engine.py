@@ -3,7 +3,8 @@
 
 Checked: greedy f32 token ids and text of the 8 standard prompts run as one continuous batch (all
 five tiny variants, gpt-oss's attention sinks and alternating windows and a value head size other than the key's among them), the chat template, seeded sampling with n=2, stop strings, a refused prompt
-failing alone, a model directory with a missing file, and u8 KV caches.
+failing alone, a model directory with a missing file, u8 and u4 KV caches (against GenAI with the
+same KV_CACHE_PRECISION), and the converter (f32 and u4 IRs).
 
 Needs the release binary: ``$PA_ENGINE``, else <repo>/target/release/pa-engine
 (``cargo build --release -p`` the engine crate). The model directories are written once per
