@@ -395,6 +395,10 @@ def test_converter_u4_ir_has_the_plugins_u4_caches_and_gives_genais_ids(engine, 
                         str(models[name] / "openvino_model.xml"), str(out)], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PA_ENGINE": str(engine)})
     assert p.returncode == 0, p.stderr
+    bad = subprocess.run([str(engine), "convert", str(models[name] / "openvino_model.xml"),
+                          str(tmp_path / "bad.xml"), "--cache-type", "u2"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown cache type `u2` (f32, f16, bf16, u8 or u4)" in bad.stderr
     core = ov.Core()
     core.add_extension(os.environ.get("PA_EXTENSION_LIB",
                                       str(ROOT / "target/release/libpaged_attention_openvino.so")))
