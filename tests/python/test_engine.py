@@ -274,9 +274,11 @@ def genai_quant(cache, models, prompts, name, cache_type):
                         lambda: genai_ref.run(models[name], prompts[name], opts))
 
 
-def quant_compare(cache_type, engine, models, prompts, cache, name, tmp_path, engine_flags=()):
-    """The engine's and GenAI's greedy ids with ``cache_type`` caches: (ours, ids equal, ids in
-    all, first difference per prompt, the engine's --stats line)."""
+def equals_genai_quant(cache_type, engine, models, prompts, cache, name, tmp_path, capsys,
+                       engine_flags=()):
+    """The engine's greedy ids with ``cache_type`` caches (``engine_flags`` added) are GenAI's
+    with the same KV_CACHE_PRECISION, every one (printed: how many, the first difference per
+    prompt). Returns (the engine's results, its --stats line)."""
     _, ours, err = run_engine(engine, models[name], prompts[name], "--cache-type", cache_type,
                               "--precision", "f32", "--threads", str(THREADS), "--max-new-tokens",
                               str(NEW), "--ignore-eos", "--stats", *engine_flags, tmp_path=tmp_path)
@@ -285,7 +287,11 @@ def quant_compare(cache_type, engine, models, prompts, cache, name, tmp_path, en
     same = sum(x == y for o, r in zip(ours, ref) for x, y in zip(o["token_ids"], r["token_ids"]))
     total = sum(len(r["token_ids"]) for r in ref)
     firsts = [first_diff(o["token_ids"], r["token_ids"]) for o, r in zip(ours, ref)]
-    return ours, same, total, firsts, err
+    with capsys.disabled():
+        print(f"\n[{' '.join((cache_type, name, *engine_flags))}] ids identical to GenAI "
+              f"{cache_type}: {same}/{total}; first difference per prompt: {firsts}")
+    assert same == total, firsts
+    return ours, err
 
 
 def test_u8_cache_gqa4_equals_genai(engine, models, prompts, cache, tmp_path, capsys,
@@ -294,11 +300,7 @@ def test_u8_cache_gqa4_equals_genai(engine, models, prompts, cache, tmp_path, ca
     identical to its f32-cache ids, i.e. they are far from ties, so u8 quantization noise does
     not move them: the full identity is a robust assertion here."""
     name = "gqa4"
-    ours, same, total, firsts, _ = quant_compare("u8", engine, models, prompts, cache, name, tmp_path)
-    with capsys.disabled():
-        print(f"\n[u8 {name}] ids identical to GenAI u8: {same}/{total} = {same / total:.3f}; "
-              f"first difference per prompt: {firsts}")
-    assert same == total, firsts
+    equals_genai_quant("u8", engine, models, prompts, cache, name, tmp_path, capsys)
 
 
 def test_u8_cache_gqa1_equals_genai_same_schedule(engine, models, prompts, cache, tmp_path, capsys,
@@ -312,12 +314,8 @@ def test_u8_cache_gqa1_equals_genai_same_schedule(engine, models, prompts, cache
     prompt 7 -- which shares 280 tokens with prompt 6 -- leaves GenAI's at token 32; GenAI itself
     gives that prompt other tokens with 2048 tokens a step.)"""
     name = "gqa1"
-    ours, same, total, firsts, _ = quant_compare("u8", engine, models, prompts, cache, name,
-                                                 tmp_path, GENAI_SCHEDULE)
-    with capsys.disabled():
-        print(f"\n[u8 {name}, GenAI's schedule] ids identical to GenAI u8: {same}/{total}; "
-              f"first difference per prompt: {firsts}")
-    assert same == total, firsts
+    ours, _ = equals_genai_quant("u8", engine, models, prompts, cache, name, tmp_path, capsys,
+                                 GENAI_SCHEDULE)
     # and u8 did change tokens: the comparison above is sensitive to the cache's quantization
     f32 = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
     assert any(o["token_ids"] != f["token_ids"] for o, f in zip(ours, f32))
@@ -361,13 +359,8 @@ def test_u4_cache_equals_genai_same_schedule(name, engine, models, prompts, cach
     (first difference at tokens 0 to 25), so the identity is sensitive to the quantization. The
     block count is what --kv-cache-size holds of blocks of the plugin's own u4 cache tensors,
     sized as OpenVINO sizes a u4 tensor (two elements a byte)."""
-    ours, same, total, firsts, err = quant_compare("u4", engine, models, prompts, cache, name,
-                                                   tmp_path, (*GENAI_SCHEDULE, "--kv-cache-size",
-                                                              "0.05"))
-    with capsys.disabled():
-        print(f"\n[u4 {name}, GenAI's schedule] ids identical to GenAI u4: {same}/{total}; "
-              f"first difference per prompt: {firsts}")
-    assert same == total, firsts
+    ours, err = equals_genai_quant("u4", engine, models, prompts, cache, name, tmp_path, capsys,
+                                   (*GENAI_SCHEDULE, "--kv-cache-size", "0.05"))
     f32 = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
     assert all(o["token_ids"] != f["token_ids"] for o, f in zip(ours, f32))
     block = sum(b for _, _, b in plugin_caches(cache, models, name, "u4").values())
