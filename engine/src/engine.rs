@@ -437,6 +437,8 @@ impl Engine {
         // The caches: as many blocks as the budget holds over all layers. A block of a cache is
         // the `[Hkv, rows, cols]` elements of its graph input (with u8 and u4 caches the rows or
         // columns of scales and zero points the converter added), sized by the op's element type.
+        // A u4 block is whole bytes when D is even, which the op requires (it refuses the graph
+        // otherwise); the check keeps block copies on byte boundaries whatever the shapes.
         let elem = cfg.cache_type.elem();
         let block_bytes = |key: bool, l: usize| -> Result<usize> {
             let [h, r, c] = dims[&(key, l)];
