@@ -5,8 +5,8 @@ block_indices_begins, max_context_len, key_cache.N, value_cache.N), whichever op
 
 The caller owns the schedule (which sequences run, their new tokens, past lengths and block
 tables, cache rotations); ``PagedModel`` owns the caches (one numpy array per cache input, shared
-with the request so the op's in-place writes land there; u8 and u4 caches as bytes) and sets every input explicitly on every
-call (the CPU plugin misbehaves with default tensors of dynamic inputs).
+with the request so the op's in-place writes land there; u8 and u4 caches as bytes) and sets every
+input explicitly on every call (the CPU plugin misbehaves with default tensors of dynamic inputs).
 
 A graph transformed with ``pa_convert.to_paged(..., serving=True)`` also has the inputs of cache
 rotation (``rotated_block_indices.N``, ``rotation_deltas.N``, ``model_rotation_trig_lut``) and
