@@ -476,7 +476,8 @@ fn simulate_reports_requests_memory_trace_and_chart() {
         "{out}"
     );
     // KV bytes per token, 32 layers x 8 heads x D 128: f16 2 x 2 bytes per element; u8 keys
-    // carry 8 extra rows per block of 16, values 8 extra bytes per token.
+    // carry 8 extra rows per block of 16, values 8 extra bytes per token; u4 the same layout in
+    // nibbles with 16 extra rows and elements (docs/contract.md, "u4 caches").
     let per_tok = |t: &str| -> f64 {
         row_fields(&out, &format!("  {t} "), "KV bytes")[0]
             .parse()
@@ -487,6 +488,10 @@ fn simulate_reports_requests_memory_trace_and_chart() {
     assert_eq!(
         per_tok("u8"),
         (32 * 8 * ((16 + 8) * 128 + 16 * (128 + 8))) as f64 / 16.0
+    );
+    assert_eq!(
+        per_tok("u4"),
+        (32 * 8 * ((16 + 16) * 128 + 16 * (128 + 16)) / 2) as f64 / 16.0
     );
     assert!(out
         .lines()

@@ -5,7 +5,7 @@ and a timed mode (time to first token, time per output token, throughput).
 CLI::
 
     python tools/genai_ref.py MODEL_DIR --prompts prompts.json [--max-new-tokens 64]
-        [--cache-type f32|u8|f16|bf16] [--precision f32|bf16|f16] [--threads N] [--chat]
+        [--cache-type f32|u8|u4|f16|bf16] [--precision f32|bf16|f16] [--threads N] [--chat]
         [--ignore-eos] [--json] [--timed [--arrival-steps 0,0,3,...]]
     python tools/genai_ref.py MODEL_DIR --make-prompts prompts.json   # the 8 standard prompts
 
@@ -22,7 +22,9 @@ What GenAI does (openvino-genai 2026.4.1.0, found on tools/model_dir.py's direct
   PagedAttentionExtension gets window 40). Block size 32 on CPU.
 - KV cache precision: the CPU plugin's default is u8 (``KV_CACHE_PRECISION`` unset gives 10240 bytes
   a block on gqa4 = u8 data + f32 scale/zero point per 32 values, the same as ``u8``); ``f32`` is
-  honoured (32768 bytes a block on gqa4: 2 layers x K,V x 2 KV heads x 32 x 32 x 4 bytes). The
+  honoured (32768 bytes a block on gqa4: 2 layers x K,V x 2 KV heads x 32 x 32 x 4 bytes), and
+  so is ``u4`` (the plugin's u4 layout: key ``u4 [?, 2, 48, 32]``, value ``u4 [?, 2, 32, 48]`` on
+  gqa4, 6144 bytes a block; its greedy ids leave the f32 ids on every standard prompt). The
   plugin refuses an f32 cache with bf16 inference and a bf16 cache with f32 inference; f16 and u8
   go with either. ``INFERENCE_PRECISION_HINT`` defaults to bf16 on CPUs with bf16 support, hence
   this tool's defaults: ``--precision f32 --cache-type f32``. With f32/f32 the greedy ids equal
@@ -359,7 +361,7 @@ def main():
     ap.add_argument("--lengths", default="",
                     help="--make-prompts: comma-separated token counts, e.g. 1024,1024,2048")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--cache-type", choices=["f32", "u8", "f16", "bf16", "default"], default="f32",
+    ap.add_argument("--cache-type", choices=["f32", "u8", "u4", "f16", "bf16", "default"], default="f32",
                     help="KV_CACHE_PRECISION (default f32; 'default' leaves the plugin's, u8)")
     ap.add_argument("--precision", choices=["f32", "bf16", "f16", "default"], default="f32",
                     help="INFERENCE_PRECISION_HINT (default f32)")

@@ -4,7 +4,8 @@ it) goes through OpenVINO's ``SDPAToPagedAttention`` pass, then every ``PagedAtt
 becomes a 16-input / 2-output ``PagedAttention`` (``ie_internal_opset``, docs/contract.md), which
 the extension ``libpaged_attention_openvino.so`` runs.
 
-    python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type f32] [--serving]
+    python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type f32|f16|bf16|u8|u4]
+        [--serving]
 
 IN.xml is a stateful SDPA LLM. An IR that already holds ``PagedAttentionExtension`` layers
 (``ov.save_model`` of a transformed model) cannot be read back by OpenVINO, so it is refused: convert
@@ -37,7 +38,9 @@ BUILTIN_INPUTS = [
     "adaptive_rkv_diversity_block_set_indices", "adaptive_rkv_diversity_block_set_indices_begins",
     "token_type_ids", "qq_bias", "qq_bias_begins",
 ]
-CACHE_TYPES = ("f32", "f16", "bf16", "u8")
+# The converter's cache types; u8 and u4 are OpenVINO's quantized layouts (key [?, Hkv, BS + 8, D] /
+# [?, Hkv, BS + 16, D] by channel, value [?, Hkv, BS, D + 8] / [?, Hkv, BS, D + 16] by token).
+CACHE_TYPES = ("f32", "f16", "bf16", "u8", "u4")
 # OpenVINO features SDPAToPagedAttention can add, which the converter then refuses (tests).
 PASS_FEATURES = ("xattention", "adaptive_rkv", "qq_bias")
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +143,7 @@ def main(argv=None):
     ap.add_argument("output", type=Path)
     ap.add_argument("--block-size", type=int, default=32, help="cache block size (default 32)")
     ap.add_argument("--cache-type", choices=CACHE_TYPES, default="f32",
-                    help="cache element type (default f32)")
+                    help="cache element type (default f32; u8 and u4: OpenVINO's quantized layouts)")
     ap.add_argument("--serving", action="store_true",
                     help="also give the graph the scores outputs and the cache rotation / score "
                          "window inputs that eviction needs (tools/generate.py)")

@@ -5,8 +5,8 @@ block_indices_begins, max_context_len, key_cache.N, value_cache.N), whichever op
 
 The caller owns the schedule (which sequences run, their new tokens, past lengths and block
 tables, cache rotations); ``PagedModel`` owns the caches (one numpy array per cache input, shared
-with the request so the op's in-place writes land there) and sets every input explicitly on every
-call (the CPU plugin misbehaves with default tensors of dynamic inputs).
+with the request so the op's in-place writes land there; u8 and u4 caches as bytes) and sets every
+input explicitly on every call (the CPU plugin misbehaves with default tensors of dynamic inputs).
 
 A graph transformed with ``pa_convert.to_paged(..., serving=True)`` also has the inputs of cache
 rotation (``rotated_block_indices.N``, ``rotation_deltas.N``, ``model_rotation_trig_lut``) and
@@ -23,7 +23,10 @@ import openvino as ov
 
 F32_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 
-_NP = {ov.Type.f32: np.float32, ov.Type.f16: np.float16, ov.Type.i32: np.int32, ov.Type.i64: np.int64}
+# numpy arrays of the cache inputs: u8 and u4 caches (OpenVINO's quantized layouts) are bytes, a u4
+# cache two elements a byte (its last dimension halved), bound as a u4 tensor over the bytes.
+_NP = {ov.Type.f32: np.float32, ov.Type.f16: np.float16, ov.Type.i32: np.int32, ov.Type.i64: np.int64,
+       ov.Type.u8: np.uint8, ov.Type.u4: np.uint8}
 
 
 @dataclass
@@ -41,15 +44,22 @@ class PagedModel:
         self.req = compiled.create_infer_request()
         self.names = {i.get_any_name() for i in compiled.inputs}
         self.caches = {}
+        self.u4 = set()  # names of the u4 caches
         for inp in compiled.inputs:
             name = inp.get_any_name()
             if name.startswith(("key_cache.", "value_cache.")):
                 ps = inp.get_partial_shape()
                 dims = [num_blocks] + [ps[i].get_length() for i in range(1, 4)]
+                if inp.get_element_type() == ov.Type.u4:
+                    if dims[-1] % 2:
+                        raise ValueError(f"{name}: u4 rows of {dims[-1]} elements are not whole bytes")
+                    dims[-1] //= 2
+                    self.u4.add(name)
                 self.caches[name] = np.zeros(dims, _NP[inp.get_element_type()])
         if not self.caches:
             raise ValueError("the model has no key_cache.N / value_cache.N inputs")
-        self.block_size = next(iter(self.caches.values())).shape[2]
+        # dim 2 of a value cache (keys by channel have extra rows when quantized)
+        self.block_size = next(c for n, c in self.caches.items() if n.startswith("value_cache.")).shape[2]
         self._keep = []
         self.scores = []
 
@@ -96,7 +106,9 @@ class PagedModel:
         tensors = {}
         for inp in self.compiled.inputs:
             name = inp.get_any_name()
-            tensors[name] = ov.Tensor(np.require(feeds[name], requirements="C"), shared_memory=True)
+            a = np.require(feeds[name], requirements="C")
+            tensors[name] = (ov.Tensor(a, [*a.shape[:-1], 2 * a.shape[-1]], ov.Type.u4) if name in self.u4
+                             else ov.Tensor(a, shared_memory=True))
             self.req.set_tensor(inp, tensors[name])
         self._keep = tensors  # alive until the next call replaces them
         self.req.infer()

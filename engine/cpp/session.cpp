@@ -22,6 +22,7 @@ ov::element::Type element(const std::string& name) {
     if (name == "f16") return ov::element::f16;
     if (name == "bf16") return ov::element::bf16;
     if (name == "u8") return ov::element::u8;
+    if (name == "u4") return ov::element::u4;
     if (name == "i32") return ov::element::i32;
     if (name == "i64") return ov::element::i64;
     OPENVINO_THROW("unknown element type `", name, "`");

@@ -18,6 +18,7 @@ use paged_attention::cache::{
     copy_blocks_kv, rotation_lut, CacheStats, EvictionPolicy, FinishReason, Request,
     RotationDirection, Scheduler, SchedulerConfig, SchedulerCounters, SeqId, SplitMix64, Step,
 };
+use paged_attention::ElemType;
 use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
@@ -31,6 +32,8 @@ pub enum CacheType {
     Bf16,
     /// OpenVINO's u8 layout (per-block key and per-token value scale and zero point).
     U8,
+    /// OpenVINO's u4 layout: u8's with every quantized value a nibble, two per byte.
+    U4,
 }
 
 impl CacheType {
@@ -40,13 +43,17 @@ impl CacheType {
             CacheType::F16 => "f16",
             CacheType::Bf16 => "bf16",
             CacheType::U8 => "u8",
+            CacheType::U4 => "u4",
         }
     }
-    fn elem_bytes(self) -> usize {
+    /// The op's element type of the cache buffers, which sizes them.
+    pub fn elem(self) -> ElemType {
         match self {
-            CacheType::F32 => 4,
-            CacheType::F16 | CacheType::Bf16 => 2,
-            CacheType::U8 => 1,
+            CacheType::F32 => ElemType::F32,
+            CacheType::F16 => ElemType::F16,
+            CacheType::Bf16 => ElemType::BF16,
+            CacheType::U8 => ElemType::U8,
+            CacheType::U4 => ElemType::U4,
         }
     }
 }
@@ -59,7 +66,10 @@ impl FromStr for CacheType {
             "f16" => Ok(CacheType::F16),
             "bf16" => Ok(CacheType::Bf16),
             "u8" => Ok(CacheType::U8),
-            _ => Err(format!("unknown cache type `{s}` (f32, f16, bf16 or u8)")),
+            "u4" => Ok(CacheType::U4),
+            _ => Err(format!(
+                "unknown cache type `{s}` (f32, f16, bf16, u8 or u4)"
+            )),
         }
     }
 }
@@ -424,15 +434,31 @@ impl Engine {
             });
         }
 
-        // The caches: as many blocks as the budget holds over all layers.
-        let eb = cfg.cache_type.elem_bytes();
-        let per_block: usize = (0..layers)
-            .map(|l| {
-                let [h, r, c] = dims[&(true, l)];
-                let [hv, rv, cv] = dims[&(false, l)];
-                (h * r * c + hv * rv * cv) * eb
-            })
-            .sum();
+        // The caches: as many blocks as the budget holds over all layers. A block of a cache is
+        // the `[Hkv, rows, cols]` elements of its graph input (with u8 and u4 caches the rows or
+        // columns of scales and zero points the converter added), sized by the op's element type.
+        // A u4 block is whole bytes when D is even, which the op requires (it refuses the graph
+        // otherwise); the check keeps block copies on byte boundaries whatever the shapes.
+        let elem = cfg.cache_type.elem();
+        let block_bytes = |key: bool, l: usize| -> Result<usize> {
+            let [h, r, c] = dims[&(key, l)];
+            let n = h.checked_mul(r).and_then(|hr| hr.checked_mul(c));
+            match n.and_then(|n| elem.bytes_for(n).map(|b| (n, b))) {
+                Some((n, b)) if (n % 8 * elem.bits()).is_multiple_of(8) => Ok(b),
+                _ => Err(EngineError::Model {
+                    path: md.xml.clone(),
+                    detail: format!(
+                        "a block of {}_cache.{l} ([{h}, {r}, {c}] {elem}) is not a whole number of bytes",
+                        if key { "key" } else { "value" }
+                    ),
+                }),
+            }
+        };
+        let mut layer_bytes = Vec::with_capacity(layers);
+        for l in 0..layers {
+            layer_bytes.push((block_bytes(true, l)?, block_bytes(false, l)?));
+        }
+        let per_block: usize = layer_bytes.iter().map(|(k, v)| k + v).sum();
         let num_blocks = cfg.kv_cache_bytes / per_block.max(1);
         if num_blocks == 0 {
             return Err(EngineError::Config(format!(
@@ -441,9 +467,8 @@ impl Engine {
             )));
         }
         let mut caches = Vec::with_capacity(layers);
-        for l in 0..layers {
-            let make = |[h, r, c]: [usize; 3]| -> Result<CacheBuf> {
-                let block_bytes = h * r * c * eb;
+        for (l, &(kb, vb)) in layer_bytes.iter().enumerate() {
+            let make = |[h, r, c]: [usize; 3], block_bytes: usize| -> Result<CacheBuf> {
                 let bytes = num_blocks * block_bytes;
                 let words = zeroed_words(bytes.div_ceil(8))?;
                 Ok(CacheBuf {
@@ -452,7 +477,7 @@ impl Engine {
                     block_bytes,
                 })
             };
-            caches.push((make(dims[&(true, l)])?, make(dims[&(false, l)])?));
+            caches.push((make(dims[&(true, l)], kb)?, make(dims[&(false, l)], vb)?));
         }
 
         let mut props = Vec::new();

@@ -35,7 +35,8 @@
 //! # Memory per token
 //! [`SimConfig::cache`] with `kv_heads`, `head_size` and `layers` gives the bytes a block takes
 //! ([`block_bytes`]); u8 caches count OpenVINO's extra rows (docs/contract.md, "u8 caches":
-//! key `[BS + 8, D]` per block and head, value `D + 8` bytes per token and head).
+//! key `[BS + 8, D]` per block and head, value `D + 8` bytes per token and head), u4 caches its
+//! u4 layout's ("u4 caches": key `[BS + 16, D]`, value `D + 16` elements, two a byte).
 
 use super::rng::SplitMix64;
 use super::scheduler::{Request, Scheduler, SchedulerConfig};
@@ -158,7 +159,7 @@ pub struct SimConfig {
     pub arrival_rate: f64,
     pub max_batched_tokens: usize,
     pub max_seqs: usize,
-    /// Cache element type (f32, f16, bf16 or u8): only the memory figures depend on it.
+    /// Cache element type (one of [`CACHE_TYPES`]): only the memory figures depend on it.
     pub cache: ElemType,
     pub kv_heads: usize,
     pub head_size: usize,
@@ -190,11 +191,17 @@ impl Default for SimConfig {
 }
 
 /// The cache element types the simulator reports memory for.
-pub const CACHE_TYPES: [ElemType; 4] = [ElemType::F32, ElemType::F16, ElemType::BF16, ElemType::U8];
+pub const CACHE_TYPES: [ElemType; 5] = [
+    ElemType::F32,
+    ElemType::F16,
+    ElemType::BF16,
+    ElemType::U8,
+    ElemType::U4,
+];
 
 /// Bytes of one block of `block_size` tokens, key and value caches of all `kv_heads` heads and
-/// `layers` layers; u8 in OpenVINO's default layout (keys by channel, one value group), extra
-/// rows included. `None` for i32, a zero dimension or an overflow.
+/// `layers` layers; u8 and u4 in OpenVINO's default layouts (keys by channel, one value group),
+/// extra rows included. `None` for i32, a zero dimension or an overflow.
 pub fn block_bytes(
     cache: ElemType,
     kv_heads: usize,
@@ -559,8 +566,8 @@ impl fmt::Display for SimReport {
         )?;
         writeln!(
             f,
-            "KV bytes per token ({} layers x {} KV heads x head size {}; u8 with its scale and \
-             zero-point rows):",
+            "KV bytes per token ({} layers x {} KV heads x head size {}; u8 and u4 with their \
+             scale and zero-point rows):",
             c.layers, c.kv_heads, c.head_size
         )?;
         for t in CACHE_TYPES {
@@ -753,6 +760,11 @@ mod tests {
         assert_eq!(
             block_bytes(ElemType::U8, 8, 128, 16, 1),
             Some(8 * (24 * 128) + 8 * 16 * 136)
+        );
+        // u4: key [16 + 16 rows, 128] nibbles per head, value 128 + 16 nibbles per token and head.
+        assert_eq!(
+            block_bytes(ElemType::U4, 8, 128, 16, 1),
+            Some((8 * (32 * 128) + 8 * 16 * 144) / 2)
         );
         assert_eq!(block_bytes(ElemType::I32, 8, 128, 16, 1), None);
         assert_eq!(block_bytes(ElemType::F16, usize::MAX, 128, 16, 1), None);

@@ -3,7 +3,8 @@
 
 Checked: greedy f32 token ids and text of the 8 standard prompts run as one continuous batch (all
 five tiny variants, gpt-oss's attention sinks and alternating windows and a value head size other than the key's among them), the chat template, seeded sampling with n=2, stop strings, a refused prompt
-failing alone, a model directory with a missing file, and u8 KV caches.
+failing alone, a model directory with a missing file, u8 and u4 KV caches (against GenAI with the
+same KV_CACHE_PRECISION), and the converter (f32 and u4 IRs).
 
 Needs the release binary: ``$PA_ENGINE``, else <repo>/target/release/pa-engine
 (``cargo build --release -p`` the engine crate). The model directories are written once per
@@ -14,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,8 @@ THREADS = 2
 F32_FLAGS = ["--cache-type", "f32", "--precision", "f32", "--threads", str(THREADS),
              "--max-new-tokens", str(NEW), "--ignore-eos"]
 REPLACEMENT = "\ufffd"
+# GenAI's scheduler defaults (tools/genai_ref.py): 256 token rows a step, no prefix caching.
+GENAI_SCHEDULE = ("--max-batched-tokens", "256", "--no-prefix-caching")
 
 
 # ------------------------------------------------------------------------------ fixtures, helpers
@@ -261,17 +265,33 @@ def test_value_head_size_on_u8_caches_is_refused_at_load_naming_the_node(engine,
 
 # ------------------------------------------------------------------------------ 7. u8 caches
 
-def u8_compare(engine, models, prompts, name, tmp_path, engine_flags=()):
-    _, ours, err = run_engine(engine, models[name], prompts[name], "--cache-type", "u8",
+def genai_quant(cache, models, prompts, name, cache_type):
+    """GenAI's greedy results of the standard prompts of ``name`` with KV_CACHE_PRECISION
+    ``cache_type`` (u8 or u4), f32 inference (one batch, its default schedule)."""
+    opts = genai_ref.Options(max_new_tokens=NEW, cache_type=cache_type, precision="f32",
+                             threads=THREADS, ignore_eos=True)
+    return cache.get_or(("genai", cache_type, name),
+                        lambda: genai_ref.run(models[name], prompts[name], opts))
+
+
+def equals_genai_quant(cache_type, engine, models, prompts, cache, name, tmp_path, capsys,
+                       engine_flags=()):
+    """The engine's greedy ids with ``cache_type`` caches (``engine_flags`` added) are GenAI's
+    with the same KV_CACHE_PRECISION, every one (printed: how many, the first difference per
+    prompt). Returns (the engine's results, its --stats line)."""
+    _, ours, err = run_engine(engine, models[name], prompts[name], "--cache-type", cache_type,
                               "--precision", "f32", "--threads", str(THREADS), "--max-new-tokens",
                               str(NEW), "--ignore-eos", "--stats", *engine_flags, tmp_path=tmp_path)
-    assert "(u8)" in err, err  # --stats: "N blocks of 32 (u8)"
-    ref = genai_ref.run(models[name], prompts[name], genai_ref.Options(
-        max_new_tokens=NEW, cache_type="u8", precision="f32", threads=THREADS, ignore_eos=True))
+    assert f"({cache_type})" in err, err  # --stats: "N blocks of 32 (u8)"
+    ref = genai_quant(cache, models, prompts, name, cache_type)
     same = sum(x == y for o, r in zip(ours, ref) for x, y in zip(o["token_ids"], r["token_ids"]))
     total = sum(len(r["token_ids"]) for r in ref)
     firsts = [first_diff(o["token_ids"], r["token_ids"]) for o, r in zip(ours, ref)]
-    return ours, same, total, firsts
+    with capsys.disabled():
+        print(f"\n[{' '.join((cache_type, name, *engine_flags))}] ids identical to GenAI "
+              f"{cache_type}: {same}/{total}; first difference per prompt: {firsts}")
+    assert same == total, firsts
+    return ours, err
 
 
 def test_u8_cache_gqa4_equals_genai(engine, models, prompts, cache, tmp_path, capsys,
@@ -280,11 +300,7 @@ def test_u8_cache_gqa4_equals_genai(engine, models, prompts, cache, tmp_path, ca
     identical to its f32-cache ids, i.e. they are far from ties, so u8 quantization noise does
     not move them: the full identity is a robust assertion here."""
     name = "gqa4"
-    ours, same, total, firsts = u8_compare(engine, models, prompts, name, tmp_path)
-    with capsys.disabled():
-        print(f"\n[u8 {name}] ids identical to GenAI u8: {same}/{total} = {same / total:.3f}; "
-              f"first difference per prompt: {firsts}")
-    assert same == total, firsts
+    equals_genai_quant("u8", engine, models, prompts, cache, name, tmp_path, capsys)
 
 
 def test_u8_cache_gqa1_equals_genai_same_schedule(engine, models, prompts, cache, tmp_path, capsys,
@@ -298,18 +314,116 @@ def test_u8_cache_gqa1_equals_genai_same_schedule(engine, models, prompts, cache
     prompt 7 -- which shares 280 tokens with prompt 6 -- leaves GenAI's at token 32; GenAI itself
     gives that prompt other tokens with 2048 tokens a step.)"""
     name = "gqa1"
-    ours, same, total, firsts = u8_compare(engine, models, prompts, name, tmp_path,
-                                           ("--max-batched-tokens", "256", "--no-prefix-caching"))
-    with capsys.disabled():
-        print(f"\n[u8 {name}, GenAI's schedule] ids identical to GenAI u8: {same}/{total}; "
-              f"first difference per prompt: {firsts}")
-    assert same == total, firsts
+    ours, _ = equals_genai_quant("u8", engine, models, prompts, cache, name, tmp_path, capsys,
+                                 GENAI_SCHEDULE)
     # and u8 did change tokens: the comparison above is sensitive to the cache's quantization
     f32 = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
     assert any(o["token_ids"] != f["token_ids"] for o, f in zip(ours, f32))
 
 
-# ------------------------------------------------------------------------------ 8. the converter
+# ------------------------------------------------------------------------------ 8. u4 caches
+
+def plugin_caches(cache, models, name, cache_type):
+    """OpenVINO's own caches for ``cache_type``: the model's stateful IR through its
+    ``paged_attention_transformation``, compiled on the CPU plugin with KV_CACHE_PRECISION
+    ``cache_type``, which types the cache inputs itself (GenAI allocates what they say).
+    Input name -> (element type, dims with -1 for the block count, bytes of one block as
+    OpenVINO sizes a tensor of that type)."""
+    def go():
+        import openvino as ov
+        from openvino._offline_transformations import paged_attention_transformation
+
+        core = ov.Core()
+        model = core.read_model(models[name] / "openvino_model.xml")
+        paged_attention_transformation(model)
+        compiled = core.compile_model(model, "CPU", {"KV_CACHE_PRECISION": cache_type,
+                                                     "INFERENCE_PRECISION_HINT": "f32"})
+        out = {}
+        for i in compiled.inputs:
+            if i.get_any_name().startswith(("key_cache.", "value_cache.")):
+                dims = [d.get_length() if d.is_static else -1 for d in i.get_partial_shape()]
+                block = ov.Tensor(i.get_element_type(), ov.Shape([1, *dims[1:]])).byte_size
+                out[i.get_any_name()] = (i.get_element_type().get_type_name(), dims, block)
+        return out
+    return cache.get_or(("plugin", cache_type, name), go)
+
+
+@pytest.mark.parametrize("name", ["gqa1", "gqa4"])
+def test_u4_cache_equals_genai_same_schedule(name, engine, models, prompts, cache, tmp_path, capsys,
+                                             tmp_path_factory):
+    """u4 caches against GenAI with KV_CACHE_PRECISION=u4, on GenAI's schedule (as u8 on gqa1:
+    keys are quantized by channel over a block and a prefill chunk attends to its own exact K/V,
+    so the ids depend on the chunks). Measured (openvino-genai 2026.4.1): 512/512 identical ids on
+    both models; with the engine's default 512 rows a step, gqa4's 301-token prompt (prefilled in
+    other chunks) leaves GenAI's at token 24. u4 moves every prompt's ids away from its f32 ids
+    (first difference at tokens 0 to 25), so the identity is sensitive to the quantization. The
+    block count is what --kv-cache-size holds of blocks of the plugin's own u4 cache tensors,
+    sized as OpenVINO sizes a u4 tensor (two elements a byte)."""
+    ours, err = equals_genai_quant("u4", engine, models, prompts, cache, name, tmp_path, capsys,
+                                   (*GENAI_SCHEDULE, "--kv-cache-size", "0.05"))
+    f32 = engine_f32(cache, engine, models, prompts, name, tmp_path_factory)
+    assert all(o["token_ids"] != f["token_ids"] for o, f in zip(ours, f32))
+    block = sum(b for _, _, b in plugin_caches(cache, models, name, "u4").values())
+    blocks = re.search(r"(\d+) blocks of 32 \(u4\)", err)
+    assert blocks and int(blocks.group(1)) == 50_000_000 // block, (err, block)
+
+
+def test_converter_u4_ir_has_the_plugins_u4_caches_and_gives_genais_ids(engine, models, prompts,
+                                                                       cache, tmp_path,
+                                                                       tmp_path_factory):
+    """``tools/pa_convert.py --cache-type u4`` (through ``pa-engine convert``): the IR's cache
+    Parameters have the element type and shapes OpenVINO's CPU plugin gives its own caches with
+    KV_CACHE_PRECISION=u4 (keys ``[?, Hkv, BS + 16, D]`` by channel, values ``[?, Hkv, BS, D + 16]``
+    by token). Compiled with our extension and run step by step from Python
+    (tools/paged_model.py: each prompt prefilled in one call, then a token a call, as GenAI runs
+    these short prompts), its greedy ids of the first 4 prompts are GenAI's u4 ids, 12 tokens
+    each (measured: these prompts' u4 ids leave GenAI's f32 ids at tokens 1, 5, 0 and 3)."""
+    import numpy as np
+    import openvino as ov
+    from paged_model import PagedModel, Seq
+
+    name = "gqa4"
+    out = tmp_path / "paged_u4.xml"
+    p = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--cache-type", "u4",
+                        str(models[name] / "openvino_model.xml"), str(out)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PA_ENGINE": str(engine)})
+    assert p.returncode == 0, p.stderr
+    bad = subprocess.run([str(engine), "convert", str(models[name] / "openvino_model.xml"),
+                          str(tmp_path / "bad.xml"), "--cache-type", "u2"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown cache type `u2` (f32, f16, bf16, u8 or u4)" in bad.stderr
+    core = ov.Core()
+    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
+                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
+    model = core.read_model(out)
+    got = {}
+    for prm in model.get_parameters():
+        n = prm.get_output_tensor(0).get_any_name()
+        if n.startswith(("key_cache.", "value_cache.")):
+            dims = [d.get_length() if d.is_static else -1 for d in prm.get_partial_shape()]
+            got[n] = (prm.get_element_type().get_type_name(), dims)
+    want = {n: (t, dims) for n, (t, dims, _) in plugin_caches(cache, models, name, "u4").items()}
+    assert got == want
+    assert got["key_cache.0"] == ("u4", [-1, 2, 32 + 16, 32])  # what the plugin said, spelled out
+
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                 "INFERENCE_NUM_THREADS": THREADS})
+    paged = PagedModel(compiled, num_blocks=16)
+    ref = genai_quant(cache, models, prompts, name, "u4")
+    f32 = genai_f32(cache, models, prompts, name)
+    for k in range(4):
+        tokens, past, ids = list(ref[k]["prompt_ids"]), 0, []
+        assert past + len(tokens) + 12 <= 4 * paged.block_size
+        for _ in range(12):
+            logits = paged.step([Seq(tokens, past, list(range(4 * k, 4 * k + 4)))])
+            past += len(tokens)
+            tokens = [int(np.argmax(logits[-1]))]
+            ids.append(tokens[0])
+        assert ids == ref[k]["token_ids"][:12], f"prompt {k}"
+        assert ids != f32[k]["token_ids"][:12], f"prompt {k}: u4 ids equal f32's"
+
+
+# ------------------------------------------------------------------------------ 9. the converter
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_converter_round_trips_to_an_ir_on_our_op(name, engine, models, prompts, cache,

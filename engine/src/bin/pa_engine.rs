@@ -85,7 +85,8 @@ finish_reason (length, stop), and with --n > 1 `samples` (every output).";
 
 #[derive(Args)]
 struct EngineArgs {
-    /// KV cache element type (u8 is OpenVINO's quantized layout, its CPU default).
+    /// KV cache element type: f32, f16, bf16, u8 or u4 (u8 and u4 are OpenVINO's quantized
+    /// layouts, u4 two values a byte; u8 is its CPU default).
     #[arg(long, default_value = "u8", value_parser = parse_cache_type)]
     cache_type: CacheType,
     /// KV cache size in GB, over all layers.
@@ -172,6 +173,7 @@ struct ConvertArgs {
     output: PathBuf,
     #[arg(long, default_value_t = 32)]
     block_size: usize,
+    /// Element type of the cache inputs: f32, f16, bf16, u8 or u4.
     #[arg(long, default_value = "f32", value_parser = parse_cache_type)]
     cache_type: CacheType,
     /// Also give the graph what cache eviction needs: outputs scores.N, inputs

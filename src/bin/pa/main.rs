@@ -208,7 +208,10 @@ fn cache_type(s: &str) -> Result<ElemType, String> {
     CACHE_TYPES
         .into_iter()
         .find(|t| t.name() == s)
-        .ok_or_else(|| format!("`{s}` is not one of f32, f16, bf16, u8"))
+        .ok_or_else(|| {
+            let names: Vec<&str> = CACHE_TYPES.iter().map(|t| t.name()).collect();
+            format!("`{s}` is not one of {}", names.join(", "))
+        })
 }
 
 fn main() -> ExitCode {
