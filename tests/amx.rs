@@ -432,8 +432,7 @@ fn bitwise_as_bf16_query(got: &Call, rounded: &Case, d: usize) {
 #[test]
 fn bf16_query_choice_changes_nothing_elsewhere() {
     let _g = lock();
-    let mut k = 0;
-    for (qt, ct, simd) in [
+    for (k, (qt, ct, simd)) in [
         (F32, F32, SimdLevel::Amx),
         (F32, F16, SimdLevel::Amx),
         (F16, F16, SimdLevel::Amx),
@@ -441,10 +440,13 @@ fn bf16_query_choice_changes_nothing_elsewhere() {
         (F32, BF16, SimdLevel::Avx512),
         (F32, BF16, SimdLevel::Avx2),
         (F16, BF16, SimdLevel::Scalar),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let geo = Geometry::new(qt, ct, 2, 4, 64, 16);
-        let case = with_seqs(&geo, &Features::default(), &[(0, 70), (9, 30)], 47_100 + k);
-        k += 1;
+        let seed = 47_100 + k as u64;
+        let case = with_seqs(&geo, &Features::default(), &[(0, 70), (9, 30)], seed);
         let call = case.to_call();
         let (on, off) = (run_with(&call, simd, true), run_with(&call, simd, false));
         for o in 0..2 {
