@@ -43,7 +43,9 @@ fn peak_secs(wide: bool, iters: usize) -> f64 {
                 *x = _mm256_fmadd_ps(*x, m, c);
             }
         }
-        let s = a.iter().fold(_mm256_setzero_ps(), |s, &x| _mm256_add_ps(s, x));
+        let s = a
+            .iter()
+            .fold(_mm256_setzero_ps(), |s, &x| _mm256_add_ps(s, x));
         let mut o = [0f32; 8];
         // SAFETY: `o` holds 8 floats.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
@@ -133,7 +135,10 @@ fn measure<M: TileMicro>(m: M, tier: &str, wide: bool) {
     let peak = (iters * fmas) as f64 * lanes * 2.0 / bp;
     eprintln!("{tier}: FMA peak {:.1} GFLOP/s per thread", peak / 1e9);
     for (b, (name, _, products)) in best.iter().zip(modes) {
-        eprintln!("  {name}: {:.0}% of it", 100.0 * products * flops / b / peak);
+        eprintln!(
+            "  {name}: {:.0}% of it",
+            100.0 * products * flops / b / peak
+        );
     }
 }
 
