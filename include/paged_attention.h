@@ -206,6 +206,10 @@ pa_status pa_set_num_threads(size_t n);
 /* The number of threads the library's pool has (or will have when first used). Never fails. */
 size_t pa_get_num_threads(void);
 
+/* Precision: an f32/f16 query is f32 math. PA_BF16_QUERY=1 in the environment (read once per
+ * process) rounds such a query to bf16 for prefill with a bf16 cache on AMX CPUs, as OpenVINO
+ * does under a bf16 hint: within 1e-2 of float64 attention of the rounded query (README). */
+
 /* As pa_execute, with the plain scalar reference kernels (slow; for testing the fast paths). */
 pa_status pa_execute_reference(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs);
 

@@ -15,7 +15,7 @@
 mod common;
 
 use common::call::Call;
-use common::ref64::{reference, with_seqs, Case, Features, Geometry, ScoreWindow};
+use common::ref64::{reference, with_seqs, Case, Expected, Features, Geometry, ScoreWindow};
 use paged_attention::kernel::fast::{execute_with, FastOptions, ScoresMode, SimdLevel};
 use paged_attention::ElemType::{self, BF16, F16, F32};
 use std::sync::Mutex;
@@ -56,6 +56,12 @@ fn run_at(call: &Call, simd: SimdLevel) -> Call {
 fn check(case: &Case) -> f64 {
     let exp = reference(case);
     let got = run_at(&case.to_call(), SimdLevel::Amx);
+    within_bf16_rule(&got, &exp, case)
+}
+
+/// Checks `got` (a run of `case`) against `exp` at the rule of a bf16 query: outputs within 1e-2
+/// absolute, scores within 1e-2 relative to max(1, |score|). Returns the worst output error.
+fn within_bf16_rule(got: &Call, exp: &Expected, case: &Case) -> f64 {
     let mut worst = 0f64;
     let out = got.outputs[0].data.to_f64();
     for (i, (&g, &e)) in out.iter().zip(&exp.output).enumerate() {
@@ -310,4 +316,145 @@ fn f32_and_f16_queries_with_a_bf16_cache_run_on_tiles_with_f32_accuracy() {
 /// One unit in the last place of `x` as f16 (an f16 output is the f32 result rounded once).
 fn ulp16(x: f64) -> f64 {
     2f64.powf(x.abs().max(6.1e-5).log2().floor() - 10.0)
+}
+
+/// `v` (finite f32 values) rounded to bf16, nearest even, kept as f64. By the bits, through
+/// f32: `half`'s `bf16::from_f64` rounds some values just past a midpoint down
+/// (-2.7265632152557373 gave -2.71875, not -2.734375), which the bitwise check below caught.
+fn bf16_values(v: &[f64]) -> Vec<f64> {
+    v.iter()
+        .map(|&x| {
+            let b = (x as f32).to_bits();
+            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000) as f64
+        })
+        .collect()
+}
+
+/// `call` at `simd` with the precision choice `bf16_query` on or off.
+fn run_with(call: &Call, simd: SimdLevel, bf16_query: bool) -> Call {
+    let mut c = call.clone();
+    let opts = FastOptions {
+        simd,
+        bf16_query,
+        ..FastOptions::default()
+    };
+    c.with_api(|inputs, mut outputs| execute_with(opts, &mut inputs?, &mut outputs))
+        .expect("valid call");
+    c
+}
+
+/// The precision choice `FastOptions::bf16_query` (`PA_BF16_QUERY=1`): an f32 or f16 query
+/// with a bf16 cache, rounded to bf16 for the prefill items on tiles. Held to the rule of a bf16
+/// query: outputs within 1e-2 absolute and scores within 1e-2 relative to max(1, |score|) of the
+/// float64 reference fed the rounded query. With the other query-typed inputs bf16 values, the
+/// same call with the query declared bf16 (the same rounded values) must give the same outputs
+/// and scores once rounded to bf16, bit for bit (the option runs the bf16 query's path), and
+/// the default (f32 math) must give other f32 outputs (the option took effect).
+#[test]
+fn bf16_query_choice_rounds_an_f32_or_f16_query_with_a_bf16_cache() {
+    let _g = lock();
+    let mut worst = 0f64;
+    let mut changed = false;
+    for (k, (qt, d, window, alibi)) in [
+        (F32, 64, false, false),
+        (F32, 128, true, true),
+        (F32, 33, false, true),
+        (F16, 128, false, false),
+        (F16, 80, true, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let geo = Geometry::new(qt, BF16, 2, 4, d, 16);
+        let f = Features {
+            // Exact in bf16, so the call with a bf16 query gets the same scale.
+            scale: Some(Some(0.125)),
+            sliding_window: Some(window),
+            alibi: Some(alibi),
+            score_window: Some(Some(ScoreWindow::Scalar(5))),
+            ..Features::default()
+        };
+        let mut case = with_seqs(&geo, &f, &[(0, 90), (17, 40)], 47_000 + k as u64);
+        // Keys, values and slopes as bf16 values: only the query differs from a bf16 call's.
+        case.key = bf16_values(&case.key);
+        case.value = bf16_values(&case.value);
+        case.alibi = case.alibi.as_deref().map(bf16_values);
+        let mut rounded = case.clone();
+        rounded.query = bf16_values(&case.query);
+        assert_ne!(rounded.query, case.query, "the query has bits below bf16");
+        let exp = reference(&rounded);
+
+        let before = tile_items();
+        let got = run_with(&case.to_call(), SimdLevel::Amx, true);
+        require_tiles(&format!("bf16_query q={qt} d={d}"), before);
+        worst = worst.max(within_bf16_rule(&got, &exp, &case));
+        let out = got.outputs[0].data.to_f64();
+        if !amx_present() {
+            continue;
+        }
+        // An f16 output rounded again to bf16 is not the f32 result rounded once: the bitwise
+        // check is for f32 queries.
+        if qt == F32 {
+            bitwise_as_bf16_query(&got, &rounded, d);
+        }
+        let f32_math = run_with(&case.to_call(), SimdLevel::Amx, false);
+        // (A narrow window can leave every row a single key: its output is that value either
+        // way, so the check is over all cases.)
+        changed |= f32_math.outputs[0].data.to_f64() != out;
+    }
+    assert!(
+        changed || !amx_present(),
+        "bf16_query changed no output: the f32 math ran"
+    );
+    eprintln!("WORST bf16_query output error {worst:.3e}");
+}
+
+/// `got` (an f32 query rounded by `bf16_query`) rounded to bf16 equals, bit for bit, the
+/// outputs and scores of the same call with the query declared bf16 (`rounded`'s values).
+fn bitwise_as_bf16_query(got: &Call, rounded: &Case, d: usize) {
+    let mut as_bf16 = rounded.clone();
+    as_bf16.qt = BF16;
+    let bq = run_with(&as_bf16.to_call(), SimdLevel::Amx, false);
+    for o in 0..2 {
+        let a = bf16_values(&got.outputs[o].data.to_f64());
+        let b = bq.outputs[o].data.to_f64();
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                x.to_bits() == y.to_bits(),
+                "d={d}: output {o}[{i}] rounded to bf16 {x}, the bf16 query gave {y}"
+            );
+        }
+    }
+}
+
+/// `FastOptions::bf16_query` changes nothing where it does not apply: f32 and f16 caches, a
+/// bf16 query, and the levels below `amx` (bit-identical outputs and scores with it on and off).
+#[test]
+fn bf16_query_choice_changes_nothing_elsewhere() {
+    let _g = lock();
+    for (k, (qt, ct, simd)) in [
+        (F32, F32, SimdLevel::Amx),
+        (F32, F16, SimdLevel::Amx),
+        (F16, F16, SimdLevel::Amx),
+        (BF16, BF16, SimdLevel::Amx),
+        (F32, BF16, SimdLevel::Avx512),
+        (F32, BF16, SimdLevel::Avx2),
+        (F16, BF16, SimdLevel::Scalar),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let geo = Geometry::new(qt, ct, 2, 4, 64, 16);
+        let seed = 47_100 + k as u64;
+        let case = with_seqs(&geo, &Features::default(), &[(0, 70), (9, 30)], seed);
+        let call = case.to_call();
+        let (on, off) = (run_with(&call, simd, true), run_with(&call, simd, false));
+        for o in 0..2 {
+            let (a, b) = (on.outputs[o].data.to_f64(), off.outputs[o].data.to_f64());
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "q={qt} c={ct} {simd:?}: output {o} differs with bf16_query"
+            );
+        }
+    }
 }

@@ -57,7 +57,10 @@
 //! and the softmax weights are rounded to nearest even, f32/f16 keys are split into two bf16,
 //! products are exact and summed in f32, softmax stays f32, and the result stays within 1e-2
 //! of a float64 reference fed the same (bf16 query, cache-typed) values, as OpenVINO's own op
-//! under a bf16 hint.
+//! under a bf16 hint. One explicit choice extends that to an f32 or f16 query with a bf16
+//! cache ([`FastOptions::bf16_query`], `PA_BF16_QUERY=1`): its prefill items on tiles round the
+//! query to bf16 first (what OpenVINO's op does under a bf16 hint), then run as for a bf16
+//! query, within 1e-2 of a float64 reference fed the rounded query; off by default.
 //!
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
@@ -242,6 +245,13 @@ pub struct FastOptions {
     pub scores: ScoresMode,
     /// Where the parallel regions run (results do not depend on it).
     pub runner: Runner,
+    /// Precision choice for an f32 or f16 query with a bf16 cache: prefill items on the `amx`
+    /// level take the query rounded to bf16 (nearest even) and run the bf16 math of a bf16
+    /// query (one tile product per pair instead of three; within 1e-2 of a float64 reference
+    /// fed the rounded query, as OpenVINO's own op under a bf16 hint). Off (the default, unless
+    /// `PA_BF16_QUERY=1`, see [`bf16_query_from_env`]): f32 math. No effect on other caches,
+    /// on decode items, or below the `amx` level.
+    pub bf16_query: bool,
 }
 
 impl Default for FastOptions {
@@ -250,8 +260,22 @@ impl Default for FastOptions {
             simd: SimdLevel::from_env(),
             scores: ScoresMode::Auto,
             runner: Runner::Auto,
+            bf16_query: bf16_query_from_env(),
         }
     }
+}
+
+/// Whether `PA_BF16_QUERY=1` (read once per process) asks every call for
+/// [`FastOptions::bf16_query`]; any other value or none leaves it off.
+pub fn bf16_query_from_env() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PA_BF16_QUERY").is_ok_and(|v| v == "1"))
+}
+
+/// Whether prefill items on AMX tiles run bf16 math (operands rounded to bf16, see the module
+/// doc): a bf16 query, or an f32/f16 query with a bf16 cache when `opts.bf16_query` asks.
+fn bf16_math<Q: 'static, C: 'static>(opts: FastOptions) -> bool {
+    is_bf16::<Q>() || (opts.bf16_query && is_bf16::<C>())
 }
 
 /// Validates and executes with the fast kernels at the given options (used by tests to hold
@@ -368,17 +392,17 @@ impl<M: Kernels> TypedOp for Fast<M> {
             ],
             b.block_indices,
         );
-        let amx = amx_for::<Q, C>(opts);
+        let (amx, bf16) = (amx_for::<Q, C>(opts), bf16_math::<Q, C>(opts));
         let (caches, bi) = ((&*b.key_cache, &*b.value_cache), b.block_indices);
         // AMX tiles pack K and V alike (D wide): a value head of another size runs on the f32
         // tiles.
         let amx = |part: &partition::Partition| {
             amx.filter(|_| {
-                plan.dv == plan.d && (is_bf16::<Q>() || prefill_rows_finite(plan, part, caches, bi))
+                plan.dv == plan.d && (bf16 || prefill_rows_finite(plan, part, caches, bi))
             })
         };
         let inputs = (b.query, caches, b.block_indices);
-        pipeline(m, opts, plan, inputs, (b.output, b.scores), ((), amx))
+        pipeline(m, opts, plan, inputs, (b.output, b.scores), ((), amx, bf16))
     }
 
     fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
@@ -392,7 +416,7 @@ impl<M: Kernels> TypedOp for Fast<M> {
             plan,
             (b.query, caches, b.block_indices),
             (b.output, b.scores),
-            (*layout, |_| None),
+            (*layout, |_| None, false),
         )
     }
 }
@@ -407,7 +431,11 @@ fn pipeline<M: Kernels, Q: Float, C: source::Source>(
     plan: &Plan,
     (query, (kc, vc), block_indices): (&[Q], (&[C], &[C]), &[i32]),
     (output, scores): (&mut [Q], &mut [Q]),
-    (layout, amx): (C::Layout, impl FnOnce(&partition::Partition) -> Option<Amx>),
+    (layout, amx, bf16_math): (
+        C::Layout,
+        impl FnOnce(&partition::Partition) -> Option<Amx>,
+        bool,
+    ),
 ) -> Result<()> {
     let threads = opts.runner.max_threads();
     let part = partition::Partition::new(plan, opts.scores, threads, &C::TUNING);
@@ -420,6 +448,7 @@ fn pipeline<M: Kernels, Q: Float, C: source::Source>(
         block_indices,
         runner: opts.runner,
         amx: amx(&part),
+        bf16_math,
         layout,
     };
     let fs = attention::attention(m, &ctx, output)?;

@@ -18,7 +18,10 @@
 //!   comes here with a bf16 cache, where this beats the FMA loops). Products of bf16 are exact
 //!   and summed in f32, smallest first, so the logits and outputs keep f32 accuracy (2e-6 of
 //!   float64 in `tests/amx.rs`, with a sharp softmax).
-//! - bf16 math (a bf16 query): the query is exact; a bf16 cache is exact; an f16 or f32 cache
+//! - bf16 math (a bf16 query, or an f32/f16 query with a bf16 cache when the caller chose
+//!   `FastOptions::bf16_query`: that query is rounded to bf16 first, one part, so the products
+//!   are those of a bf16 query with the rounded values): the query is exact; a bf16 cache is
+//!   exact; an f16 or f32 cache
 //!   has each key cut into two parts (exact for f16, 2^-17 relative for f32), because a key
 //!   rounded to bf16 moves a logit by up to `scale*sqrt(D)*|q|*2^-9`, which a sharp softmax
 //!   turns into more than 1e-2 of output (seen at D=256, scale 0.38, |q| <= 3). Values are
@@ -90,8 +93,11 @@ struct Parts {
 }
 
 impl Parts {
-    fn of<Q: Float, C: Float>() -> Parts {
-        if TypeId::of::<Q>() == TypeId::of::<half::bf16>() {
+    /// The parts of an item of query type `Q` and cache type `C`; `bf16_math` (`Ctx::bf16_math`:
+    /// a bf16 query, or an f32/f16 query the caller asked to round) takes the query whole as
+    /// bf16 (rounded to nearest even when it is not bf16).
+    fn of<Q: Float, C: Float>(bf16_math: bool) -> Parts {
+        if bf16_math {
             // bf16 math: keys keep two parts (see the module doc), values and weights one.
             Parts {
                 q: 1,
@@ -161,7 +167,7 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
     ctx: &Ctx<'_, Q, C>,
 ) -> Option<Packed> {
     let plan = ctx.plan;
-    let parts = Parts::of::<Q, C>();
+    let parts = Parts::of::<Q, C>(ctx.bf16_math);
     let (dp, kw) = (dp_of(plan.d), parts.kw(plan.d));
     // The copies of `prewiden`, times the parts: memory per call stays O(T*H*D).
     let budget = 2 * plan.t * plan.h * plan.d * parts.qk().len().max(parts.v);
@@ -239,7 +245,7 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let (d, bs) = (plan.d, plan.bs);
-    let parts = Parts::of::<Q, C>();
+    let parts = Parts::of::<Q, C>(ctx.bf16_math);
     let (dp, kw) = (dp_of(d), parts.kw(d));
     let sp = &plan.seqs[s];
     // Values go through an f32 transpose 64 keys at a time (whole 8-row blocks for it).
@@ -382,7 +388,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
 ) {
     let plan = ctx.plan;
     let (h, d, g) = (plan.h, plan.d, plan.g);
-    let parts = Parts::of::<Q, C>();
+    let parts = Parts::of::<Q, C>(ctx.bf16_math);
     let (dp, kw, qk, pv) = (dp_of(d), parts.kw(d), parts.qk(), parts.pv());
     let ir = ItemRows::new(ctx, it);
     let sp = &plan.seqs[ir.si];

@@ -73,8 +73,11 @@ pub(crate) struct Ctx<'a, Q, C: Source> {
     pub block_indices: &'a [i32],
     /// Where the parallel regions run.
     pub runner: crate::threads::Runner,
-    /// Set when prefill items run their products on AMX tiles (bf16 query only).
+    /// Set when prefill items run their products on AMX tiles (a bf16 query or a bf16 cache).
     pub amx: Option<Amx>,
+    /// Whether those tiles run bf16 math (a bf16 query, or `FastOptions::bf16_query` with a
+    /// bf16 cache) rather than f32 math on bf16 parts.
+    pub bf16_math: bool,
     /// How the cache type lays out its rows (quantized caches: OpenVINO's layout).
     pub layout: C::Layout,
 }

@@ -32,6 +32,8 @@ pub(crate) mod x86;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_speed;
+#[cfg(test)]
 mod tests_u8;
 
 use crate::dtype::Float;
