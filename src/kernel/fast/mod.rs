@@ -456,7 +456,9 @@ fn pipeline<M: Kernels, Q: Float, C: source::Source>(
         Some(stash) => scores::from_stash(m, &ctx, (&fs.stats, stash, &fs.direct), scores),
         None => scores::recompute(m, &ctx, (&fs.direct, scores)),
     }
-    fs.stash.map(pool::give);
+    if let Some(stash) = fs.stash {
+        pool::give(stash);
+    }
     pool::give(fs.direct);
     Ok(())
 }
