@@ -153,6 +153,7 @@ fn insert_u8_bench(c: &mut Criterion) {
     let l = U8Layout {
         hkv: HKV,
         d: D,
+        dv: D,
         bs: BS,
         key: KeyQuant::ByChannel,
         value_group: 0,

@@ -248,8 +248,8 @@ fn caches_of_different_shapes_are_reported() {
 }
 
 /// A value head size Dv other than D (value_cache dim 3, value `[T, Hkv*Dv]`) makes the output
-/// `[T, H*Dv]`; with a value cache of dynamic shape, value.dim1 gives Dv. With u8 caches Dv
-/// must equal D (not supported yet: refused, saying so).
+/// `[T, H*Dv]`; with a value cache of dynamic shape, value.dim1 gives Dv. u8 caches too: Dv
+/// from value.dim1, the value rows `Dv + 8 * Dv / G` bytes.
 #[test]
 fn a_value_head_size_other_than_d_gives_an_output_h_times_dv_wide() {
     let dv = 2 * D;
@@ -266,7 +266,10 @@ fn a_value_head_size_other_than_d_gives_an_output_h_times_dv_wide() {
     u8s[2].shape = PartialShape::from_dims(&[T, HKV * dv]);
     u8s[3] = p(ElemType::U8, &[NB, HKV, BS + 8, D]);
     u8s[4] = p(ElemType::U8, &[NB, HKV, BS, dv + 8]);
-    expect_error(&u8s, "u8 caches", "not supported yet");
+    expect_outputs(&u8s, Some(F32), &[T, H * dv], &[DYN]);
+    // A value row that fits D, not Dv: no group size gives it.
+    u8s[4] = p(ElemType::U8, &[NB, HKV, BS, D + 8]);
+    expect_error(&u8s, "value_cache", "matches no group size");
 }
 
 #[test]

@@ -33,12 +33,14 @@ fn check(seeds: std::ops::Range<u64>, seqs: Option<Vec<SeqKind>>, max_past: Opti
     };
     let tol = 2e-5;
     for (key, value_group) in LAYOUTS {
-        for (hkv, g, d) in [(2, 2, 64), (1, 3, 40)] {
-            if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+        // The last: a value head of another size (Dv 32 with D 64).
+        for (hkv, g, d, dv) in [(2, 2, 64, 64), (1, 3, 40, 40), (2, 2, 64, 32)] {
+            if value_group > dv || !dv.is_multiple_of(value_group.max(1)) {
                 continue;
             }
             let mut geo = Geometry::new(ElemType::F32, ElemType::F32, hkv, g, d, 32);
             geo.max_past = max_past.unwrap_or(geo.max_past);
+            geo.dv = dv;
             for seed in seeds.clone() {
                 let c = gen_case(seed, &geo, &f);
                 let l = layout_for_bits(&c, key, value_group, 4);

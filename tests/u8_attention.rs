@@ -72,6 +72,7 @@ fn check(qt: ElemType, tol: f64, seeds: std::ops::Range<u64>) {
             let l = U8Layout {
                 hkv,
                 d,
+                dv: d,
                 bs: 32,
                 key,
                 value_group,
@@ -117,6 +118,7 @@ fn wrong_cache_size_is_an_error() {
     let l = U8Layout {
         hkv: 2,
         d: 64,
+        dv: 64,
         bs: 32,
         key: KeyQuant::ByChannel,
         value_group: 0,
@@ -159,6 +161,7 @@ fn rotation_inputs_that_do_not_fit_are_an_error() {
     let l = U8Layout {
         hkv: 2,
         d: 64,
+        dv: 64,
         bs: 32,
         key: KeyQuant::ByChannel,
         value_group: 0,

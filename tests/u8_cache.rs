@@ -66,6 +66,7 @@ fn cases() -> Vec<Case> {
         let layout = U8Layout {
             hkv: num(&j, "Hkv"),
             d: num(&j, "D"),
+            dv: num(&j, "D"),
             bs: 32,
             key: if by_token {
                 KeyQuant::ByToken {

@@ -464,7 +464,8 @@ fn shape_inference_reads_u8_layouts() {
 /// Every SIMD level's u8 loops (`fast::quantized` on that level's `U8Micro`) against float64 attention
 /// over the dequantized caches and against the scalar level, on edge geometries: head sizes that
 /// leave 16-lane tails (24, 40), more query heads per KV head than a tile has rows (10), block
-/// size 16, long contexts spanning many blocks.
+/// size 16, long contexts spanning many blocks, value heads of another size than the key's
+/// (Dv 32 with D 64, Dv 40 with D 24: OpenVINO's `value_cache [?, Hkv, BS, Dv + 8 * Dv / G]`).
 #[test]
 fn every_simd_level_matches_float64_and_the_scalar_twin() {
     use paged_attention::kernel::fast::{execute_with, FastOptions, SimdLevel};
@@ -479,17 +480,18 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
     };
     let mut checked = 0;
     for (qt, tol) in [(ElemType::F32, 2e-5), (ElemType::BF16, 1e-2)] {
-        for (hkv, g, d, bs) in [
-            (2, 4, 64, 32),
-            (1, 10, 24, 16),
-            (2, 3, 40, 32),
-            (1, 1, 128, 32),
+        for (hkv, g, (d, dv), bs) in [
+            (2, 4, (64, 64), 32),
+            (1, 10, (24, 24), 16),
+            (2, 3, (40, 40), 32),
+            (1, 1, (128, 128), 32),
+            (2, 4, (64, 32), 32),
+            (1, 10, (24, 40), 16),
         ] {
             let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, bs);
-            geo.max_past = 150;
-            geo.max_new = 40;
+            (geo.dv, geo.max_past, geo.max_new) = (dv, 150, 40);
             for (key, value_group) in LAYOUTS {
-                if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                if value_group > dv || !dv.is_multiple_of(value_group.max(1)) {
                     continue;
                 }
                 if let KeyQuant::ByToken { group } = key {

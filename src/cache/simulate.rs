@@ -221,6 +221,7 @@ pub fn block_bytes(
             let l = U8Layout {
                 hkv: kv_heads,
                 d: head_size,
+                dv: head_size,
                 bs: block_size,
                 key: KeyQuant::ByChannel,
                 value_group: 0,

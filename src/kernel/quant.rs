@@ -416,17 +416,18 @@ fn insert_head<Q: Float>(
     value_cache: &mut (impl CacheRows + ?Sized),
     buf: &mut InsertScratch,
 ) {
-    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
+    let (d, dv, bs, hkv) = (layout.d, layout.dv, layout.bs, layout.hkv);
     // A head's rows lie `Hkv * D` elements apart, a page or more for common shapes, where the
     // hardware prefetcher stops: each row read also requests the row `AHEAD` tokens on.
     const AHEAD: usize = 4;
-    let widen = |src: &[Q], token: usize, out: &mut Vec<f32>| {
+    let widen = |(src, d): (&[Q], usize), token: usize, out: &mut Vec<f32>| {
         let row = &src[(token * hkv + head) * d..][..d];
         out.extend(row.iter().map(|v| v.to_f32()));
         if let Some(next) = src.get(((token + AHEAD) * hkv + head) * d..) {
             prefetch_part(&next[..d.min(next.len())], 0, 1);
         }
     };
+    let (key, value) = ((key, d), (value, dv));
     let value_row = layout.value_row();
     let key_slab = layout.key_slab();
     let block_of = |sp: &SeqPlan, pos: usize| block_indices[sp.block_begin + pos / bs] as usize;
@@ -613,7 +614,7 @@ pub fn key_row(
     }
 }
 
-/// Dequantizes the value of (block, head, slot) into `out` (D values).
+/// Dequantizes the value of (block, head, slot) into `out` (Dv values).
 pub fn value_row(
     layout: &U8Layout,
     vc: &[u8],
@@ -627,24 +628,26 @@ pub fn value_row(
     dequantize_token_row(&vc[at..at + r], layout.value_group, out, layout.bits);
 }
 
-/// The caches dequantized to f32 `[NB, Hkv, BS, D]`, for the reference twin only: a fast kernel
-/// dequantizes the rows it reads, never the whole cache.
+/// The caches dequantized to f32 `[NB, Hkv, BS, D]` and `[NB, Hkv, BS, Dv]`, for the reference
+/// twin only: a fast kernel dequantizes the rows it reads, never the whole cache.
 pub(crate) fn dequantize_caches(
     layout: &U8Layout,
     nb: usize,
     kc: &[u8],
     vc: &[u8],
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let (d, bs, hkv) = (layout.d, layout.bs, layout.hkv);
-    let len = [nb, hkv, bs, d, std::mem::size_of::<f32>()]
-        .iter()
-        .try_fold(1usize, |a, &x| a.checked_mul(x))
-        .ok_or_else(|| PaError::InvalidArgument {
-            detail: format!("u8 caches of {nb} blocks are too large to widen"),
-        })?;
-    let mut k = vec![0f32; len / 4];
-    let mut v = vec![0f32; len / 4];
-    for (i, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+    let (d, dv, bs, hkv) = (layout.d, layout.dv, layout.bs, layout.hkv);
+    let len = |w: usize| {
+        [nb, hkv, bs, w, std::mem::size_of::<f32>()]
+            .iter()
+            .try_fold(1usize, |a, &x| a.checked_mul(x))
+            .ok_or_else(|| PaError::InvalidArgument {
+                detail: format!("u8 caches of {nb} blocks are too large to widen"),
+            })
+    };
+    let mut k = vec![0f32; len(d)? / 4];
+    let mut v = vec![0f32; len(dv)? / 4];
+    for (i, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(dv)).enumerate() {
         let (block, head, slot) = (i / (hkv * bs), i / bs % hkv, i % bs);
         key_row(layout, kc, block, head, slot, kr);
         value_row(layout, vc, block, head, slot, vr);
@@ -667,6 +670,7 @@ mod tests {
         let l = U8Layout {
             hkv: 2,
             d: 64,
+            dv: 64,
             bs: 32,
             key: KeyQuant::ByChannel,
             value_group: 0,

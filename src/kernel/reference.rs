@@ -215,7 +215,8 @@ pub fn run_reference_u8<Q: Float>(
             detail: format!("{what}: {got} bytes do not match the quantized layout {want:?}"),
         }),
     };
-    if !layout.is_valid() || layout.d != plan.d || layout.bs != plan.bs || layout.hkv != plan.hkv {
+    let shapes = (layout.d, layout.dv, layout.bs, layout.hkv);
+    if !layout.is_valid() || shapes != (plan.d, plan.dv, plan.bs, plan.hkv) {
         return Err(PaError::InvalidArgument {
             detail: format!("quantized cache layout {layout:?} does not match the call"),
         });

@@ -499,20 +499,15 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims, ct: ElemType) -> Result<()
             *slot = Some(w / hkv);
         }
     }
-    if let (Some(d), Some(dv)) = (k.d, k.dv) {
-        if d != dv {
-            return Err(PaError::shape(
-                "value",
-                format!("with {ct} caches the value head size (value.dim1 / num_kv_heads = {dv}) must equal the key head size ({d}): {ct} caches with Dv != D are not supported yet (f32, f16 and bf16 caches are)"),
-            ));
-        }
-    }
-    if let (ElemType::U4, Some(d)) = (ct, k.d) {
-        if d % 2 != 0 {
-            return Err(PaError::shape(
-                "key",
-                format!("with u4 caches the head size (key.dim1 / num_kv_heads = {d}) must be even: u4 rows pack two values per byte"),
-            ));
+    if ct == ElemType::U4 {
+        for (i, v) in [(KEY, k.d), (VALUE, k.dv)] {
+            let name = INPUTS[i].name;
+            if let Some(v) = v.filter(|v| v % 2 != 0) {
+                return Err(PaError::shape(
+                    name,
+                    format!("with u4 caches the head size ({name}.dim1 / num_kv_heads = {v}) must be even: u4 rows pack two values per byte"),
+                ));
+            }
         }
     }
     k.d = k.d.or(k.dv);
@@ -537,8 +532,8 @@ fn u8_geometry(inputs: &[PartialInput], k: &mut Dims, ct: ElemType) -> Result<()
             ));
         }
     }
-    if let (Some(cols), Some(d)) = (vc.dim(3), k.d) {
-        k.value_group = Some(u8_group("value_cache", cols, d, ct)?);
+    if let (Some(cols), Some(dv)) = (vc.dim(3), k.dv) {
+        k.value_group = Some(u8_group("value_cache", cols, dv, ct)?);
     }
     Ok(())
 }

@@ -25,8 +25,10 @@ pub enum KeyQuant {
 pub struct U8Layout {
     /// KV heads.
     pub hkv: usize,
-    /// Head size.
+    /// Key head size.
     pub d: usize,
+    /// Value head size (OpenVINO allows it to differ from the key's).
+    pub dv: usize,
     /// Tokens per block.
     pub bs: usize,
     pub key: KeyQuant,
@@ -105,24 +107,27 @@ impl U8Layout {
                 self.bs.checked_add(param_elems(self.bits))?,
                 self.d,
             ]),
-            KeyQuant::ByToken { group } => Some([nb, hkv, self.bs, self.token_row_elems(group)?]),
+            KeyQuant::ByToken { group } => {
+                Some([nb, hkv, self.bs, self.token_row_elems(self.d, group)?])
+            }
         }
     }
 
-    /// Elements of one by-token row with groups of `group` (`D + p * D / group`).
-    fn token_row_elems(&self, group: usize) -> Option<usize> {
-        token_row_bytes_bits(self.d, group, self.bits)?
+    /// Elements of one by-token row of `width` channels with groups of `group`
+    /// (`width + p * width / group`).
+    fn token_row_elems(&self, width: usize, group: usize) -> Option<usize> {
+        token_row_bytes_bits(width, group, self.bits)?
             .checked_mul(8)
             .map(|b| b / self.bits)
     }
 
-    /// Shape `[NB, Hkv, BS, D + p * D / group]` of the value cache, in elements.
+    /// Shape `[NB, Hkv, BS, Dv + p * Dv / group]` of the value cache, in elements.
     pub fn value_cache_dims(&self, nb: usize) -> Option<[usize; 4]> {
         Some([
             nb,
             self.hkv,
             self.bs,
-            self.token_row_elems(self.value_group)?,
+            self.token_row_elems(self.dv, self.value_group)?,
         ])
     }
 
@@ -136,16 +141,18 @@ impl U8Layout {
 
     /// Bytes of one value row (one token of one head).
     pub(crate) fn value_row(&self) -> usize {
-        token_row_bytes_bits(self.d, self.value_group, self.bits)
+        token_row_bytes_bits(self.dv, self.value_group, self.bits)
             .expect("layout checked by the caller")
     }
 
-    /// Whether the bit width is 8 or 4, every group size divides D (u4: into whole bytes, so D
-    /// is even) and D, BS are non-zero.
+    /// Whether the bit width is 8 or 4, every group size divides its head size (u4: into whole
+    /// bytes, so D and Dv are even) and D, Dv, BS are non-zero.
     pub fn is_valid(&self) -> bool {
-        (self.bits == 8 || (self.bits == 4 && self.d.is_multiple_of(2)))
+        let even = |x: usize| x.is_multiple_of(2);
+        (self.bits == 8 || (self.bits == 4 && even(self.d) && even(self.dv)))
             && self.hkv > 0
             && self.d > 0
+            && self.dv > 0
             && self.bs > 0
             && self.key_cache_dims(1).is_some()
             && self.value_cache_dims(1).is_some()
@@ -179,6 +186,7 @@ mod tests {
         let l = U8Layout {
             hkv: 2,
             d: 64,
+            dv: 64,
             bs: 32,
             key: KeyQuant::ByChannel,
             value_group: 16,
@@ -205,6 +213,7 @@ mod tests {
         }
         assert!(!U8Layout {
             d: 7,
+            dv: 7,
             value_group: 0,
             ..l
         }

@@ -341,6 +341,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
         (true, Some(key), Some(value_group)) => Some(U8Layout {
             hkv,
             d,
+            dv,
             bs,
             key,
             value_group,

@@ -16,24 +16,27 @@ pub const LAYOUTS: [(KeyQuant, usize); 4] = [
     (KeyQuant::ByToken { group: 8 }, 32),
 ];
 
-/// The layout of `(key, value_group)` for the case's geometry, a group of D written as 0 (one
-/// group), as the op reads it from the shapes.
+/// The layout of `(key, value_group)` for the case's geometry, a group of the whole head (D
+/// for keys, Dv for values) written as 0 (one group), as the op reads it from the shapes.
 pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> U8Layout {
     layout_for_bits(c, key, value_group, 8)
 }
 
 /// [`layout_for`] with `bits`-bit elements (8: u8, 4: u4).
 pub fn layout_for_bits(c: &Case, key: KeyQuant, value_group: usize, bits: usize) -> U8Layout {
-    let one = |g: usize| if g == c.d { 0 } else { g };
+    let one = |g: usize, w: usize| if g == w { 0 } else { g };
     U8Layout {
         hkv: c.hkv,
         d: c.d,
+        dv: c.dv,
         bs: c.bs,
         key: match key {
-            KeyQuant::ByToken { group } => KeyQuant::ByToken { group: one(group) },
+            KeyQuant::ByToken { group } => KeyQuant::ByToken {
+                group: one(group, c.d),
+            },
             k => k,
         },
-        value_group: one(value_group),
+        value_group: one(value_group, c.dv),
         bits,
     }
 }
@@ -60,14 +63,19 @@ fn cache_bytes(dims: [usize; 4], bits: usize) -> usize {
     dims.iter().product::<usize>() * bits / 8
 }
 
-/// Rows `[T, Hkv*D]` of the case's cache at each sequence's first `upto(s)` positions.
-pub fn cached_rows(c: &Case, cache: &[f64], upto: impl Fn(usize) -> usize) -> Vec<f32> {
+/// Rows `[T, Hkv*W]` of the case's cache of rows `W` wide (`D` keys, `Dv` values) at each
+/// sequence's first `upto(s)` positions.
+pub fn cached_rows(
+    c: &Case,
+    (cache, w): (&[f64], usize),
+    upto: impl Fn(usize) -> usize,
+) -> Vec<f32> {
     let mut rows = Vec::new();
     for s in 0..c.seqs.len() {
         for pos in 0..upto(s) {
             for h in 0..c.hkv {
-                let r = c.row(c.block_of(s, pos), h, pos % c.bs);
-                rows.extend(cache[r..r + c.d].iter().map(|&x| x as f32));
+                let r = ((c.block_of(s, pos) * c.hkv + h) * c.bs + pos % c.bs) * w;
+                rows.extend(cache[r..r + w].iter().map(|&x| x as f32));
             }
         }
     }
@@ -96,8 +104,8 @@ pub fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
             sp
         })
         .collect();
-    let keys = cached_rows(c, &c.key_cache, |s| c.seqs[s].past);
-    let values = cached_rows(c, &c.value_cache, |s| c.seqs[s].past);
+    let keys = cached_rows(c, (&c.key_cache, c.d), |s| c.seqs[s].past);
+    let values = cached_rows(c, (&c.value_cache, c.dv), |s| c.seqs[s].past);
     quant::insert_u8(l, &seqs, &c.block_indices, &keys, &values, &mut kc, &mut vc);
     (kc, vc)
 }
@@ -107,7 +115,7 @@ pub fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
 /// holds.
 pub fn dequantized_case(c: &Case, l: &U8Layout, kc: &[u8], vc: &[u8]) -> Case {
     let mut out = c.clone();
-    let mut row = vec![0f32; c.d];
+    let (mut row, mut vrow) = (vec![0f32; c.d], vec![0f32; c.dv]);
     for block in 0..c.nb {
         for h in 0..c.hkv {
             for slot in 0..c.bs {
@@ -117,10 +125,11 @@ pub fn dequantized_case(c: &Case, l: &U8Layout, kc: &[u8], vc: &[u8]) -> Case {
                     .iter_mut()
                     .zip(&row)
                     .for_each(|(o, &x)| *o = x as f64);
-                quant::value_row(l, vc, block, h, slot, &mut row);
-                out.value_cache[r..r + c.d]
+                let r = c.vrow(block, h, slot);
+                quant::value_row(l, vc, block, h, slot, &mut vrow);
+                out.value_cache[r..r + c.dv]
                     .iter_mut()
-                    .zip(&row)
+                    .zip(&vrow)
                     .for_each(|(o, &x)| *o = x as f64);
             }
         }
@@ -130,10 +139,11 @@ pub fn dequantized_case(c: &Case, l: &U8Layout, kc: &[u8], vc: &[u8]) -> Case {
         for i in 0..sq.n {
             let pos = sq.past + i;
             for h in 0..c.hkv {
-                let r = c.row(c.block_of(s, pos), h, pos % c.bs);
-                let dst = (t * c.hkv + h) * c.d;
+                let (b, slot) = (c.block_of(s, pos), pos % c.bs);
+                let (r, vr) = (c.row(b, h, slot), c.vrow(b, h, slot));
+                let (dst, vdst) = ((t * c.hkv + h) * c.d, (t * c.hkv + h) * c.dv);
                 out.key[dst..dst + c.d].copy_from_slice(&out.key_cache[r..r + c.d]);
-                out.value[dst..dst + c.d].copy_from_slice(&out.value_cache[r..r + c.d]);
+                out.value[vdst..vdst + c.dv].copy_from_slice(&out.value_cache[vr..vr + c.dv]);
             }
             t += 1;
         }

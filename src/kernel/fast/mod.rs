@@ -24,7 +24,8 @@
 //!   with the `DecodeMicro` loops, which keep the next tile's cache lines coming while they compute.
 //! - `prefill`: runs the items of prefill sequences (transposed logits, `TileMicro` loops).
 //! - `scores`: step 4 from the logits the items stashed for the score rows (or, when that stash
-//!   would exceed its budget, by recomputing those logits tile by tile).
+//!   would exceed its budget, by recomputing those logits tile by tile), or from the partial
+//!   scores the items of a source that asks for it (`Tuning::direct_scores`) summed themselves.
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
 //! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
 //!   tiles (same masks, softmax step and output writing as `prefill`).

@@ -155,13 +155,8 @@ impl Widened {
         Some(Widened { k, v, base })
     }
 
-    /// The widened K and V rows `[ctx][D]` of KV head `kvh` of sequence `s` (`n` = ctx*D
-    /// elements each: K and V of the same width).
-    pub(super) fn rows(&self, s: usize, kvh: usize, n: usize) -> Option<KvRows<'_>> {
-        self.rows_kv(s, kvh, (n, n))
-    }
-
-    /// As [`rows`](Self::rows), `(nk, nv)` = ctx*D, ctx*Dv elements.
+    /// The widened K and V rows `[ctx][D]`, `[ctx][Dv]` of KV head `kvh` of sequence `s`
+    /// (`(nk, nv)` = ctx*D, ctx*Dv elements).
     pub(super) fn rows_kv(
         &self,
         s: usize,

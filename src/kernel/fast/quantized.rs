@@ -646,17 +646,17 @@ fn dequant_prefill_rows<M: U8Micro>(
     v: &View<'_>,
     prefill: impl Fn(usize) -> bool,
 ) -> Option<Widened> {
-    let (d, bs) = (plan.d, plan.bs);
+    let (d, dv, bs) = (plan.d, plan.dv, plan.bs);
     Widened::build((plan, runner), prefill, |s, kvh, ka, va| {
         let sp = &plan.seqs[s];
         let (mut sc, mut zp) = (vec![0f32; d], vec![0f32; d]);
         for (j0, j1) in tiles(0, sp.ctx(), bs) {
             let block = block_of(v.block_indices, sp.block_begin, bs, j0);
-            let (keys, vals) = (&mut ka[j0 * d..j1 * d], &mut va[j0 * d..j1 * d]);
+            let (keys, vals) = (&mut ka[j0 * d..j1 * d], &mut va[j0 * dv..j1 * dv]);
             let slots = (j0 % bs, j1 - j0);
             dequant_keys(m, plan, v, (block, kvh), slots, (&mut sc, &mut zp), keys);
             let rows = value_rows(plan, &v.l, v.vc, (block, kvh), j0, j1);
-            dequant_token_rows(m, rows, v.l.value_row(), d, v.l.value_group, vals);
+            dequant_token_rows(m, rows, v.l.value_row(), dv, v.l.value_group, vals);
         }
     })
 }
@@ -690,7 +690,7 @@ struct U8Tiles<'c, M> {
     v: View<'c>,
     sp: &'c SeqPlan,
     kvh: usize,
-    /// The head's dequantized K and V rows `[ctx][D]`, when the call made them.
+    /// The head's dequantized K and V rows `[ctx][D]`, `[ctx][Dv]`, when the call made them.
     wide: Option<KvRows<'c>>,
     /// Per-channel key scales and zero points of the block being dequantized.
     params: RefCell<(Vec<f32>, Vec<f32>)>,
@@ -724,14 +724,14 @@ impl<M: U8Micro> TileSource for U8Tiles<'_, M> {
         out
     }
     fn values<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
-        let (d, n) = (self.plan.d, j1 - j0);
+        let (dv, n) = (self.plan.dv, j1 - j0);
         if let Some((_, v)) = self.wide {
-            return &v[j0 * d..j1 * d];
+            return &v[j0 * dv..j1 * dv];
         }
-        let out = &mut buf[..n * d];
+        let out = &mut buf[..n * dv];
         let rows = self.value_bytes(j0, j1);
         let l = &self.v.l;
-        dequant_token_rows(self.m, rows, l.value_row(), d, l.value_group, out);
+        dequant_token_rows(self.m, rows, l.value_row(), dv, l.value_group, out);
         out
     }
     fn values_ahead(&self, j0: usize, j1: usize) -> &[u8] {
@@ -814,7 +814,8 @@ impl Source for u8 {
         o: &Out<'_, Q, u8>,
     ) {
         let (plan, prep) = (ctx.plan, o.prep.as_ref());
-        let (si, n) = (it.seq as usize, plan.seqs[it.seq as usize].ctx() * plan.d);
+        let (si, ctx_len) = (it.seq as usize, plan.seqs[it.seq as usize].ctx());
+        let n = (ctx_len * plan.d, ctx_len * plan.dv);
         let sp = &plan.seqs[si];
         let v = match prep.and_then(|p| p.unpacked.as_ref()) {
             Some(u) => View::unpacked(u),
@@ -827,7 +828,7 @@ impl Source for u8 {
             v,
             sp,
             kvh,
-            wide: wide.and_then(|w| w.rows(si, kvh, n)),
+            wide: wide.and_then(|w| w.rows_kv(si, kvh, n)),
             params: RefCell::default(),
         })
     }

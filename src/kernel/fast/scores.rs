@@ -2,8 +2,9 @@
 //! `score_tokens` new tokens. The weight of key `j` for (token, head) is
 //! `exp(logit - max) / sum` with that row's final statistics, so the logits are either read
 //! from the stash the attention items filled (with the attention's statistics), or recomputed
-//! tile by tile (with statistics of the recomputed logits, see [`recompute`]). A row adds to
-//! the keys it sees only.
+//! tile by tile (with statistics of the recomputed logits, see [`recompute`]); sequences whose
+//! items added their score rows' final weights into partial scores of their own
+//! (`SeqLayout::direct`) sum those, in a fixed order. A row adds to the keys it sees only.
 //!
 //! Work is cut into fixed spans of keys per sequence; each span sums its terms in a fixed order
 //! (token, then head), independent of the thread count.

@@ -30,7 +30,8 @@ pub(crate) type KeyTile<'a> = (&'a SeqPlan, usize, (usize, usize));
 /// A cache type (its element: `f32`, `f16`, `bf16`, or `u8` bytes in OpenVINO's quantized
 /// layouts).
 pub(crate) trait Source: Copy + Send + Sync + 'static {
-    /// How decode work on this cache is cut.
+    /// How work on this cache is cut, and whether its items sum their score rows' weights
+    /// themselves (`Tuning::direct_scores`).
     const TUNING: Tuning;
     /// How the cache lays out its rows, beyond the plan's shapes.
     type Layout: Copy + Send + Sync;
@@ -40,7 +41,8 @@ pub(crate) trait Source: Copy + Send + Sync + 'static {
     /// Prepares the call's prefill items, `None` when they read the cache tile by tile.
     fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, Self>) -> Result<Option<Self::Prep>>;
     /// Runs one prefill item (see `prefill::run_item_on`): writes its rows' outputs, their
-    /// `[max, sum]` slots and its score rows' logits into the stash.
+    /// `[max, sum]` slots, and its score rows' logits into the stash or (the sequence's
+    /// `direct` partial scores) their final weights.
     fn prefill_item<M: Kernels, Q: Float>(
         m: M,
         ctx: &Ctx<'_, Q, Self>,
@@ -49,7 +51,8 @@ pub(crate) trait Source: Copy + Send + Sync + 'static {
     );
     /// Runs one decode item: writes the `[max, sum, acc]` slot of each of its rows for its
     /// chunk (rows `[n][H]` from the sequence's `part_base`, `nchunks` slots of `Dv + 2` each),
-    /// and its score rows' masked logits over its chunk's keys into the stash.
+    /// and its score rows' masked logits over its chunk's keys into the stash or (the
+    /// sequence's `direct` partial scores) their final weights.
     fn decode_item<M: Kernels, Q: Float>(
         m: M,
         ctx: &Ctx<'_, Q, Self>,

@@ -102,7 +102,7 @@ pub(crate) fn unpack(
                 KeyQuant::ByChannel => unpack_u4_slab(ks, l.d, kd),
                 KeyQuant::ByToken { group } => unpack_u4_token_rows(ks, l.d, group, kd),
             }
-            unpack_u4_token_rows(&vc[src * vr4..][..vr4], l.d, l.value_group, vd);
+            unpack_u4_token_rows(&vc[src * vr4..][..vr4], l.dv, l.value_group, vd);
         });
     }
     Ok(Unpacked {
@@ -176,7 +176,7 @@ impl ItemBlocks {
                     KeyQuant::ByToken { group } => unpack_u4_token_rows(ks, l.d, group, kd),
                 }
                 let vd = &mut self.vc[dst * vr8..][..vr8];
-                unpack_u4_token_rows(&vc[src * vr4..][..vr4], l.d, l.value_group, vd);
+                unpack_u4_token_rows(&vc[src * vr4..][..vr4], l.dv, l.value_group, vd);
             }
         }
         (&self.kc, &self.vc, &self.table)
