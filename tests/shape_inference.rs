@@ -272,6 +272,19 @@ fn a_value_head_size_other_than_d_gives_an_output_h_times_dv_wide() {
     expect_error(&u8s, "value_cache", "matches no group size");
 }
 
+/// A by-channel u8 key cache of 0 channels, with key and value widths unknown, gives a head size
+/// of 0: refused, not a division by zero (found by the fuzzer, whose build panicked; the input is
+/// in fuzz/regressions/infer_shapes/).
+#[test]
+fn a_head_size_of_zero_from_a_u8_key_cache_is_refused() {
+    let mut u8s = static_inputs(F32, F32);
+    u8s[1] = p(F32, &[T, DYN]);
+    u8s[2] = p(F32, &[T, DYN]);
+    u8s[3] = p(ElemType::U8, &[NB, HKV, BS + 8, 0]);
+    u8s[4] = p(ElemType::U8, &[NB, HKV, BS, DYN]);
+    expect_error(&u8s, "key_cache", "head_size = 0");
+}
+
 #[test]
 fn token_counts_that_disagree_are_reported() {
     let mut inputs = static_inputs(F32, F32);

@@ -261,6 +261,18 @@ pub fn check(inputs: &[PartialInput]) -> Result<Dims> {
             }
         }
     }
+    // A head size of 0 (a by-channel u8 key cache of 0 channels, say) divides nothing.
+    for (name, v) in [("head_size", k.d), ("value head_size", k.dv)] {
+        if v == Some(0) {
+            return Err(PaError::shape(
+                "key_cache",
+                format!(
+                    "key_cache shape {} / value_cache shape {}: {name} = 0",
+                    inputs[KEY_CACHE].shape, inputs[VALUE_CACHE].shape
+                ),
+            ));
+        }
+    }
     // Query heads.
     let q = &inputs[QUERY].shape;
     if let (Some(w), Some(d)) = (q.dim(1), k.d) {
