@@ -220,13 +220,6 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
                     " heads, the key cache ",
                     k_heads,
                     "; our PagedAttention needs as many value heads as key heads");
-    require(v_size == k_size || (cfg.cache_type != "u8" && cfg.cache_type != "u4"),
-                    where,
-                    ": value head size ",
-                    v_size,
-                    " differs from the key head size ",
-                    k_size,
-                    "; with ", cfg.cache_type, " caches our PagedAttention needs them equal: use an f32, f16 or bf16 cache (--cache-type)");
     type_cache(pa, 3, k_heads, k_size, cfg, where);
     type_cache(pa, 4, v_heads, v_size, cfg, where);
 

@@ -69,6 +69,7 @@ def run_u8(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
     Hkv = kc.shape[1]
     H = H or Hkv
     T = key.shape[0]
+    Dv = value.shape[1] // Hkv  # the value head size, D unless the model's differs
     if query is None:
         query = np.zeros([T, H * D], F32)
     kc = np.array(kc, dtype=np.uint8, order="C", copy=True)
@@ -82,7 +83,7 @@ def run_u8(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
              np.array(0, F32), np.array(0, np.int32), np.zeros([0], F32),
              np.array(int((past + n).max()), np.int32), np.ascontiguousarray(n, np.int32),
              np.zeros([0], np.int32), np.zeros([0, 1], np.int32), np.zeros([0, D], F32)]
-    model = build_model(H, Hkv, D, ov.Type.dynamic)
+    model = build_model(H, Hkv, D, ov.Type.dynamic, Dv=Dv)
     out, scores = infer(model, feeds, cfg)
     return ((out, scores) if with_scores else out), kc, vc
 
@@ -243,22 +244,37 @@ def insert_model(key, value, kc, vc, past_lens, sb, bi, bib, key_group=0, value_
     return kc, vc
 
 
-def attention_over_dequantized(query, key_shape, kc, vc, past_lens, sb, bi, bib, score_window):
-    """Float64 attention (tools/pa_ref.py) over u8 caches of the default layout after a call,
-    dequantized: the call's new keys and values are read back from their slots, so the reference
-    re-inserts exactly what the caches hold. Returns (output, scores)."""
-    from pa_ref import paged_attention_ref
-    NB, Hkv, _, D = kc.shape
+def dequantize_caches(kc, vc, D, Dv, key_group=0, value_group=0, key_by_token=False):
+    """u8 caches of any layout -> float64 ``[NB, Hkv, BS, D]`` keys and ``[NB, Hkv, BS, Dv]`` values."""
+    NB, Hkv = kc.shape[:2]
     kd = np.zeros((NB, Hkv, BS, D), np.float64)
-    vd = np.zeros((NB, Hkv, BS, D), np.float64)
+    vd = np.zeros((NB, Hkv, BS, Dv), np.float64)
     for b in range(NB):
         for h in range(Hkv):
-            scale, zp, rows = channel_block_params(kc[b, h])
-            kd[b, h] = dequant(rows, scale, zp)
+            if key_by_token:
+                for t in range(BS):
+                    kd[b, h, t] = read_token_row(kc[b, h, t], D, key_group)
+            else:
+                scale, zp, rows = channel_block_params(kc[b, h])
+                kd[b, h] = dequant(rows, scale, zp)
             for t in range(BS):
-                vd[b, h, t] = read_token_row(vc[b, h, t], D, 0)
+                vd[b, h, t] = read_token_row(vc[b, h, t], Dv, value_group)
+    return kd, vd
+
+
+def attention_over_dequantized(query, key_shape, kc, vc, past_lens, sb, bi, bib, score_window,
+                               Dv=None, key_group=0, value_group=0, key_by_token=False):
+    """Float64 attention (tools/pa_ref.py) over u8 caches after a call, dequantized: the call's new
+    keys and values are read back from their slots, so the reference re-inserts exactly what the
+    caches hold. ``key_shape`` is the key input's ``[T, Hkv * D]``; ``Dv`` the value head size (D
+    when not given); the layout arguments as for ``u8_config``. Returns (output, scores)."""
+    from pa_ref import paged_attention_ref
+    Hkv = kc.shape[1]
+    D = key_shape[1] // Hkv
+    Dv = D if Dv is None else Dv
+    kd, vd = dequantize_caches(kc, vc, D, Dv, key_group, value_group, key_by_token)
     key = np.zeros(key_shape, np.float64)
-    value = np.zeros(key_shape, np.float64)
+    value = np.zeros((key_shape[0], Hkv * Dv), np.float64)
     for s in range(len(past_lens)):
         for i in range(int(sb[s + 1] - sb[s])):
             pos = int(past_lens[s]) + i

@@ -4,7 +4,8 @@
 Checked: greedy f32 token ids and text of the 8 standard prompts run as one continuous batch (all
 five tiny variants, gpt-oss's attention sinks and alternating windows and a value head size other than the key's among them), the chat template, seeded sampling with n=2, stop strings, a refused prompt
 failing alone, a model directory with a missing file, u8 and u4 KV caches (against GenAI with the
-same KV_CACHE_PRECISION), and the converter (f32 and u4 IRs).
+same KV_CACHE_PRECISION; with a value head size other than the key's, where GenAI's built-in op is
+wrong, against its f32 ids), and the converter (f32 and u4 IRs).
 
 Needs the release binary: ``$PA_ENGINE``, else <repo>/target/release/pa-engine
 (``cargo build --release -p`` the engine crate). The model directories are written once per
@@ -250,19 +251,6 @@ def test_missing_model_file(missing, engine, models, prompts, tmp_path):
     assert str(d / other) not in err, err
 
 
-def test_value_head_size_on_u8_caches_is_refused_at_load_naming_the_node(engine, models, prompts,
-                                                                          tmp_path):
-    """u8 caches (the engine's default) with a value head size other than the key's: refused at
-    load with both head sizes named, nothing generated; f32 caches run it (the greedy test)."""
-    flags = [f for f in F32_FLAGS]
-    flags[flags.index("--cache-type") + 1] = "u8"
-    rc, lines, err = run_engine(engine, models["value_head"], prompts["value_head"][:1], *flags,
-                                tmp_path=tmp_path, check=False)
-    assert rc == 1 and lines == [], err
-    assert re.search(r"PagedAttentionExtension `[^`]+`: value head size 32 differs from the key "
-                     r"head size 64; with u8 caches", err), err
-
-
 # ------------------------------------------------------------------------------ 7. u8 caches
 
 def genai_quant(cache, models, prompts, name, cache_type):
@@ -421,6 +409,69 @@ def test_converter_u4_ir_has_the_plugins_u4_caches_and_gives_genais_ids(engine, 
             ids.append(tokens[0])
         assert ids == ref[k]["token_ids"][:12], f"prompt {k}"
         assert ids != f32[k]["token_ids"][:12], f"prompt {k}: u4 ids equal f32's"
+
+
+@pytest.mark.parametrize("cache_type", ["u8", "u4"])
+def test_value_head_size_on_quantized_caches(cache_type, engine, models, prompts, cache, tmp_path,
+                                             capsys, tmp_path_factory):
+    """value_head (key heads 64 wide, value heads 32) on u8 and u4 caches, on GenAI's schedule.
+    The converter gives the cache Parameters the plugin's own shapes for the cache type (value rows
+    of 32 elements and their parameters), and the block count is what --kv-cache-size holds of
+    them. GenAI with the same KV_CACHE_PRECISION is no oracle here: OpenVINO 2026.4.1's built-in
+    op reads cached u8/u4 values wrongly when Dv != D (docs/openvino.md; measured: GenAI's u8 and u4
+    ids leave its f32 ids at token 0 or 1 on every prompt). So:
+    - u8: the engine's ids are GenAI's f32 ids, all 512 (measured: u8 noise moves no id of this
+      model, as on gqa4);
+    - u4: the first token of each prompt GenAI prefills whole in its first step (no cached tokens
+      read, where the built-in op is right) is GenAI's u4 first token, and u4 moves ids away from f32 (measured
+      92/512 equal). The u4 attention itself is checked against float64 at Dv != D in
+      tests/u4_op.rs."""
+    name = "value_head"
+    _, ours, err = run_engine(engine, models[name], prompts[name], "--cache-type", cache_type,
+                              "--precision", "f32", "--threads", str(THREADS), "--max-new-tokens",
+                              str(NEW), "--ignore-eos", "--stats", *GENAI_SCHEDULE, "--kv-cache-size",
+                              "0.05", tmp_path=tmp_path)
+    plugin = plugin_caches(cache, models, name, cache_type)
+    assert plugin["value_cache.0"][1][1:] == ([2, 32, 32 + 8] if cache_type == "u8" else
+                                              [2, 32, 32 + 16]), plugin
+    block = sum(b for _, _, b in plugin.values())
+    blocks = re.search(rf"(\d+) blocks of 32 \({cache_type}\)", err)
+    assert blocks and int(blocks.group(1)) == 50_000_000 // block, (err, block)
+    out = tmp_path / "paged.xml"
+    p = subprocess.run([str(engine), "convert", str(models[name] / "openvino_model.xml"), str(out),
+                        "--cache-type", cache_type], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    import openvino as ov
+    core = ov.Core()
+    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
+                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
+    got = {}
+    for prm in core.read_model(out).get_parameters():
+        n = prm.get_output_tensor(0).get_any_name()
+        if n.startswith(("key_cache.", "value_cache.")):
+            got[n] = (prm.get_element_type().get_type_name(),
+                      [d.get_length() if d.is_static else -1 for d in prm.get_partial_shape()])
+    assert got == {n: (t, dims) for n, (t, dims, _) in plugin.items()}
+
+    f32 = genai_f32(cache, models, prompts, name)
+    quant = genai_quant(cache, models, prompts, name, cache_type)
+    same = [sum(x == y for x, y in zip(o["token_ids"], r["token_ids"])) for o, r in zip(ours, f32)]
+    genai_same = [sum(x == y for x, y in zip(q["token_ids"], r["token_ids"]))
+                  for q, r in zip(quant, f32)]
+    with capsys.disabled():
+        print(f"\n[{cache_type} value_head] ids equal to GenAI f32's: ours {sum(same)}/512, "
+              f"GenAI {cache_type} {sum(genai_same)}/512")
+    if cache_type == "u8":
+        assert sum(same) == len(f32) * NEW, same
+    else:
+        # the prompts of GenAI's first step (256 token rows) whole, but for the 1-token prompt,
+        # which the built-in op runs as a decode (from its cache)
+        lens = [len(r["prompt_ids"]) for r in quant]
+        one_call = [k for k in range(len(lens)) if sum(lens[:k + 1]) <= 256 and lens[k] > 1]
+        assert len(one_call) >= 4, lens
+        for k in one_call:
+            assert ours[k]["token_ids"][0] == quant[k]["token_ids"][0], f"prompt {k}"
+        assert sum(same) < len(f32) * NEW
 
 
 # ------------------------------------------------------------------------------ 9. the converter
