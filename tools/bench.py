@@ -25,6 +25,11 @@ Outputs of the paths are compared (max abs difference) as a sanity check. A thre
 (parallel efficiency t1 / (n * tn)) follows when more than one thread count is measured.
 --chart FILE (.svg or .png, matplotlib) draws min ms of ours inside OpenVINO and of OpenVINO's
 built-in op, per workload and cache type, one panel per thread count, with the ratio above each pair.
+--ab LIB times another build's C library (B, e.g. a copy of main's target/release/libpaged_attention.so)
+right after this checkout's (A) in every repetition, on the same inputs, and prints a "# A/B" line per
+row with min and median of each and the median of the per-repetition ratios B/A (above 1: this checkout
+is faster; also in --json as ab_min, ab_med, ab_ratio): on a host whose speed drifts by tens of percent
+between runs, the paired ratio is what tells two builds apart (two runs of one build: 0.99-1.03).
 """
 from __future__ import annotations
 
@@ -296,6 +301,9 @@ def main():
     ap.add_argument("--hint", default="cache",
                     help="INFERENCE_PRECISION_HINT for both OpenVINO models: f32, f16, bf16, or 'cache' = "
                          "the cache's type (how an f16 or bf16 deployment runs)")
+    ap.add_argument("--ab", metavar="LIB",
+                    help="also time another build's C library (B) after this checkout's (A) in every "
+                         "repetition and print the median paired ratio B/A (see above)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--chart", help="also draw the results to this .svg or .png file")
     ap.add_argument("--from-json", help="no benchmark: read the rows --json wrote (use with --chart)")
@@ -314,6 +322,11 @@ def main():
     lib = ct.CDLL(str(LIB))
     lib.pa_execute.restype = ct.c_int32
     lib.pa_set_num_threads.argtypes = [ct.c_size_t]
+    lib_b = None
+    if args.ab:
+        lib_b = ct.CDLL(str(Path(args.ab).resolve()))
+        lib_b.pa_execute.restype = ct.c_int32
+        lib_b.pa_set_num_threads.argtypes = [ct.c_size_t]
     core = ov.Core()
     has_ext = EXT.is_file()
     import tempfile
@@ -357,19 +370,38 @@ def main():
                     call.run_ext()  # the process's first call into our library, from infer()
                     first = False
                 lib.pa_set_num_threads(nthr)
+                if lib_b is not None:
+                    lib_b.pa_set_num_threads(nthr)
+
+                def run_b():
+                    call._lib = lib_b
+                    try:
+                        call.run_ours()
+                    finally:
+                        call._lib = lib
                 for _ in range(2):  # warm-up (thread pools, page faults, plugin caches)
                     if ext_err is None:
                         call.run_ext()
                     if ov_err is None:
                         call.run_ov()
                     call.run_ours()
-                ours, ovt, ext = [], [], []
+                    if lib_b is not None:
+                        run_b()
+                ours, ovt, ext, ab = [], [], [], []
                 for _ in range(args.reps):
                     if ext_err is None:
                         ext.append(timed(call.run_ext))
                     if ov_err is None:
                         ovt.append(timed(call.run_ov))
                     ours.append(timed(call.run_ours))
+                    if lib_b is not None:
+                        ab.append(timed(run_b))
+                if ab:
+                    ratios = statistics.median(b / a for a, b in zip(ours, ab))
+                    print(f"#   A/B {label} {ctype} {nthr} thr: A (this checkout) {min(ours):.2f} / "
+                          f"{statistics.median(ours):.2f} ms, B ({args.ab}) {min(ab):.2f} / "
+                          f"{statistics.median(ab):.2f} ms (min / median); median B/A {ratios:.3f}",
+                          flush=True)
                 omin = min(ours)
                 diff = float("nan")
                 if ov_err is None:
@@ -387,6 +419,8 @@ def main():
                            ratio=(vmin / emin) if (vmin and emin) else None, gbs=gbs,
                            bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
                            fma_pct=100 * gfl / machine["fma_gflops"], diff=diff, machine=machine)
+                if ab:
+                    row.update(ab_min=min(ab), ab_med=statistics.median(ab), ab_ratio=ratios)
                 rows.append(row)
                 ext_txt = ext_err or f"{emin:.2f} / {row['ext_med']:.2f}"
                 ov_txt = ov_err or f"{vmin:.2f} / {row['ov_med']:.2f}"
