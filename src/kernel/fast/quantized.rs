@@ -284,11 +284,7 @@ fn block_logits<M: U8Micro + Micro>(
             m.fold(q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
             let rb = d * l.bits / 8;
             let data = &slab[PARAM_BYTES * d + slot0 * rb..];
-            let k = QRows {
-                bytes: data,
-                ld: rb,
-                bits: l.bits,
-            };
+            let k = QRows::new(data, rb, l.bits);
             let kzp = &sc.zeros[..n];
             U8Micro::qk(m, &sc.qs, d, nr, k, kzp, d, s, lds, ahead);
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
@@ -323,11 +319,7 @@ fn block_logits<M: U8Micro + Micro>(
                     sc.kscale[t] = read_f32(&rows_bytes[t * kr + g0..], 0);
                     sc.kzp[t] = read_f32(&rows_bytes[t * kr + g0..], 1);
                 }
-                let k = QRows {
-                    bytes: &rows_bytes[g0 + PARAM_BYTES..],
-                    ld: kr,
-                    bits: l.bits,
-                };
+                let k = QRows::new(&rows_bytes[g0 + PARAM_BYTES..], kr, l.bits);
                 U8Micro::qk(
                     m,
                     &q[gi * g..],
@@ -547,11 +539,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     let (vs, vz) = (&sc.vscale[..nb], &sc.vzp[..nb]);
                     let w = &hd.s[j0 - s0..];
                     m.fold(w, span, nr, vs, vz, &mut sc.w, nb, &mut sc.cst);
-                    let vb = QRows {
-                        bytes: &vrows[g0 + PARAM_BYTES..],
-                        ld: vrow,
-                        bits: l.bits,
-                    };
+                    let vb = QRows::new(&vrows[g0 + PARAM_BYTES..], vrow, l.bits);
                     let (w, pf) = (&sc.w[..nr * nb], share(next, (gi, ngroups)));
                     let acc = &mut hd.acc[gi * vg..];
                     m.pv(acc, dv, nr, w, vb, &sc.zeros[..nb], vg, pf);

@@ -103,7 +103,13 @@ pub(crate) struct QRows<'a> {
     pub bits: usize,
 }
 
-impl QRows<'_> {
+impl<'a> QRows<'a> {
+    /// Rows of `bits`-bit elements, `ld` bytes apart, in `bytes`.
+    #[inline(always)]
+    pub(crate) fn new(bytes: &'a [u8], ld: usize, bits: usize) -> QRows<'a> {
+        QRows { bytes, ld, bits }
+    }
+
     /// Whether the elements are u4 nibbles (else bytes); panics on any other width.
     #[inline(always)]
     pub(crate) fn u4(&self) -> bool {

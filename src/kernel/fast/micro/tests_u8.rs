@@ -86,11 +86,7 @@ fn qk<M: U8Micro>(m: M, tier: &str, bits: usize) {
                     let (ldq, ldk, lds) = (len + 2, len + 5, n + 3);
                     let q: Vec<f32> = (0..rows * ldq).map(|_| rng.f(1.0)).collect();
                     let kb = qrows(&mut rng, bits, n, len, ldk);
-                    let k = QRows {
-                        bytes: &kb,
-                        ld: ldk,
-                        bits,
-                    };
+                    let k = QRows::new(&kb, ldk, bits);
                     let zp = rng.zps(n, zero);
                     let mut s = vec![f32::NAN; rows * lds];
                     m.qk(&q, ldq, rows, k, &zp, len, &mut s, lds, &[]);
@@ -104,11 +100,7 @@ fn qk<M: U8Micro>(m: M, tier: &str, bits: usize) {
                     );
                     if bits == 4 {
                         let wide = widened(&kb, ldk, n, len);
-                        let k8 = QRows {
-                            bytes: &wide,
-                            ld: ldk,
-                            bits: 8,
-                        };
+                        let k8 = QRows::new(&wide, ldk, 8);
                         let mut s8 = vec![f32::NAN; rows * lds];
                         m.qk(&q, ldq, rows, k8, &zp, len, &mut s8, lds, &[]);
                         assert!(same_bits(&s, &s8), "{what}: not the bits of its bytes");
@@ -150,11 +142,7 @@ fn pv<M: U8Micro>(m: M, tier: &str, bits: usize) {
                 let before = acc.clone();
                 let w: Vec<f32> = (0..rows * n).map(|_| rng.f(1.0).abs()).collect();
                 let vb = qrows(&mut rng, bits, n, len, ldv);
-                let v = QRows {
-                    bytes: &vb,
-                    ld: ldv,
-                    bits,
-                };
+                let v = QRows::new(&vb, ldv, bits);
                 let zp = rng.zps(n, zero);
                 let mut hinted = acc.clone();
                 m.pv(&mut acc, lda, rows, &w, v, &zp, len, &[]);
@@ -167,11 +155,7 @@ fn pv<M: U8Micro>(m: M, tier: &str, bits: usize) {
                 );
                 if bits == 4 {
                     let wide = widened(&vb, ldv, n, len);
-                    let v8 = QRows {
-                        bytes: &wide,
-                        ld: ldv,
-                        bits: 8,
-                    };
+                    let v8 = QRows::new(&wide, ldv, 8);
                     let mut acc8 = before.clone();
                     m.pv(&mut acc8, lda, rows, &w, v8, &zp, len, &[]);
                     assert!(same_bits(&acc, &acc8), "{what}: not the bits of its bytes");

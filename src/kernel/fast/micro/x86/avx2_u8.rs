@@ -9,11 +9,12 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{
-    all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro,
-};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
 use super::avx2::{exp_sub_sum_rows, hsum4, load_partial, Avx2};
 use super::prefetch::Pf;
+use super::u8_loops::{self, PvArgs, QkArgs, U8Loops};
+
+u8_loops::u8_loops_by!(Avx2);
 
 impl U8Micro for Avx2 {
     fn qk(
@@ -37,14 +38,7 @@ impl U8Micro for Avx2 {
         // subtraction fewer per 8 elements.
         // SAFETY: `self` proves the features; `qk_bounds` checked the arguments (rows of
         // `k.span(len)` bytes).
-        unsafe {
-            match (all_zero(zp), k.u4()) {
-                (true, false) => qk_tiles::<false, false>(args, pf),
-                (false, false) => qk_tiles::<true, false>(args, pf),
-                (true, true) => qk_tiles::<false, true>(args, pf),
-                (false, true) => qk_tiles::<true, true>(args, pf),
-            }
-        }
+        unsafe { u8_loops::qk::<Self>(args, (!all_zero(zp), k.u4()), pf) }
     }
 
     fn pv(
@@ -66,14 +60,7 @@ impl U8Micro for Avx2 {
         // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
         // SAFETY: `self` proves the features; `pv_bounds` checked the arguments (rows of
         // `v.span(len)` bytes).
-        unsafe {
-            match (all_zero(zp), v.u4()) {
-                (true, false) => pv_rows::<false, false>(args, pf),
-                (false, false) => pv_rows::<true, false>(args, pf),
-                (true, true) => pv_rows::<false, true>(args, pf),
-                (false, true) => pv_rows::<true, true>(args, pf),
-            }
-        }
+        unsafe { u8_loops::pv::<Self>(args, (!all_zero(zp), v.u4()), pf) }
     }
 
     fn fold(
@@ -161,7 +148,10 @@ unsafe fn load_q<const U4: bool>(row: *const u8, c: usize) -> __m256 {
         if U4 {
             let x = _mm_cvtsi32_si128(std::ptr::read_unaligned(row.add(c / 2) as *const i32));
             let low = _mm_set1_epi8(15);
-            _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16::<4>(x), low), _mm_and_si128(x, low))
+            _mm_unpacklo_epi8(
+                _mm_and_si128(_mm_srli_epi16::<4>(x), low),
+                _mm_and_si128(x, low),
+            )
         } else {
             _mm_loadl_epi64(row.add(c) as *const __m128i)
         }
@@ -182,7 +172,11 @@ unsafe fn load_sub<const U4: bool>(row: *const u8, c: usize, cnt: usize, zp: __m
         return _mm256_sub_ps(unsafe { load_q::<U4>(row, c) }, zp);
     }
     let mut buf = [0u8; 8];
-    let (at, nb) = if U4 { (c / 2, cnt.div_ceil(2)) } else { (c, cnt) };
+    let (at, nb) = if U4 {
+        (c / 2, cnt.div_ceil(2))
+    } else {
+        (c, cnt)
+    };
     // SAFETY: the caller guarantees the `nb` bytes of elements `c..c + cnt` at `row + at`;
     // `buf` holds 8 (whole elements 0..8 for `load_q`).
     unsafe { std::ptr::copy_nonoverlapping(row.add(at), buf.as_mut_ptr(), nb) };
@@ -360,50 +354,6 @@ unsafe fn qk_rk<const SUB: bool, const U4: bool, const R: usize, const K: usize>
     }
 }
 
-/// [`U8Micro::pv`] in blocks of up to 4 rows ([`pv_r`]); `SUB` and `U4` as there.
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C (an [`Avx2`] exists) and the arguments pass `pv_bounds`.
-#[allow(clippy::type_complexity)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_rows<const SUB: bool, const U4: bool>(
-    (acc, lda, rows, w, v, ldv, zp, len): (
-        &mut [f32],
-        usize,
-        usize,
-        &[f32],
-        &[u8],
-        usize,
-        &[f32],
-        usize,
-    ),
-    mut pf: Pf,
-) {
-    let n = zp.len();
-    let mut r = 0;
-    while r < rows {
-        let take = (rows - r).min(4);
-        // SAFETY: the caller guarantees the features and that `pv_bounds` checked rows
-        // `r..r + take` of `acc` (stride `lda`, `len` elements), `rows * n` weights of `w` and
-        // the `n` value rows (stride `ldv`, the bytes of `len` elements each).
-        unsafe {
-            let (a, wp, vp) = (
-                acc.as_mut_ptr().add(r * lda),
-                w.as_ptr().add(r * n),
-                v.as_ptr(),
-            );
-            let (args, pf) = ((a, lda, wp, n, vp, ldv, zp), &mut pf);
-            match take {
-                4 => pv_r::<SUB, U4, 4>(args, len, pf),
-                3 => pv_r::<SUB, U4, 3>(args, len, pf),
-                2 => pv_r::<SUB, U4, 2>(args, len, pf),
-                _ => pv_r::<SUB, U4, 1>(args, len, pf),
-            }
-        }
-        r += take;
-    }
-}
-
 /// R accumulator rows held in registers over all `n` keys, 16 columns at a time (two chunks of
 /// 8: 2R independent sums, enough to hide the FMA latency) and 8 for the rest, `pf` ticked
 /// before each; `SUB`: whether the zero points are subtracted (they are all 0 when not).
@@ -411,10 +361,10 @@ unsafe fn pv_rows<const SUB: bool, const U4: bool>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_r<const SUB: bool, const U4: bool, const R: usize>(
-    args: (*mut f32, usize, *const f32, usize, *const u8, usize, &[f32]),
-    len: usize,
+    (acc, lda, w, n, v, ldv, zp, len): PvArgs<'_>,
     pf: &mut Pf,
 ) {
+    let args = (acc, lda, w, n, v, ldv, zp);
     let mut c = 0;
     while c < len {
         pf.tick();

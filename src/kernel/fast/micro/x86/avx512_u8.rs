@@ -7,11 +7,12 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{
-    all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro,
-};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
 use super::avx512::{exp16, reduce16, tail, Avx512};
 use super::prefetch::Pf;
+use super::u8_loops::{self, PvArgs, QkArgs, U8Loops};
+
+u8_loops::u8_loops_by!(Avx512);
 
 impl U8Micro for Avx512 {
     fn qk(
@@ -35,14 +36,7 @@ impl U8Micro for Avx512 {
         let args = (q, ldq, rows, k.bytes, k.ld, zp, len, s, lds);
         // SAFETY: `self` proves the features; `qk_bounds` checked the arguments (rows of
         // `k.span(len)` bytes).
-        unsafe {
-            match (all_zero(zp), k.u4()) {
-                (true, false) => qk_tiles::<false, false>(args, pf),
-                (false, false) => qk_tiles::<true, false>(args, pf),
-                (true, true) => qk_tiles::<false, true>(args, pf),
-                (false, true) => qk_tiles::<true, true>(args, pf),
-            }
-        }
+        unsafe { u8_loops::qk::<Self>(args, (!all_zero(zp), k.u4()), pf) }
     }
 
     fn pv(
@@ -64,14 +58,7 @@ impl U8Micro for Avx512 {
         // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
         // SAFETY: `self` proves the features; `pv_bounds` checked the arguments (rows of
         // `v.span(len)` bytes).
-        unsafe {
-            match (all_zero(zp), v.u4()) {
-                (true, false) => pv_rows::<false, false>(args, pf),
-                (false, false) => pv_rows::<true, false>(args, pf),
-                (true, true) => pv_rows::<false, true>(args, pf),
-                (false, true) => pv_rows::<true, true>(args, pf),
-            }
-        }
+        unsafe { u8_loops::pv::<Self>(args, (!all_zero(zp), v.u4()), pf) }
     }
 
     fn fold(
@@ -275,7 +262,10 @@ unsafe fn load_q<const U4: bool, const H: usize>(
             _mm_maskz_loadu_epi8(bytes, row.add(c / 2) as *const i8)
         };
         let low = _mm_set1_epi8(15);
-        let (hi, lo) = (_mm_and_si128(_mm_srli_epi16::<4>(x), low), _mm_and_si128(x, low));
+        let (hi, lo) = (
+            _mm_and_si128(_mm_srli_epi16::<4>(x), low),
+            _mm_and_si128(x, low),
+        );
         b[0] = _mm_unpacklo_epi8(hi, lo);
         if H > 1 {
             b[1] = _mm_unpackhi_epi8(hi, lo);
@@ -418,46 +408,6 @@ unsafe fn pv_r<const SUB: bool, const U4: bool, const R: usize>(
             }
         }
         c += 32;
-    }
-}
-
-/// [`U8Micro::pv`] in blocks of up to 4 rows ([`pv_r`]); `SUB` and `U4` as there.
-///
-/// # Safety
-/// The CPU has AVX-512 F/BW/VL/DQ (an [`Avx512`] exists) and the arguments pass `pv_bounds`.
-#[allow(clippy::type_complexity)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn pv_rows<const SUB: bool, const U4: bool>(
-    (acc, lda, rows, w, v, ldv, zp, len): (
-        &mut [f32],
-        usize,
-        usize,
-        &[f32],
-        &[u8],
-        usize,
-        &[f32],
-        usize,
-    ),
-    mut pf: Pf,
-) {
-    let n = zp.len();
-    let mut r = 0;
-    while r < rows {
-        let take = (rows - r).min(4);
-        // SAFETY: the caller guarantees the features and that `pv_bounds` checked rows
-        // `r..r + take` of `acc` (stride `lda`, `len` elements), `rows * n` weights of `w` and
-        // the `n` value rows (stride `ldv`, the bytes of `len` elements each).
-        unsafe {
-            let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
-            let (args, pf) = ((a, lda, wp, n, v.as_ptr(), ldv, zp, len), &mut pf);
-            match take {
-                4 => pv_r::<SUB, U4, 4>(args, pf),
-                3 => pv_r::<SUB, U4, 3>(args, pf),
-                2 => pv_r::<SUB, U4, 2>(args, pf),
-                _ => pv_r::<SUB, U4, 1>(args, pf),
-            }
-        }
-        r += take;
     }
 }
 
