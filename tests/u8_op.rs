@@ -9,7 +9,7 @@ mod common;
 
 use common::call::{idx, Data, Owned, Runner, RUNNERS};
 use common::ref64::{gen_case, reference, Case, Features, Geometry, SeqKind};
-use common::u8::{dequantized_case, layout_for, u8_call, LAYOUTS};
+use common::u8::{dequantized_case, layout_for, layout_for_bits, u8_call, LAYOUTS};
 use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
 use paged_attention::op::{infer_shapes, PartialInput, PartialShape, DYN};
 use paged_attention::{ElemType, PaError};
@@ -465,7 +465,9 @@ fn shape_inference_reads_u8_layouts() {
 /// over the dequantized caches and against the scalar level, on edge geometries: head sizes that
 /// leave 16-lane tails (24, 40), more query heads per KV head than a tile has rows (10), block
 /// size 16, long contexts spanning many blocks, value heads of another size than the key's
-/// (Dv 32 with D 64, Dv 40 with D 24: OpenVINO's `value_cache [?, Hkv, BS, Dv + 8 * Dv / G]`).
+/// (Dv 32 with D 64, Dv 40 with D 24: OpenVINO's `value_cache [?, Hkv, BS, Dv + 8 * Dv / G]`);
+/// each on u8 caches and on u4 caches of the same layout (whose decode items read the nibbles
+/// in place).
 #[test]
 fn every_simd_level_matches_float64_and_the_scalar_twin() {
     use paged_attention::kernel::fast::{execute_with, FastOptions, SimdLevel};
@@ -490,7 +492,8 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
         ] {
             let mut geo = Geometry::new(qt, ElemType::F32, hkv, g, d, bs);
             (geo.dv, geo.max_past, geo.max_new) = (dv, 150, 40);
-            for (key, value_group) in LAYOUTS {
+            let layouts = LAYOUTS.into_iter().flat_map(|l| [(l, 8), (l, 4)]);
+            for ((key, value_group), bits) in layouts {
                 if value_group > dv || !dv.is_multiple_of(value_group.max(1)) {
                     continue;
                 }
@@ -500,7 +503,8 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
                     }
                 }
                 let c = gen_case(checked as u64 + 500, &geo, &features());
-                let l = layout_for(&c, key, value_group);
+                let l = layout_for_bits(&c, key, value_group, bits);
+                assert!(l.is_valid(), "{l:?}");
                 let mut scalar = u8_call(&c, &l);
                 run(&mut scalar, SimdLevel::Scalar);
                 let want = reference(&dequantized_case(
@@ -535,7 +539,7 @@ fn every_simd_level_matches_float64_and_the_scalar_twin() {
             }
         }
     }
-    assert!(checked >= 40, "{checked} runs");
+    assert!(checked >= 80, "{checked} runs");
 }
 
 /// Long prefills and mixed batches on u8 caches (several prefill items per KV head, partial

@@ -1,14 +1,15 @@
-//! Quantized caches (u8 in OpenVINO's layouts, and u4 read through its u8 form, `fast::u4`) as a
-//! [`Source`] of the one pipeline: rotation and insertion quantize with `kernel::quant` (the
-//! byte-checked code, one task per KV head); attention reads the cache bytes, never widening a
-//! cache. The partition, the merge of key chunks, the prefill loop and the scores are the
-//! pipeline's; this file says how a block's bytes meet the rows:
+//! Quantized caches (u8 in OpenVINO's layouts, and u4: read in place by decode items, through
+//! its u8 form by prefill items, `fast::u4`) as a [`Source`] of the one pipeline: rotation and
+//! insertion quantize with `kernel::quant` (the byte-checked code, one task per KV head);
+//! attention reads the cache bytes, never widening a cache. The partition, the merge of key
+//! chunks, the prefill loop and the scores are the pipeline's; this file says how a block's
+//! bytes meet the rows:
 //! - decode items (the rows of a query tile of a run of KV heads, over one key chunk) walk
 //!   their key blocks once per tile of up to [`ROWS`] rows per head, (block, KV head) in
 //!   storage order, in online-softmax steps of about [`STEP_KEYS`] keys, reading each key and
-//!   value byte once for all G heads through the [`U8Micro`] loops (dequantized in registers),
-//!   and write each row's `[max, sum, acc]` slot and their score rows' logits, as float decode
-//!   items do. Per block and head:
+//!   value element (a byte, or a u4 nibble: `micro::QRows`) once for all G heads through the
+//!   [`U8Micro`] loops (dequantized in registers), and write each row's `[max, sum, acc]` slot
+//!   and their score rows' logits, as float decode items do. Per block and head:
 //!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
 //!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
 //!     scales once and the second sum is one constant per row and block ([`U8Micro::fold`]);
@@ -24,13 +25,13 @@
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
 //! reference's (`kernel::layout`), logits capped at the f32 range as every path caps them.
 
-use super::micro::{Kernels, Micro, U8Micro};
+use super::micro::{Kernels, Micro, QRows, U8Micro};
 use super::partition::{Item, Tuning};
 use super::prefill::{self, aligned, KvRows, TileSource, Widened};
 use super::shared::SharedMut;
 use super::source::{Ctx, KeyTile, Out, Source};
 use super::tile::{grow, share};
-use super::u4::{ItemBlocks, Unpacked};
+use super::u4::Unpacked;
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::kernel::bind::Bound;
@@ -159,18 +160,23 @@ fn key_params<'a>(
     (&sc[..d], &zp[..d])
 }
 
-/// The rows of sequence `sp`, KV head `kvh`, for tokens `i0..i1` (in token, then head order).
-fn rows_of(plan: &Plan, sp: &SeqPlan, kvh: usize, i0: usize, i1: usize) -> Vec<RowRef> {
-    (i0..i1)
-        .flat_map(|i| {
-            (0..plan.g).map(move |g| RowRef {
-                token: sp.begin + i,
-                pos: sp.past + i,
-                head: kvh * plan.g + g,
-                scored: i >= sp.n - sp.score_tokens,
-            })
+/// The rows of sequence `sp`, KV head `kvh`, for tokens `i0..i1` (in token, then head order;
+/// an iterator: decode tiles take theirs without allocating).
+fn rows_of<'p>(
+    plan: &'p Plan,
+    sp: &'p SeqPlan,
+    kvh: usize,
+    (i0, i1): (usize, usize),
+) -> impl Iterator<Item = RowRef> + 'p {
+    let g = plan.g;
+    (i0..i1).flat_map(move |i| {
+        (0..g).map(move |gi| RowRef {
+            token: sp.begin + i,
+            pos: sp.past + i,
+            head: kvh * g + gi,
+            scored: i >= sp.n - sp.score_tokens,
         })
-        .collect()
+    })
 }
 
 /// One KV head's part of a decode tile: its rows and their state across the key blocks.
@@ -216,8 +222,6 @@ impl HeadState {
 struct DecodeScratch {
     sc: Scratch,
     heads: Vec<HeadState>,
-    /// u4 caches: the item's blocks unpacked to u8.
-    u4: ItemBlocks,
 }
 
 impl DecodeScratch {
@@ -278,9 +282,11 @@ fn block_logits<M: U8Micro + Micro>(
             // logits.
             let (sc_, zp) = key_params(slab, d, (&mut sc.sc, &mut sc.zp));
             m.fold(q, d, nr, sc_, zp, &mut sc.qs, d, &mut sc.cst);
-            let data = &slab[PARAM_BYTES * d + slot0 * d..];
+            let rb = d * l.bits / 8;
+            let data = &slab[PARAM_BYTES * d + slot0 * rb..];
+            let k = QRows::new(data, rb, l.bits);
             let kzp = &sc.zeros[..n];
-            U8Micro::qk(m, &sc.qs, d, nr, data, d, kzp, d, s, lds, ahead);
+            U8Micro::qk(m, &sc.qs, d, nr, k, kzp, d, s, lds, ahead);
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
                 for x in &mut s[r * lds..][..n] {
                     *x -= c;
@@ -292,10 +298,9 @@ fn block_logits<M: U8Micro + Micro>(
             for &r in odd {
                 let qr = &q[r * d..][..d];
                 for (t, x) in s[r * lds..][..n].iter_mut().enumerate() {
-                    let k = data[t * d..][..d].iter().zip(sc_.iter().zip(zp));
-                    let dot = qr.iter().zip(k);
+                    let dot = qr.iter().zip(sc_.iter().zip(zp)).enumerate();
                     *x = dot
-                        .map(|(&q, (&k, (&sc, &z)))| q * quant::dequant(k, sc, z))
+                        .map(|(c, (&q, (&sc, &z)))| q * quant::dequant(k.at(t, c), sc, z))
                         .sum();
                 }
             }
@@ -309,19 +314,18 @@ fn block_logits<M: U8Micro + Micro>(
             }
             let ngroups = d / g;
             for gi in 0..ngroups {
-                let g0 = gi * (g + PARAM_BYTES);
+                let g0 = gi * (g * l.bits / 8 + PARAM_BYTES);
                 for t in 0..n {
                     sc.kscale[t] = read_f32(&rows_bytes[t * kr + g0..], 0);
                     sc.kzp[t] = read_f32(&rows_bytes[t * kr + g0..], 1);
                 }
-                let k = &rows_bytes[g0 + PARAM_BYTES..];
+                let k = QRows::new(&rows_bytes[g0 + PARAM_BYTES..], kr, l.bits);
                 U8Micro::qk(
                     m,
                     &q[gi * g..],
                     d,
                     nr,
                     k,
-                    kr,
                     &sc.kzp[..n],
                     g,
                     &mut sc.t2,
@@ -522,7 +526,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                 let vrows = value_rows(plan, l, v.vc, (blk, kvh0 + i), j0, j1);
                 let nr = hd.rows.len();
                 for gi in 0..ngroups {
-                    let g0 = gi * (vg + PARAM_BYTES);
+                    let g0 = gi * (vg * l.bits / 8 + PARAM_BYTES);
                     for ((row, s), z) in vrows
                         .chunks_exact(vrow)
                         .zip(&mut sc.vscale[..nb])
@@ -535,9 +539,10 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     let (vs, vz) = (&sc.vscale[..nb], &sc.vzp[..nb]);
                     let w = &hd.s[j0 - s0..];
                     m.fold(w, span, nr, vs, vz, &mut sc.w, nb, &mut sc.cst);
-                    let (vb, acc) = (&vrows[g0 + PARAM_BYTES..], &mut hd.acc[gi * vg..]);
+                    let vb = QRows::new(&vrows[g0 + PARAM_BYTES..], vrow, l.bits);
                     let (w, pf) = (&sc.w[..nr * nb], share(next, (gi, ngroups)));
-                    m.pv(acc, dv, nr, w, vb, vrow, &sc.zeros[..nb], vg, pf);
+                    let acc = &mut hd.acc[gi * vg..];
+                    m.pv(acc, dv, nr, w, vb, &sc.zeros[..nb], vg, pf);
                     for (r, &c) in sc.cst[..nr].iter().enumerate() {
                         hd.zsum[r * ngroups + gi] += c;
                     }
@@ -859,29 +864,10 @@ impl Source for u8 {
             lay,
             chunk,
         };
+        // u8 and u4 caches alike: the products read the cache's bytes in place (`QRows`).
+        let v = View::of(ctx);
         DECODE_SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
-            let mut item_blocks = std::mem::take(&mut s.u4);
-            // u4: this item's blocks and heads, unpacked (a sequence whose blocks start at 0).
-            let u4_sp = SeqPlan {
-                block_begin: 0,
-                ..*sp
-            };
-            let (sp, v) = if ctx.layout.bits == 8 {
-                (sp, View::of(ctx))
-            } else {
-                let (l, packed) = (&ctx.layout, (ctx.kc, ctx.vc, ctx.block_indices));
-                let heads = (kvh0, kvh1);
-                let (kc, vc, bi) = item_blocks.unpack(plan, l, packed, sp.block_begin, keys, heads);
-                let l = U8Layout { bits: 8, ..*l };
-                let v = View {
-                    l,
-                    kc,
-                    vc,
-                    block_indices: bi,
-                };
-                (&u4_sp, v)
-            };
             let (sc, heads) = s.fit(plan, kvh1 - kvh0);
             let tokens_per_tile = (ROWS / plan.g).max(1);
             for i0 in (t0..t1).step_by(tokens_per_tile) {
@@ -890,16 +876,14 @@ impl Source for u8 {
                 let per_head = (i1 - i0) * plan.g;
                 for c0 in (0..per_head).step_by(ROWS) {
                     for (k, h) in heads.iter_mut().enumerate() {
-                        let rows = rows_of(plan, sp, kvh0 + k, i0, i1);
                         h.rows.clear();
-                        h.rows
-                            .extend_from_slice(&rows[c0..(c0 + ROWS).min(per_head)]);
+                        let rows = rows_of(plan, sp, kvh0 + k, (i0, i1));
+                        h.rows.extend(rows.skip(c0).take(ROWS));
                     }
                     let input = (&v, ctx.query);
                     attend_tile(m, plan, input, sp, kvh0, heads, sc, keys, &out);
                 }
             }
-            s.u4 = item_blocks;
         })
     }
 

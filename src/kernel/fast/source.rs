@@ -3,7 +3,8 @@
 //! the scores) is written once; a cache type says how a call's rows are prepared, how a decode
 //! item's rows meet its keys and values, which tiles a prefill item reads, and how many keys
 //! and items its decode work is cut into ([`Tuning`]). Float caches (f32, f16, bf16) are
-//! `float`; quantized caches (u8, and u4 through their u8 form) are `quantized`.
+//! `float`; quantized caches (u8, and u4: nibbles read in place by decode, through their u8
+//! form by prefill) are `quantized`.
 
 use super::micro::{Amx, Kernels};
 use super::partition::{Item, Partition, Tuning};
@@ -36,7 +37,7 @@ pub(crate) trait Source: Copy + Send + Sync + 'static {
     /// How the cache lays out its rows, beyond the plan's shapes.
     type Layout: Copy + Send + Sync;
     /// What a call prepares once for its prefill items (rows widened or dequantized once,
-    /// AMX tiles packed, u4 blocks unpacked).
+    /// AMX tiles packed, u4 blocks of prefill sequences unpacked).
     type Prep: Sync;
     /// Prepares the call's prefill items, `None` when they read the cache tile by tile.
     fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, Self>) -> Result<Option<Self::Prep>>;

@@ -87,16 +87,63 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
     fn narrow<C: Float>(self, src: &[f32], dst: &mut [C]);
 }
 
-/// The loops over u8 cache rows. Bytes are widened to f32 as they are loaded (never a whole
-/// row or cache ahead of use); the zero point here is one per call (a by-token group's), the
-/// driver folds per-channel parameters into the query rows.
 /// Every loop a tier has: what the pipeline runs on.
 pub(crate) trait Kernels: TileMicro + U8Micro {}
 impl<T: TileMicro + U8Micro> Kernels for T {}
 
+/// Rows of quantized cache elements as the [`U8Micro`] products read them, in place: row `t`
+/// starts at byte `t * ld` of `bytes`, and its element `c` is byte `c` (`bits` 8: u8 caches)
+/// or nibble `c` (`bits` 4: u4 caches, two elements a byte, the even one in the high nibble,
+/// as `kernel::quant::q_at` reads them). u4 rows are widened in registers as they are loaded,
+/// never unpacked to bytes in memory first.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QRows<'a> {
+    pub bytes: &'a [u8],
+    pub ld: usize,
+    pub bits: usize,
+}
+
+impl<'a> QRows<'a> {
+    /// Rows of `bits`-bit elements, `ld` bytes apart, in `bytes`.
+    #[inline(always)]
+    pub(crate) fn new(bytes: &'a [u8], ld: usize, bits: usize) -> QRows<'a> {
+        QRows { bytes, ld, bits }
+    }
+
+    /// Whether the elements are u4 nibbles (else bytes); panics on any other width.
+    #[inline(always)]
+    pub(crate) fn u4(&self) -> bool {
+        match self.bits {
+            4 => true,
+            8 => false,
+            b => panic!("quantized rows of {b} bits"),
+        }
+    }
+
+    /// The bytes of the first `len` elements of a row.
+    #[inline(always)]
+    pub(crate) fn span(&self, len: usize) -> usize {
+        if self.u4() {
+            len.div_ceil(2)
+        } else {
+            len
+        }
+    }
+
+    /// Element `c` of row `t` (the scalar twin's read).
+    #[inline(always)]
+    pub(crate) fn at(&self, t: usize, c: usize) -> u8 {
+        crate::kernel::quant::q_at(&self.bytes[t * self.ld..], c, self.bits)
+    }
+}
+
+/// The loops over quantized cache rows ([`QRows`]: u8, or u4 nibbles). Elements are widened to
+/// f32 as they are loaded (never a whole row or cache ahead of use); the zero point here is one
+/// per call (a by-token group's), the driver folds per-channel parameters into the query rows.
 pub(crate) trait U8Micro: Copy + Send + Sync {
-    /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t*ldk + c] - zp[t])` for `r < rows`,
-    /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each).
+    /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t, c] - zp[t])` for `r < rows`,
+    /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each;
+    /// `k[t, c]` is element `c` of row `t`, a byte or a u4 nibble, [`QRows`]).
     /// `pf`: bytes the caller reads next, whose cache lines the loop requests a few at a time
     /// as it goes (a hint: nothing in `pf` is read, results do not depend on it).
     #[allow(clippy::too_many_arguments)]
@@ -105,18 +152,17 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
         q: &[f32],
         ldq: usize,
         rows: usize,
-        k: &[u8],
-        ldk: usize,
+        k: QRows<'_>,
         zp: &[f32],
         len: usize,
         s: &mut [f32],
         lds: usize,
         pf: &[u8],
     );
-    /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t*ldv + c] - zp[t])` for `r < rows`, `c < len`,
-    /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each) weighted
-    /// into the rows' accumulators, which stay in registers across the keys. `pf` as for
-    /// [`U8Micro::qk`].
+    /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t, c] - zp[t])` for `r < rows`, `c < len`,
+    /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each; elements
+    /// as in [`U8Micro::qk`]) weighted into the rows' accumulators, which stay in registers
+    /// across the keys. `pf` as for [`U8Micro::qk`].
     #[allow(clippy::too_many_arguments)]
     fn pv(
         self,
@@ -124,8 +170,7 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
         lda: usize,
         rows: usize,
         w: &[f32],
-        v: &[u8],
-        ldv: usize,
+        v: QRows<'_>,
         zp: &[f32],
         len: usize,
         pf: &[u8],
@@ -194,15 +239,14 @@ pub(crate) fn qk_bounds(
     q_len: usize,
     ldq: usize,
     rows: usize,
-    k_len: usize,
-    ldk: usize,
+    k: QRows<'_>,
     n: usize,
     len: usize,
     s_len: usize,
     lds: usize,
 ) {
     rows_fit(q_len, ldq, rows, len);
-    rows_fit(k_len, ldk, n, len);
+    rows_fit(k.bytes.len(), k.ld, n, k.span(len));
     rows_fit(s_len, lds, rows, n);
 }
 
@@ -250,8 +294,7 @@ pub(crate) fn pv_bounds(
     lda: usize,
     rows: usize,
     w_len: usize,
-    v_len: usize,
-    ldv: usize,
+    v: QRows<'_>,
     n: usize,
     len: usize,
 ) {
@@ -260,7 +303,7 @@ pub(crate) fn pv_bounds(
         rows.checked_mul(n).is_some_and(|x| x <= w_len),
         "u8 pv weights too short"
     );
-    rows_fit(v_len, ldv, n, len);
+    rows_fit(v.bytes.len(), v.ld, n, v.span(len));
 }
 
 /// The loops of a decode tile: the few rows of one KV head (tokens x G query heads) against the

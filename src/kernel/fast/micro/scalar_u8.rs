@@ -1,8 +1,8 @@
-//! The scalar [`U8Micro`]: plain loops over u8 cache bytes, the twin the SIMD tiers are tested
-//! against.
+//! The scalar [`U8Micro`]: plain loops over u8 cache bytes and u4 nibbles ([`QRows::at`]), the
+//! twin the SIMD tiers are tested against.
 
 use super::scalar::Scalar;
-use super::{exp_sum_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::{exp_sum_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
 use crate::kernel::fast::prefetch_part;
 use crate::kernel::quant::dequant;
 
@@ -12,8 +12,7 @@ impl U8Micro for Scalar {
         q: &[f32],
         ldq: usize,
         rows: usize,
-        k: &[u8],
-        ldk: usize,
+        k: QRows<'_>,
         zp: &[f32],
         len: usize,
         s: &mut [f32],
@@ -22,23 +21,13 @@ impl U8Micro for Scalar {
     ) {
         // All the lines at once: the scalar loop is slow enough for them to arrive in time.
         prefetch_part(pf, 0, 1);
-        qk_bounds(
-            q.len(),
-            ldq,
-            rows,
-            k.len(),
-            ldk,
-            zp.len(),
-            len,
-            s.len(),
-            lds,
-        );
+        qk_bounds(q.len(), ldq, rows, k, zp.len(), len, s.len(), lds);
         for r in 0..rows {
             for (t, &z) in zp.iter().enumerate() {
                 s[r * lds + t] = q[r * ldq..][..len]
                     .iter()
-                    .zip(&k[t * ldk..][..len])
-                    .map(|(&x, &b)| x * (b as f32 - z))
+                    .enumerate()
+                    .map(|(c, &x)| x * (k.at(t, c) as f32 - z))
                     .sum();
             }
         }
@@ -50,20 +39,19 @@ impl U8Micro for Scalar {
         lda: usize,
         rows: usize,
         w: &[f32],
-        v: &[u8],
-        ldv: usize,
+        v: QRows<'_>,
         zp: &[f32],
         len: usize,
         pf: &[u8],
     ) {
         prefetch_part(pf, 0, 1);
         let n = zp.len();
-        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
+        pv_bounds(acc.len(), lda, rows, w.len(), v, n, len);
         for r in 0..rows {
             for (t, &z) in zp.iter().enumerate() {
                 let wr = w[r * n + t];
-                for (a, &b) in acc[r * lda..][..len].iter_mut().zip(&v[t * ldv..][..len]) {
-                    *a += wr * (b as f32 - z);
+                for (c, a) in acc[r * lda..][..len].iter_mut().enumerate() {
+                    *a += wr * (v.at(t, c) as f32 - z);
                 }
             }
         }

@@ -1,12 +1,15 @@
 //! Every tier's [`U8Micro`] loops (the scalar twin included) against float64 on seeded random
 //! bytes, at the vector edges: row counts around the 4-row blocks, key counts around the 4-key
-//! blocks, lengths that leave every tail of 8 and 16 lanes, zero points all 0 (by-channel keys)
-//! or not. Buffers carry NaN sentinels past the ranges a loop may write. Bounds as in
+//! blocks, lengths that leave every tail of 8 and 16 lanes (odd ones: a u4 row's last byte
+//! half used), zero points all 0 (by-channel keys) or not; the products on u8 bytes and on u4
+//! nibbles (read as `kernel::quant::q_at` reads them, independently of [`QRows::at`]), and on
+//! u4 nibbles bit for bit as on the same values unpacked to bytes (the products differ only in
+//! how elements are read). Buffers carry NaN sentinels past the ranges a loop may write. Bounds as in
 //! `micro::tests`: a sum of `n` f32 products is within `(n + 2) * eps * sum |terms|`.
 
 use super::scalar::Scalar;
-use super::U8Micro;
-use crate::kernel::quant::dequant;
+use super::{QRows, U8Micro};
+use crate::kernel::quant::{dequant, q_at};
 
 const EPS: f64 = f32::EPSILON as f64;
 const ROWS: [usize; 6] = [1, 2, 3, 4, 5, 9];
@@ -49,31 +52,64 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-fn qk<M: U8Micro>(m: M, tier: &str) {
-    let mut rng = Rng(0x5eed_0008);
+/// Rows of `n` elements of `bits` bits, `ld` bytes apart, the last row cut to its elements'
+/// bytes (a loop reading past a row's last element would leave the slice).
+fn qrows(rng: &mut Rng, bits: usize, n: usize, len: usize, ld: usize) -> Vec<u8> {
+    let mut b = rng.bytes(n * ld);
+    b.truncate((n - 1) * ld + (len * bits).div_ceil(8));
+    b
+}
+
+/// Element `c` of row `t`, as the quantizer's own reader takes it.
+fn elem(b: &[u8], ld: usize, bits: usize, t: usize, c: usize) -> f64 {
+    q_at(&b[t * ld..], c, bits) as f64
+}
+
+/// u4 rows (`n` of `len` elements, `ld` bytes apart) unpacked to u8 rows at the same stride.
+fn widened(b: &[u8], ld: usize, n: usize, len: usize) -> Vec<u8> {
+    let mut w = vec![0u8; n * ld];
+    for t in 0..n {
+        for c in 0..len {
+            w[t * ld + c] = q_at(&b[t * ld..], c, 4);
+        }
+    }
+    w
+}
+
+fn qk<M: U8Micro>(m: M, tier: &str, bits: usize) {
+    let mut rng = Rng(0x5eed_0008 + bits as u64);
     for rows in ROWS {
         for n in KEYS {
             for len in LENS {
                 for zero in [true, false] {
-                    let what = format!("{tier} qk rows={rows} n={n} len={len} zp0={zero}");
+                    let what = format!("{tier} u{bits} qk rows={rows} n={n} len={len} zp0={zero}");
                     let (ldq, ldk, lds) = (len + 2, len + 5, n + 3);
                     let q: Vec<f32> = (0..rows * ldq).map(|_| rng.f(1.0)).collect();
-                    let k = rng.bytes(n * ldk);
+                    let kb = qrows(&mut rng, bits, n, len, ldk);
+                    let k = QRows::new(&kb, ldk, bits);
                     let zp = rng.zps(n, zero);
                     let mut s = vec![f32::NAN; rows * lds];
-                    m.qk(&q, ldq, rows, &k, ldk, &zp, len, &mut s, lds, &[]);
+                    m.qk(&q, ldq, rows, k, &zp, len, &mut s, lds, &[]);
                     // Prefetch hints (an unaligned slice of any length) change no bit.
                     let mut hinted = vec![f32::NAN; rows * lds];
                     let pf = &PF_BYTES[3..3 + 97 * n];
-                    m.qk(&q, ldq, rows, &k, ldk, &zp, len, &mut hinted, lds, pf);
+                    m.qk(&q, ldq, rows, k, &zp, len, &mut hinted, lds, pf);
                     assert!(
                         same_bits(&s, &hinted),
                         "{what}: prefetch hints changed results"
                     );
+                    if bits == 4 {
+                        let wide = widened(&kb, ldk, n, len);
+                        let k8 = QRows::new(&wide, ldk, 8);
+                        let mut s8 = vec![f32::NAN; rows * lds];
+                        m.qk(&q, ldq, rows, k8, &zp, len, &mut s8, lds, &[]);
+                        assert!(same_bits(&s, &s8), "{what}: not the bits of its bytes");
+                    }
                     for r in 0..rows {
                         for t in 0..n {
                             let terms = (0..len).map(|c| {
-                                q[r * ldq + c] as f64 * (k[t * ldk + c] as f64 - zp[t] as f64)
+                                let e = elem(&kb, ldk, bits, t, c);
+                                q[r * ldq + c] as f64 * (e - zp[t] as f64)
                             });
                             let (want, abs) =
                                 terms.fold((0.0, 0.0), |(a, b), x| (a + x, b + x.abs()));
@@ -90,12 +126,12 @@ fn qk<M: U8Micro>(m: M, tier: &str) {
     }
 }
 
-fn pv<M: U8Micro>(m: M, tier: &str) {
-    let mut rng = Rng(0x9f3_0008);
+fn pv<M: U8Micro>(m: M, tier: &str, bits: usize) {
+    let mut rng = Rng(0x9f3_0008 + bits as u64);
     for rows in ROWS {
         for n in KEYS {
             for (len, zero) in LENS.into_iter().flat_map(|l| [(l, true), (l, false)]) {
-                let what = format!("{tier} pv rows={rows} n={n} len={len} zp0={zero}");
+                let what = format!("{tier} u{bits} pv rows={rows} n={n} len={len} zp0={zero}");
                 let (lda, ldv) = (len + 3, len + 6);
                 let mut acc = vec![f32::NAN; rows * lda];
                 for r in 0..rows {
@@ -105,21 +141,30 @@ fn pv<M: U8Micro>(m: M, tier: &str) {
                 }
                 let before = acc.clone();
                 let w: Vec<f32> = (0..rows * n).map(|_| rng.f(1.0).abs()).collect();
-                let v = rng.bytes(n * ldv);
+                let vb = qrows(&mut rng, bits, n, len, ldv);
+                let v = QRows::new(&vb, ldv, bits);
                 let zp = rng.zps(n, zero);
                 let mut hinted = acc.clone();
-                m.pv(&mut acc, lda, rows, &w, &v, ldv, &zp, len, &[]);
+                m.pv(&mut acc, lda, rows, &w, v, &zp, len, &[]);
                 // Prefetch hints (an unaligned slice of any length) change no bit.
                 let pf = &PF_BYTES[5..5 + 61 * len];
-                m.pv(&mut hinted, lda, rows, &w, &v, ldv, &zp, len, pf);
+                m.pv(&mut hinted, lda, rows, &w, v, &zp, len, pf);
                 assert!(
                     same_bits(&acc, &hinted),
                     "{what}: prefetch hints changed results"
                 );
+                if bits == 4 {
+                    let wide = widened(&vb, ldv, n, len);
+                    let v8 = QRows::new(&wide, ldv, 8);
+                    let mut acc8 = before.clone();
+                    m.pv(&mut acc8, lda, rows, &w, v8, &zp, len, &[]);
+                    assert!(same_bits(&acc, &acc8), "{what}: not the bits of its bytes");
+                }
                 for r in 0..rows {
                     for c in 0..len {
-                        let terms = (0..n)
-                            .map(|t| w[r * n + t] as f64 * (v[t * ldv + c] as f64 - zp[t] as f64));
+                        let terms = (0..n).map(|t| {
+                            w[r * n + t] as f64 * (elem(&vb, ldv, bits, t, c) - zp[t] as f64)
+                        });
                         let a0 = before[r * lda + c] as f64;
                         let (want, abs) =
                             terms.fold((a0, a0.abs()), |(a, b), x| (a + x, b + x.abs()));
@@ -262,8 +307,10 @@ fn elementwise<M: U8Micro>(m: M, tier: &str) {
 }
 
 fn all<M: U8Micro>(m: M, tier: &str) {
-    qk(m, tier);
-    pv(m, tier);
+    for bits in [8, 4] {
+        qk(m, tier, bits);
+        pv(m, tier, bits);
+    }
     fold(m, tier);
     elementwise(m, tier);
 }

@@ -1,5 +1,7 @@
-//! The AVX2 [`U8Micro`]: 8 bytes at a time zero-extended to i32 and converted to f32
-//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 8 bytes for all rows (not at
+//! The AVX2 [`U8Micro`]: 8 elements at a time zero-extended to i32 and converted to f32
+//! (`vpmovzxbd`, `vcvtdq2ps`; u4 rows: 4 bytes split into high and low nibbles and
+//! interleaved back into element order in a register, [`load_q`]), the zero point subtracted
+//! once per 8 elements for all rows (not at
 //! all when the driver folded the zero points, which it does for by-channel keys and values);
 //! logits in tiles of up to 4 rows x 3 keys (12 sums, 3 key chunks and a query chunk: the 16
 //! registers, no spills). Tails of fewer than 8 elements go through zero-padded copies (AVX2 has
@@ -7,9 +9,12 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
 use super::avx2::{exp_sub_sum_rows, hsum4, load_partial, Avx2};
 use super::prefetch::Pf;
+use super::u8_loops::{self, PvArgs, QkArgs, U8Loops};
+
+u8_loops::u8_loops_by!(Avx2);
 
 impl U8Micro for Avx2 {
     fn qk(
@@ -17,8 +22,7 @@ impl U8Micro for Avx2 {
         q: &[f32],
         ldq: usize,
         rows: usize,
-        k: &[u8],
-        ldk: usize,
+        k: QRows<'_>,
         zp: &[f32],
         len: usize,
         s: &mut [f32],
@@ -26,20 +30,15 @@ impl U8Micro for Avx2 {
         pf: &[u8],
     ) {
         let n = zp.len();
-        qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        qk_bounds(q.len(), ldq, rows, k, n, len, s.len(), lds);
         // One group of lines before each tile.
         let pf = Pf::new(pf, rows.div_ceil(4) * n.div_ceil(3));
-        let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
+        let args = (q, ldq, rows, k.bytes, k.ld, zp, len, s, lds);
         // By-channel keys come with zero points 0 (folded into the query by the driver): one
-        // subtraction fewer per 8 bytes.
-        // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
-        unsafe {
-            if all_zero(zp) {
-                qk_tiles::<false>(args, pf)
-            } else {
-                qk_tiles::<true>(args, pf)
-            }
-        }
+        // subtraction fewer per 8 elements.
+        // SAFETY: `self` proves the features; `qk_bounds` checked the arguments (rows of
+        // `k.span(len)` bytes).
+        unsafe { u8_loops::qk::<Self>(args, (!all_zero(zp), k.u4()), pf) }
     }
 
     fn pv(
@@ -48,44 +47,20 @@ impl U8Micro for Avx2 {
         lda: usize,
         rows: usize,
         w: &[f32],
-        v: &[u8],
-        ldv: usize,
+        v: QRows<'_>,
         zp: &[f32],
         len: usize,
         pf: &[u8],
     ) {
         let n = zp.len();
-        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
-        // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
-        let sub = !all_zero(zp);
+        pv_bounds(acc.len(), lda, rows, w.len(), v, n, len);
         // One group of lines before each block of 16 columns.
-        let mut pf = Pf::new(pf, rows.div_ceil(4) * len.div_ceil(16));
-        let mut r = 0;
-        while r < rows {
-            let take = (rows - r).min(4);
-            // SAFETY: `self` proves the features; `pv_bounds` checked that rows `r..r + take` of
-            // `acc` (stride `lda`) hold `len` elements, `w` holds `rows * n` weights and the `n`
-            // value rows (stride `ldv`) hold `len` bytes each.
-            unsafe {
-                let (a, wp, vp) = (
-                    acc.as_mut_ptr().add(r * lda),
-                    w.as_ptr().add(r * n),
-                    v.as_ptr(),
-                );
-                let (args, pf) = ((a, lda, wp, n, vp, ldv, zp), &mut pf);
-                match (take, sub) {
-                    (4, true) => pv_r::<true, 4>(args, len, pf),
-                    (3, true) => pv_r::<true, 3>(args, len, pf),
-                    (2, true) => pv_r::<true, 2>(args, len, pf),
-                    (_, true) => pv_r::<true, 1>(args, len, pf),
-                    (4, false) => pv_r::<false, 4>(args, len, pf),
-                    (3, false) => pv_r::<false, 3>(args, len, pf),
-                    (2, false) => pv_r::<false, 2>(args, len, pf),
-                    _ => pv_r::<false, 1>(args, len, pf),
-                }
-            }
-            r += take;
-        }
+        let pf = Pf::new(pf, rows.div_ceil(4) * len.div_ceil(16));
+        let args = (acc, lda, rows, w, v.bytes, v.ld, zp, len);
+        // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
+        // SAFETY: `self` proves the features; `pv_bounds` checked the arguments (rows of
+        // `v.span(len)` bytes).
+        unsafe { u8_loops::pv::<Self>(args, (!all_zero(zp), v.u4()), pf) }
     }
 
     fn fold(
@@ -160,21 +135,56 @@ impl U8Micro for Avx2 {
     }
 }
 
-/// `len` bytes at `p` (8 when `len >= 8`) as f32 minus `zp`; lanes past `len` hold `-zp`.
+/// Elements `c..c + 8` of the row at `row` as f32: bytes, or (`U4`) nibbles, the even element
+/// high (4 bytes split into high and low nibbles and interleaved back into element order).
+///
+/// # Safety
+/// The CPU has AVX2; the bytes of elements `c..c + 8` are readable (`c` even for u4).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_u8(p: *const u8, len: usize, zp: __m256) -> __m256 {
-    let mut buf = [0u8; 16];
-    // SAFETY: the caller guarantees `len.min(8)` readable bytes at `p`; `buf` holds 16.
+unsafe fn load_q<const U4: bool>(row: *const u8, c: usize) -> __m256 {
+    // SAFETY: the caller guarantees the bytes of elements `c..c + 8` are readable.
     let b = unsafe {
-        if len >= 8 {
-            _mm_loadl_epi64(p as *const __m128i)
+        if U4 {
+            let x = _mm_cvtsi32_si128(std::ptr::read_unaligned(row.add(c / 2) as *const i32));
+            let low = _mm_set1_epi8(15);
+            _mm_unpacklo_epi8(
+                _mm_and_si128(_mm_srli_epi16::<4>(x), low),
+                _mm_and_si128(x, low),
+            )
         } else {
-            std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), len);
-            _mm_loadu_si128(buf.as_ptr() as *const __m128i)
+            _mm_loadl_epi64(row.add(c) as *const __m128i)
         }
     };
-    _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), zp)
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+}
+
+/// Elements `c..c + cnt.min(8)` of the row at `row` as f32 minus `zp` ([`load_q`]; lanes past
+/// `cnt` hold `-zp`, through a zero-padded copy: AVX2 has no masked byte loads).
+///
+/// # Safety
+/// The CPU has AVX2; the bytes of elements `c..c + cnt.min(8)` are readable (`c` even for u4).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_sub<const U4: bool>(row: *const u8, c: usize, cnt: usize, zp: __m256) -> __m256 {
+    if cnt >= 8 {
+        // SAFETY: the caller's guarantee.
+        return _mm256_sub_ps(unsafe { load_q::<U4>(row, c) }, zp);
+    }
+    let mut buf = [0u8; 8];
+    let (at, nb) = if U4 {
+        (c / 2, cnt.div_ceil(2))
+    } else {
+        (c, cnt)
+    };
+    // SAFETY: the caller guarantees the `nb` bytes of elements `c..c + cnt` at `row + at`;
+    // `buf` holds 8 (whole elements 0..8 for `load_q`).
+    unsafe { std::ptr::copy_nonoverlapping(row.add(at), buf.as_mut_ptr(), nb) };
+    if U4 && cnt % 2 == 1 {
+        buf[nb - 1] &= 0xf0; // the low nibble is the element past `cnt`
+    }
+    // SAFETY: `buf` holds the bytes of elements 0..8.
+    _mm256_sub_ps(unsafe { load_q::<U4>(buf.as_ptr(), 0) }, zp)
 }
 
 /// `len` floats at `p` (8 when `len >= 8`); lanes past `len` are 0.
@@ -214,7 +224,7 @@ unsafe fn store_f32(p: *mut f32, len: usize, x: __m256) {
 /// The CPU has AVX2, FMA and F16C (an [`Avx2`] exists) and the arguments pass `qk_bounds`.
 #[allow(clippy::type_complexity)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_tiles<const SUB: bool>(
+unsafe fn qk_tiles<const SUB: bool, const U4: bool>(
     (q, ldq, rows, k, ldk, zp, len, s, lds): (
         &[f32],
         usize,
@@ -244,18 +254,18 @@ unsafe fn qk_tiles<const SUB: bool>(
                 let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
                 let a = (qp, ldq, kp, ldk, zp, len, sp, lds);
                 match (tr, tk) {
-                    (4, 3) => qk_rk::<SUB, 4, 3>(a),
-                    (3, 3) => qk_rk::<SUB, 3, 3>(a),
-                    (2, 3) => qk_rk::<SUB, 2, 3>(a),
-                    (1, 3) => qk_rk::<SUB, 1, 3>(a),
-                    (4, 2) => qk_rk::<SUB, 4, 2>(a),
-                    (3, 2) => qk_rk::<SUB, 3, 2>(a),
-                    (2, 2) => qk_rk::<SUB, 2, 2>(a),
-                    (1, 2) => qk_rk::<SUB, 1, 2>(a),
-                    (4, _) => qk_rk::<SUB, 4, 1>(a),
-                    (3, _) => qk_rk::<SUB, 3, 1>(a),
-                    (2, _) => qk_rk::<SUB, 2, 1>(a),
-                    _ => qk_rk::<SUB, 1, 1>(a),
+                    (4, 3) => qk_rk::<SUB, U4, 4, 3>(a),
+                    (3, 3) => qk_rk::<SUB, U4, 3, 3>(a),
+                    (2, 3) => qk_rk::<SUB, U4, 2, 3>(a),
+                    (1, 3) => qk_rk::<SUB, U4, 1, 3>(a),
+                    (4, 2) => qk_rk::<SUB, U4, 4, 2>(a),
+                    (3, 2) => qk_rk::<SUB, U4, 3, 2>(a),
+                    (2, 2) => qk_rk::<SUB, U4, 2, 2>(a),
+                    (1, 2) => qk_rk::<SUB, U4, 1, 2>(a),
+                    (4, _) => qk_rk::<SUB, U4, 4, 1>(a),
+                    (3, _) => qk_rk::<SUB, U4, 3, 1>(a),
+                    (2, _) => qk_rk::<SUB, U4, 2, 1>(a),
+                    _ => qk_rk::<SUB, U4, 1, 1>(a),
                 }
             }
             t += tk;
@@ -272,7 +282,7 @@ unsafe fn qk_tiles<const SUB: bool>(
 #[allow(clippy::type_complexity)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
+unsafe fn qk_rk<const SUB: bool, const U4: bool, const R: usize, const K: usize>(
     (q, ldq, k, ldk, zp, len, s, lds): (
         *const f32,
         usize,
@@ -298,8 +308,7 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
         unsafe {
             let mut kv = [_mm256_setzero_ps(); K];
             for (j, kv) in kv.iter_mut().enumerate() {
-                let b = _mm_loadl_epi64(k.add(j * ldk + c) as *const __m128i);
-                *kv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+                *kv = load_q::<U4>(k.add(j * ldk), c);
                 if SUB {
                     *kv = _mm256_sub_ps(*kv, zv[j]);
                 }
@@ -320,7 +329,7 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
         unsafe {
             let mut kv = [_mm256_setzero_ps(); K];
             for (j, kv) in kv.iter_mut().enumerate() {
-                *kv = load_u8(k.add(j * ldk + c), w, zv[j]);
+                *kv = load_sub::<U4>(k.add(j * ldk), c, w, zv[j]);
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let qv = load_f32(q.add(r * ldq + c), w);
@@ -351,11 +360,11 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
 #[allow(clippy::type_complexity)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_r<const SUB: bool, const R: usize>(
-    args: (*mut f32, usize, *const f32, usize, *const u8, usize, &[f32]),
-    len: usize,
+unsafe fn pv_r<const SUB: bool, const U4: bool, const R: usize>(
+    (acc, lda, w, n, v, ldv, zp, len): PvArgs<'_>,
     pf: &mut Pf,
 ) {
+    let args = (acc, lda, w, n, v, ldv, zp);
     let mut c = 0;
     while c < len {
         pf.tick();
@@ -363,10 +372,10 @@ unsafe fn pv_r<const SUB: bool, const R: usize>(
         // row and R rows of `n` weights; each call stays inside `c..len`.
         unsafe {
             if len - c >= 16 {
-                pv_cols::<SUB, R, 2>(args, c, len - c);
+                pv_cols::<SUB, U4, R, 2>(args, c, len - c);
                 c += 16;
             } else {
-                pv_cols::<SUB, R, 1>(args, c, len - c);
+                pv_cols::<SUB, U4, R, 1>(args, c, len - c);
                 c += 8;
             }
         }
@@ -377,7 +386,7 @@ unsafe fn pv_r<const SUB: bool, const R: usize>(
 #[allow(clippy::type_complexity)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_cols<const SUB: bool, const R: usize, const H: usize>(
+unsafe fn pv_cols<const SUB: bool, const U4: bool, const R: usize, const H: usize>(
     (acc, lda, w, n, v, ldv, zp): (*mut f32, usize, *const f32, usize, *const u8, usize, &[f32]),
     c: usize,
     cw: usize,
@@ -396,7 +405,7 @@ unsafe fn pv_cols<const SUB: bool, const R: usize, const H: usize>(
             let zv = _mm256_set1_ps(if SUB { z } else { 0.0 });
             let mut vv = [_mm256_setzero_ps(); H];
             for (h, vv) in vv.iter_mut().enumerate() {
-                let x = load_u8(v.add(t * ldv + c + 8 * h), cw - 8 * h, zv);
+                let x = load_sub::<U4>(v.add(t * ldv), c + 8 * h, cw - 8 * h, zv);
                 *vv = x;
             }
             for (r, a) in a.iter_mut().enumerate() {
@@ -437,7 +446,7 @@ unsafe fn dequant(
             } else {
                 (load_f32(zp.add(i), w), load_f32(scale.add(i), w))
             };
-            let x = _mm256_mul_ps(load_u8(src.add(i), w, z), s);
+            let x = _mm256_mul_ps(load_sub::<false>(src, i, w, z), s);
             store_f32(out.as_mut_ptr().add(i), w, x);
         }
         i += 8;

@@ -1,12 +1,18 @@
-//! The AVX-512 [`U8Micro`]: 16 bytes at a time zero-extended to i32 and converted to f32
-//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 16 bytes for all rows, masked
-//! tails. Reached only through [`Avx512`], which only `Avx512::detect` builds.
+//! The AVX-512 [`U8Micro`]: 16 elements at a time zero-extended to i32 and converted to f32
+//! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 16 elements for all rows,
+//! masked tails. u4 rows are read in place: 8 bytes (16 nibbles) split into high and low
+//! nibbles and interleaved back into element order in a register ([`load_q`]), so the products
+//! are the u8 loops' on the same values. Reached only through [`Avx512`], which only
+//! `Avx512::detect` builds.
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, U8Micro};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
 use super::avx512::{exp16, reduce16, tail, Avx512};
 use super::prefetch::Pf;
+use super::u8_loops::{self, PvArgs, QkArgs, U8Loops};
+
+u8_loops::u8_loops_by!(Avx512);
 
 impl U8Micro for Avx512 {
     fn qk(
@@ -14,8 +20,7 @@ impl U8Micro for Avx512 {
         q: &[f32],
         ldq: usize,
         rows: usize,
-        k: &[u8],
-        ldk: usize,
+        k: QRows<'_>,
         zp: &[f32],
         len: usize,
         s: &mut [f32],
@@ -23,20 +28,15 @@ impl U8Micro for Avx512 {
         pf: &[u8],
     ) {
         let n = zp.len();
-        qk_bounds(q.len(), ldq, rows, k.len(), ldk, n, len, s.len(), lds);
+        qk_bounds(q.len(), ldq, rows, k, n, len, s.len(), lds);
         // One group of lines before each tile.
         let pf = Pf::new(pf, rows.div_ceil(4) * (n / 4 + n % 4));
         // By-channel keys come with zero points 0 (folded into the query by the driver): one
-        // subtraction fewer per 16 bytes.
-        let args = (q, ldq, rows, k, ldk, zp, len, s, lds);
-        // SAFETY: `self` proves the features; `qk_bounds` checked the arguments.
-        unsafe {
-            if all_zero(zp) {
-                qk_tiles::<false>(args, pf)
-            } else {
-                qk_tiles::<true>(args, pf)
-            }
-        }
+        // subtraction fewer per 16 elements.
+        let args = (q, ldq, rows, k.bytes, k.ld, zp, len, s, lds);
+        // SAFETY: `self` proves the features; `qk_bounds` checked the arguments (rows of
+        // `k.span(len)` bytes).
+        unsafe { u8_loops::qk::<Self>(args, (!all_zero(zp), k.u4()), pf) }
     }
 
     fn pv(
@@ -45,40 +45,20 @@ impl U8Micro for Avx512 {
         lda: usize,
         rows: usize,
         w: &[f32],
-        v: &[u8],
-        ldv: usize,
+        v: QRows<'_>,
         zp: &[f32],
         len: usize,
         pf: &[u8],
     ) {
         let n = zp.len();
-        pv_bounds(acc.len(), lda, rows, w.len(), v.len(), ldv, n, len);
-        // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
-        let sub = !all_zero(zp);
+        pv_bounds(acc.len(), lda, rows, w.len(), v, n, len);
         // One group of lines before each block of 32 columns.
-        let mut pf = Pf::new(pf, rows.div_ceil(4) * len.div_ceil(32));
-        let mut r = 0;
-        while r < rows {
-            let take = (rows - r).min(4);
-            // SAFETY: `self` proves the features; `pv_bounds` checked that rows `r..r + take` of
-            // `acc` (stride `lda`) hold `len` elements, `w` holds `rows * n` weights and the `n`
-            // value rows (stride `ldv`) hold `len` bytes each.
-            unsafe {
-                let (a, wp) = (acc.as_mut_ptr().add(r * lda), w.as_ptr().add(r * n));
-                let (args, pf) = ((a, lda, wp, n, v.as_ptr(), ldv, zp, len), &mut pf);
-                match (take, sub) {
-                    (4, true) => pv_r::<true, 4>(args, pf),
-                    (3, true) => pv_r::<true, 3>(args, pf),
-                    (2, true) => pv_r::<true, 2>(args, pf),
-                    (_, true) => pv_r::<true, 1>(args, pf),
-                    (4, false) => pv_r::<false, 4>(args, pf),
-                    (3, false) => pv_r::<false, 3>(args, pf),
-                    (2, false) => pv_r::<false, 2>(args, pf),
-                    _ => pv_r::<false, 1>(args, pf),
-                }
-            }
-            r += take;
-        }
+        let pf = Pf::new(pf, rows.div_ceil(4) * len.div_ceil(32));
+        let args = (acc, lda, rows, w, v.bytes, v.ld, zp, len);
+        // Zero points all 0 (folded into the weights by the driver): one subtraction fewer.
+        // SAFETY: `self` proves the features; `pv_bounds` checked the arguments (rows of
+        // `v.span(len)` bytes).
+        unsafe { u8_loops::pv::<Self>(args, (!all_zero(zp), v.u4()), pf) }
     }
 
     fn fold(
@@ -197,7 +177,8 @@ unsafe fn dequant(
                     _mm512_maskz_loadu_ps(m, scale.add(i)),
                 )
             };
-            let v = _mm512_mul_ps(load_u8(src.add(i), m, z), s);
+            let [x] = load_q::<false, 1>(src, i, n - i);
+            let v = _mm512_mul_ps(_mm512_maskz_sub_ps(m, x, z), s);
             _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), m, v);
         }
         i += 16;
@@ -205,13 +186,14 @@ unsafe fn dequant(
 }
 
 /// [`U8Micro::qk`] in tiles of up to 4 rows x 4 keys, `pf` ticked before each; `SUB`: whether
-/// the zero points are subtracted (they are all 0 when not).
+/// the zero points are subtracted (they are all 0 when not); `U4`: whether the elements are
+/// nibbles (else bytes).
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/VL/DQ (an [`Avx512`] exists) and the arguments pass `qk_bounds`.
 #[allow(clippy::type_complexity)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn qk_tiles<const SUB: bool>(
+unsafe fn qk_tiles<const SUB: bool, const U4: bool>(
     (q, ldq, rows, k, ldk, zp, len, s, lds): (
         &[f32],
         usize,
@@ -239,14 +221,14 @@ unsafe fn qk_tiles<const SUB: bool>(
                 let (qp, kp) = (q.as_ptr().add(r * ldq), k.as_ptr().add(t * ldk));
                 let (zp, sp) = (zp.as_ptr().add(t), s.as_mut_ptr().add(r * lds + t));
                 match (tr, tk) {
-                    (4, 4) => qk_rk::<SUB, 4, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    (3, 4) => qk_rk::<SUB, 3, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    (2, 4) => qk_rk::<SUB, 2, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    (1, 4) => qk_rk::<SUB, 1, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    (4, _) => qk_rk::<SUB, 4, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    (3, _) => qk_rk::<SUB, 3, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    (2, _) => qk_rk::<SUB, 2, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
-                    _ => qk_rk::<SUB, 1, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (4, 4) => qk_rk::<SUB, U4, 4, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (3, 4) => qk_rk::<SUB, U4, 3, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (2, 4) => qk_rk::<SUB, U4, 2, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (1, 4) => qk_rk::<SUB, U4, 1, 4>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (4, _) => qk_rk::<SUB, U4, 4, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (3, _) => qk_rk::<SUB, U4, 3, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    (2, _) => qk_rk::<SUB, U4, 2, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
+                    _ => qk_rk::<SUB, U4, 1, 1>(qp, ldq, kp, ldk, zp, len, sp, lds),
                 }
             }
             t += tk;
@@ -255,14 +237,53 @@ unsafe fn qk_tiles<const SUB: bool>(
     }
 }
 
-/// 16 bytes at `p` (the lanes of `m`) as f32 minus `zp`; other lanes 0.
+/// Elements `c..c + 16 * H` of the row at `row`, clipped to the `cnt` from `c` (lanes past it
+/// 0), as f32 in `H` vectors of 16: bytes (`vpmovzxbd`), or (`U4`) nibbles, the even element
+/// high: one load of `8 * H` bytes split into high and low nibbles and interleaved back into
+/// element order (`vpunpcklbw`/`vpunpckhbw`), then widened as bytes are.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ; the row's bytes of elements `c..c + cnt.min(16 * H)` are
+/// readable (`(c + cnt.min(16 * H)).div_ceil(2)` bytes from `row` for u4, `c` even).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn load_u8(p: *const u8, m: __mmask16, zp: __m512) -> __m512 {
-    // SAFETY: the caller guarantees the bytes of the lanes of `m` at `p` are readable; masked
-    // lanes are not accessed.
-    let b = unsafe { _mm_maskz_loadu_epi8(m, p as *const i8) };
-    _mm512_maskz_sub_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), zp)
+unsafe fn load_q<const U4: bool, const H: usize>(
+    row: *const u8,
+    c: usize,
+    cnt: usize,
+) -> [__m512; H] {
+    let mut b = [_mm_setzero_si128(); H];
+    if U4 {
+        debug_assert!(c.is_multiple_of(2) && H <= 2);
+        // SAFETY: the lanes of the mask are the bytes of elements `c..c + cnt.min(16 H)`:
+        // readable (the caller's guarantee).
+        let x = unsafe {
+            let bytes = tail(cnt.min(16 * H).div_ceil(2));
+            _mm_maskz_loadu_epi8(bytes, row.add(c / 2) as *const i8)
+        };
+        let low = _mm_set1_epi8(15);
+        let (hi, lo) = (
+            _mm_and_si128(_mm_srli_epi16::<4>(x), low),
+            _mm_and_si128(x, low),
+        );
+        b[0] = _mm_unpacklo_epi8(hi, lo);
+        if H > 1 {
+            b[1] = _mm_unpackhi_epi8(hi, lo);
+        }
+    } else {
+        for (h, b) in b.iter_mut().enumerate() {
+            let m = tail(cnt.saturating_sub(16 * h).min(16));
+            // SAFETY: lanes of `m` are elements `c + 16h..` clipped to `cnt`: readable bytes.
+            *b = unsafe { _mm_maskz_loadu_epi8(m, row.add(c + 16 * h) as *const i8) };
+        }
+    }
+    // Element lanes past `cnt` (with u4, an odd count's last low nibble) are zeroed.
+    let mut out = [_mm512_setzero_ps(); H];
+    for (h, (o, &b)) in out.iter_mut().zip(&b).enumerate() {
+        let m = tail(cnt.saturating_sub(16 * h).min(16));
+        *o = _mm512_cvtepi32_ps(_mm512_maskz_cvtepu8_epi32(m, b));
+    }
+    out
 }
 
 /// R query rows x K keys in R*K accumulators: each query chunk loaded once for K keys, each key
@@ -270,7 +291,7 @@ unsafe fn load_u8(p: *const u8, m: __mmask16, zp: __m512) -> __m512 {
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
+unsafe fn qk_rk<const SUB: bool, const U4: bool, const R: usize, const K: usize>(
     q: *const f32,
     ldq: usize,
     k: *const u8,
@@ -289,11 +310,11 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
         unsafe {
             let mut kv = [_mm512_setzero_ps(); K];
             for (j, kv) in kv.iter_mut().enumerate() {
+                let [x] = load_q::<U4, 1>(k.add(j * ldk), c, len - c);
                 *kv = if SUB {
-                    load_u8(k.add(j * ldk + c), m, _mm512_set1_ps(*zp.add(j)))
+                    _mm512_maskz_sub_ps(m, x, _mm512_set1_ps(*zp.add(j)))
                 } else {
-                    let b = _mm_maskz_loadu_epi8(m, k.add(j * ldk + c) as *const i8);
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+                    x
                 };
             }
             for (r, acc) in acc.iter_mut().enumerate() {
@@ -335,7 +356,7 @@ unsafe fn qk_rk<const SUB: bool, const R: usize, const K: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::type_complexity)]
-unsafe fn pv_r<const SUB: bool, const R: usize>(
+unsafe fn pv_r<const SUB: bool, const U4: bool, const R: usize>(
     (acc, lda, w, n, v, ldv, zp, len): (
         *mut f32,
         usize,
@@ -367,15 +388,11 @@ unsafe fn pv_r<const SUB: bool, const R: usize>(
                 }
             }
             for (t, &z) in zp.iter().enumerate() {
-                let mut vv = [_mm512_setzero_ps(); 2];
-                for (h, vv) in vv.iter_mut().enumerate() {
-                    let p = v.add(t * ldv + c + 16 * h);
-                    *vv = if SUB {
-                        load_u8(p, m[h], _mm512_set1_ps(z))
-                    } else {
-                        let b = _mm_maskz_loadu_epi8(m[h], p as *const i8);
-                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
-                    };
+                let mut vv = load_q::<U4, 2>(v.add(t * ldv), c, len - c);
+                if SUB {
+                    for (h, vv) in vv.iter_mut().enumerate() {
+                        *vv = _mm512_maskz_sub_ps(m[h], *vv, _mm512_set1_ps(z));
+                    }
                 }
                 for (r, a) in a.iter_mut().enumerate() {
                     let wv = _mm512_set1_ps(*w.add(r * n + t));

@@ -12,6 +12,7 @@
 //! - `amx`: AMX-BF16 tile configuration and the QK / PV tile products of bf16-query prefill
 //!   items (its twin is `scalar_amx` in the parent module).
 //! - `prefetch`, `bounds`: the prefetch cursor and the slice checks every tier uses.
+//! - `u8_loops`: the variant choice and row blocks the tiers' `U8Micro` products share.
 
 // The tier files name the traits as `super::Micro` etc., as they did beside them.
 pub(crate) use super::{DecodeMicro, Micro, TileMicro};
@@ -27,6 +28,7 @@ mod avx512_tile;
 mod avx512_u8;
 mod bounds;
 mod prefetch;
+mod u8_loops;
 
 /// Cephes `expf`, the one exp every vector width evaluates: `x = n*ln2 + r` (ln2 split in a
 /// high part exact in few bits and a low correction), `exp(r) ~ 1 + r + r^2*P(r)` with `P`
