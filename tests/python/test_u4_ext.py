@@ -14,7 +14,7 @@ from ir_writer import paged_attention_ir, pa_port_dims
 from ov_u4_cache import (cache_shapes, channel_block_params, dequant, dequantized_caches,
                          read_token_row, run_u4, token_row_steps, u4_config, u4_dims)
 from test_openvino_ext import core, max_err  # noqa: F401 (core is a fixture)
-from test_u8_ext import BLOCKS, SCHEDULE
+from test_u8_ext import block_table, schedule_calls
 
 H, HKV, D, BS, NB = 4, 2, 64, 32, 6
 LAYOUTS = {
@@ -59,11 +59,6 @@ class Runner:
                 np.array(self.req.get_output_tensor(1).data, copy=True))
 
 
-def block_table():
-    bi = np.array(BLOCKS[0] + BLOCKS[1], np.int32)
-    return bi, np.array([0, len(BLOCKS[0]), len(bi)], np.int32)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_u4_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
     layout = LAYOUTS[name]
@@ -75,13 +70,7 @@ def test_u4_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
     rng = np.random.default_rng(len(name))
     bi, bib = block_table()
     worst = 0.0
-    for step, (past, new) in enumerate(SCHEDULE):
-        T = sum(new)
-        q = rng.standard_normal((T, H * D)).astype(np.float32)
-        k = rng.standard_normal((T, HKV * D)).astype(np.float32)
-        v = rng.standard_normal((T, HKV * D)).astype(np.float32)
-        past_a = np.array(past, np.int32)
-        sb = np.array([0, new[0], T], np.int32)
+    for step, q, k, v, past_a, sb in schedule_calls(rng):
         out_ov, kc_ov, vc_ov = run_u4(D, k, v, kc_ov, vc_ov, past_a, sb, bi, bib, cfg, query=q, H=H)
         out, _ = run([q, k, v, kc, vc, past_a, sb, bi, bib])
         assert np.array_equal(kc, kc_ov), f"{name} step {step}: key cache bytes differ " \

@@ -26,6 +26,23 @@ LAYOUTS = {
 }
 
 
+def schedule_calls(rng, dv=D):
+    """The calls of SCHEDULE with random query, key and value: (step, q, k, v, past_lens,
+    subsequence_begins); values ``dv`` wide per head. Blocks: ``block_table()``."""
+    for step, (past, new) in enumerate(SCHEDULE):
+        T = sum(new)
+        q = rng.standard_normal((T, H * D)).astype(np.float32)
+        k = rng.standard_normal((T, HKV * D)).astype(np.float32)
+        v = rng.standard_normal((T, HKV * dv)).astype(np.float32)
+        yield step, q, k, v, np.array(past, np.int32), np.array([0, new[0], T], np.int32)
+
+
+def block_table():
+    """block_indices and block_indices_begins of BLOCKS."""
+    bi = np.array(BLOCKS[0] + BLOCKS[1], np.int32)
+    return bi, np.array([0, len(BLOCKS[0]), len(bi)], np.int32)
+
+
 def compile_ours(core, tmp_path, kc, vc, n_inputs=9, Dv=D):
     """Our op on u8 caches shaped like ``kc``/``vc``; 15 inputs add scale, sliding_window,
     alibi_slopes and the rotation inputs (deltas [R, 1]); ``Dv`` the value head size."""
@@ -52,16 +69,9 @@ def test_u8_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
     kc, vc = kc_ov.copy(), vc_ov.copy()
     run = Runner(compile_ours(core, tmp_path, kc, vc))
     rng = np.random.default_rng(len(name))
-    bi = np.array(BLOCKS[0] + BLOCKS[1], np.int32)
-    bib = np.array([0, len(BLOCKS[0]), len(bi)], np.int32)
+    bi, bib = block_table()
     worst = 0.0
-    for step, (past, new) in enumerate(SCHEDULE):
-        T = sum(new)
-        q = rng.standard_normal((T, H * D)).astype(np.float32)
-        k = rng.standard_normal((T, HKV * D)).astype(np.float32)
-        v = rng.standard_normal((T, HKV * D)).astype(np.float32)
-        past_a = np.array(past, np.int32)
-        sb = np.array([0, new[0], T], np.int32)
+    for step, q, k, v, past_a, sb in schedule_calls(rng):
         out_ov, kc_ov, vc_ov = run_u8(D, k, v, kc_ov, vc_ov, past_a, sb, bi, bib, cfg, query=q, H=H)
         out, _ = run([q, k, v, kc, vc, past_a, sb, bi, bib])
         assert np.array_equal(kc, kc_ov), f"{name} step {step}: key cache bytes differ " \
@@ -101,19 +111,12 @@ def test_u8_value_head_size_other_than_the_keys_against_float64(core, tmp_path, 
     kc, vc = kc_ov.copy(), vc_ov.copy()
     run = Runner(compile_ours(core, tmp_path, kc, vc, Dv=Dv))
     rng = np.random.default_rng(11 + len(name))
-    bi = np.array(BLOCKS[0] + BLOCKS[1], np.int32)
-    bib = np.array([0, len(BLOCKS[0]), len(bi)], np.int32)
+    bi, bib = block_table()
     builtin = []
-    for step, (past, new) in enumerate(SCHEDULE):
-        T = sum(new)
-        q = rng.standard_normal((T, H * D)).astype(np.float32)
-        k = rng.standard_normal((T, HKV * D)).astype(np.float32)
-        v = rng.standard_normal((T, HKV * Dv)).astype(np.float32)
-        past_a = np.array(past, np.int32)
-        sb = np.array([0, new[0], T], np.int32)
+    for step, q, k, v, past_a, sb in schedule_calls(rng, Dv):
         out_ov, kc_ov, vc_ov = run_u8(D, k, v, kc_ov, vc_ov, past_a, sb, bi, bib, cfg, query=q, H=H)
         out, _ = run([q, k, v, kc, vc, past_a, sb, bi, bib])
-        assert out.shape == (T, H * Dv)
+        assert out.shape == (len(q), H * Dv)
         assert np.array_equal(kc, kc_ov), f"{name} step {step}: key cache bytes differ"
         assert np.array_equal(vc, vc_ov), f"{name} step {step}: value cache bytes differ"
         want, _ = attention_over_dequantized(q, k.shape, kc, vc, past_a, sb, bi, bib, None, Dv=Dv,
