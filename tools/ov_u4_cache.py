@@ -52,9 +52,9 @@ def token_row_bytes(D, group):
     return D // 2 + 8 * (D // g)
 
 
-def cache_shapes(NB, Hkv, D, key_group=0, value_group=0, key_by_token=False):
+def cache_shapes(NB, Hkv, D, key_group=0, value_group=0, key_by_token=False, Dv=None):
     """Byte shapes of the caches (u8 arrays holding the packed u4 tensors)."""
-    v = (NB, Hkv, BS, token_row_bytes(D, value_group))
+    v = (NB, Hkv, BS, token_row_bytes(D if Dv is None else Dv, value_group))  # Dv: value head size
     k = (NB, Hkv, BS, token_row_bytes(D, key_group)) if key_by_token else (NB, Hkv, BS + 16, D // 2)
     return k, v
 
@@ -72,6 +72,7 @@ def run_u4(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
     Hkv = kc.shape[1]
     H = H or Hkv
     T = key.shape[0]
+    Dv = value.shape[1] // Hkv  # the value head size, D unless the model's differs
     if query is None:
         query = np.zeros([T, H * D], F32)
     kc = np.array(kc, dtype=np.uint8, order="C", copy=True)
@@ -88,7 +89,7 @@ def run_u4(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
              np.array(0, F32), np.array(0, np.int32), np.zeros([0], F32),
              np.array(int((past + n).max()), np.int32), np.ascontiguousarray(n, np.int32),
              rbi.astype(np.int32), rd.astype(np.int32), lut.astype(F32)]
-    model = build_model(H, Hkv, D, ov.Type.dynamic)
+    model = build_model(H, Hkv, D, ov.Type.dynamic, Dv=Dv)
     compiled = _get_core().compile_model(model, "CPU", cfg)
     req = compiled.create_infer_request()
     tensors = []
@@ -256,11 +257,13 @@ def insert_model(key, value, kc, vc, past_lens, sb, bi, bib, key_group=0, value_
     return kc, vc
 
 
-def dequantized_caches(kc, vc, D, key_group=0, value_group=0, key_by_token=False):
-    """Both caches dequantized to float64 [NB, Hkv, BS, D]."""
+def dequantized_caches(kc, vc, D, key_group=0, value_group=0, key_by_token=False, Dv=None):
+    """Both caches dequantized to float64: keys [NB, Hkv, BS, D], values [NB, Hkv, BS, Dv] (Dv: the
+    value head size, D when not given)."""
     NB, Hkv = kc.shape[:2]
+    Dv = D if Dv is None else Dv
     kd = np.zeros((NB, Hkv, BS, D))
-    vd = np.zeros((NB, Hkv, BS, D))
+    vd = np.zeros((NB, Hkv, BS, Dv))
     for b in range(NB):
         for h in range(Hkv):
             if key_by_token:
@@ -268,7 +271,7 @@ def dequantized_caches(kc, vc, D, key_group=0, value_group=0, key_by_token=False
             else:
                 scale, zp, rows = channel_block_params(kc[b, h])
                 kd[b, h] = dequant(rows, scale, zp)
-            vd[b, h] = [read_token_row(vc[b, h, t], D, value_group) for t in range(BS)]
+            vd[b, h] = [read_token_row(vc[b, h, t], Dv, value_group) for t in range(BS)]
     return kd, vd
 
 

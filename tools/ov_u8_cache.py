@@ -48,8 +48,8 @@ def token_row_bytes(D, group):
     return D + 8 * (D // g)
 
 
-def cache_shapes(NB, Hkv, D, key_group=0, value_group=0, key_by_token=False):
-    v = (NB, Hkv, BS, token_row_bytes(D, value_group))
+def cache_shapes(NB, Hkv, D, key_group=0, value_group=0, key_by_token=False, Dv=None):
+    v = (NB, Hkv, BS, token_row_bytes(D if Dv is None else Dv, value_group))  # Dv: value head size
     k = (NB, Hkv, BS, token_row_bytes(D, key_group)) if key_by_token else (NB, Hkv, BS + 8, D)
     return k, v
 
@@ -268,11 +268,18 @@ def attention_over_dequantized(query, key_shape, kc, vc, past_lens, sb, bi, bib,
     keys and values are read back from their slots, so the reference re-inserts exactly what the
     caches hold. ``key_shape`` is the key input's ``[T, Hkv * D]``; ``Dv`` the value head size (D
     when not given); the layout arguments as for ``u8_config``. Returns (output, scores)."""
-    from pa_ref import paged_attention_ref
-    Hkv = kc.shape[1]
-    D = key_shape[1] // Hkv
+    D = key_shape[1] // kc.shape[1]
     Dv = D if Dv is None else Dv
     kd, vd = dequantize_caches(kc, vc, D, Dv, key_group, value_group, key_by_token)
+    return attention_over(query, key_shape, kd, vd, past_lens, sb, bi, bib, score_window)
+
+
+def attention_over(query, key_shape, kd, vd, past_lens, sb, bi, bib, score_window):
+    """Float64 attention over dequantized caches ``kd`` ``[NB, Hkv, BS, D]`` and ``vd``
+    ``[NB, Hkv, BS, Dv]`` (any quantized type), the call's new keys and values read back from
+    their slots. Returns (output, scores)."""
+    from pa_ref import paged_attention_ref
+    Hkv, Dv = kd.shape[1], vd.shape[3]
     key = np.zeros(key_shape, np.float64)
     value = np.zeros((key_shape[0], Hkv * Dv), np.float64)
     for s in range(len(past_lens)):

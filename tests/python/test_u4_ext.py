@@ -14,7 +14,7 @@ from ir_writer import paged_attention_ir, pa_port_dims
 from ov_u4_cache import (cache_shapes, channel_block_params, dequant, dequantized_caches,
                          read_token_row, run_u4, token_row_steps, u4_config, u4_dims)
 from test_openvino_ext import core, max_err  # noqa: F401 (core is a fixture)
-from test_u8_ext import block_table, schedule_calls
+from test_u8_ext import DV, DV_LAYOUTS, block_table, schedule_calls, value_head_against_float64
 
 H, HKV, D, BS, NB = 4, 2, 64, 32, 6
 LAYOUTS = {
@@ -25,18 +25,18 @@ LAYOUTS = {
 }
 
 
-def compile_ours(core, tmp_path, kc, vc, n_inputs=9):
+def compile_ours(core, tmp_path, kc, vc, n_inputs=9, Dv=D):
     """Our op on u4 caches holding the bytes ``kc``/``vc``; 15 inputs add scale, sliding_window,
-    alibi_slopes and the rotation inputs (deltas [R, 1])."""
+    alibi_slopes and the rotation inputs (deltas [R, 1]); ``Dv`` the value head size."""
     ports = []
     for i in range(n_inputs):
         if i in (3, 4):
             ports.append(("u4", [-1] + u4_dims((kc, vc)[i - 3].shape)[1:]))
         else:
             et = "f32" if i < 3 or i in (9, 11, 14) else "i32"
-            shape = {13: (0, 1), 14: (0, D)}.get(i, ())
+            shape = {2: (0, HKV * Dv), 13: (0, 1), 14: (0, D)}.get(i, ())
             ports.append((et, pa_port_dims(i, shape, H, HKV, D, BS)))
-    xml = paged_attention_ir(ports).write(tmp_path / f"pa_u4_{n_inputs}.xml")
+    xml = paged_attention_ir(ports).write(tmp_path / f"pa_u4_{n_inputs}_{Dv}.xml")
     return core.compile_model(core.read_model(xml), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
@@ -82,6 +82,19 @@ def test_u4_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
         worst = max(worst, e)
     assert np.count_nonzero(kc) > 0 and np.count_nonzero(vc) > 0
     print(f"{name}: worst output distance to the built-in op {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", list(DV_LAYOUTS))
+def test_u4_value_head_size_other_than_the_keys_against_float64(core, tmp_path, name):
+    """Dv = 32 with D = 64 on u4 caches, as test_u8_ext's u8 test: cache bytes equal the built-in
+    op's (KV_CACHE_PRECISION=u4, v_head_size 32) after every call, outputs float64 attention over
+    the dequantized caches (the built-in op's own u4 attention with Dv != D is wrong where it
+    reads values from its cache, as with u8: printed)."""
+    layout, cfg = DV_LAYOUTS[name], u4_config(**DV_LAYOUTS[name])
+    value_head_against_float64(name, cache_shapes(NB, HKV, D, Dv=DV, **layout),
+                               lambda kc, vc: Runner(compile_ours(core, tmp_path, kc, vc, Dv=DV)),
+                               lambda q, *a: run_u4(D, *a, cfg, query=q, H=H),
+                               lambda kc, vc: dequantized_caches(kc, vc, D, Dv=DV, **layout), 17)
 
 
 def key_rows(kc, block, head, key_by_token, key_group):
