@@ -118,6 +118,27 @@ def first_diff(a, b):
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def ext_core():
+    """An OpenVINO Core with our extension ($PA_EXTENSION_LIB, else the release build's)."""
+    import openvino as ov
+
+    core = ov.Core()
+    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
+                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
+    return core
+
+
+def ir_caches(model):
+    """The cache Parameters of ``model``: name -> (element type, dims with -1 for dynamic)."""
+    got = {}
+    for prm in model.get_parameters():
+        n = prm.get_output_tensor(0).get_any_name()
+        if n.startswith(("key_cache.", "value_cache.")):
+            got[n] = (prm.get_element_type().get_type_name(),
+                      [d.get_length() if d.is_static else -1 for d in prm.get_partial_shape()])
+    return got
+
+
 # ------------------------------------------------------------------------------ 1. greedy f32
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -367,7 +388,6 @@ def test_converter_u4_ir_has_the_plugins_u4_caches_and_gives_genais_ids(engine, 
     these short prompts), its greedy ids of the first 4 prompts are GenAI's u4 ids, 12 tokens
     each (measured: these prompts' u4 ids leave GenAI's f32 ids at tokens 1, 5, 0 and 3)."""
     import numpy as np
-    import openvino as ov
     from paged_model import PagedModel, Seq
 
     name = "gqa4"
@@ -380,16 +400,9 @@ def test_converter_u4_ir_has_the_plugins_u4_caches_and_gives_genais_ids(engine, 
                           str(tmp_path / "bad.xml"), "--cache-type", "u2"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown cache type `u2` (f32, f16, bf16, u8 or u4)" in bad.stderr
-    core = ov.Core()
-    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
-                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
+    core = ext_core()
     model = core.read_model(out)
-    got = {}
-    for prm in model.get_parameters():
-        n = prm.get_output_tensor(0).get_any_name()
-        if n.startswith(("key_cache.", "value_cache.")):
-            dims = [d.get_length() if d.is_static else -1 for d in prm.get_partial_shape()]
-            got[n] = (prm.get_element_type().get_type_name(), dims)
+    got = ir_caches(model)
     want = {n: (t, dims) for n, (t, dims, _) in plugin_caches(cache, models, name, "u4").items()}
     assert got == want
     assert got["key_cache.0"] == ("u4", [-1, 2, 32 + 16, 32])  # what the plugin said, spelled out
@@ -423,9 +436,9 @@ def test_value_head_size_on_quantized_caches(cache_type, engine, models, prompts
     - u8: the engine's ids are GenAI's f32 ids, all 512 (measured: u8 noise moves no id of this
       model, as on gqa4);
     - u4: the first token of each prompt GenAI prefills whole in its first step (no cached tokens
-      read, where the built-in op is right) is GenAI's u4 first token, and u4 moves ids away from f32 (measured
-      92/512 equal). The u4 attention itself is checked against float64 at Dv != D in
-      tests/u4_op.rs."""
+      read, where the built-in op is right) is GenAI's u4 first token, and u4 moves ids away from
+      f32 (measured 92/512 equal). The u4 attention itself is checked against float64 at
+      Dv != D in tests/u4_op.rs and, through OpenVINO, in test_u4_ext.py."""
     name = "value_head"
     _, ours, err = run_engine(engine, models[name], prompts[name], "--cache-type", cache_type,
                               "--precision", "f32", "--threads", str(THREADS), "--max-new-tokens",
@@ -441,16 +454,7 @@ def test_value_head_size_on_quantized_caches(cache_type, engine, models, prompts
     p = subprocess.run([str(engine), "convert", str(models[name] / "openvino_model.xml"), str(out),
                         "--cache-type", cache_type], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    import openvino as ov
-    core = ov.Core()
-    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
-                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
-    got = {}
-    for prm in core.read_model(out).get_parameters():
-        n = prm.get_output_tensor(0).get_any_name()
-        if n.startswith(("key_cache.", "value_cache.")):
-            got[n] = (prm.get_element_type().get_type_name(),
-                      [d.get_length() if d.is_static else -1 for d in prm.get_partial_shape()])
+    got = ir_caches(ext_core().read_model(out))
     assert got == {n: (t, dims) for n, (t, dims, _) in plugin.items()}
 
     f32 = genai_f32(cache, models, prompts, name)
@@ -483,7 +487,6 @@ def test_converter_round_trips_to_an_ir_on_our_op(name, engine, models, prompts,
     on our op; read back with the extension it generates, step by step through OpenVINO
     (tools/paged_model.py, no engine), the engine's greedy tokens for the first prompts."""
     import numpy as np
-    import openvino as ov
     from paged_model import F32_CONFIG, PagedModel, Seq
 
     out = tmp_path / "paged.xml"
@@ -496,9 +499,7 @@ def test_converter_round_trips_to_an_ir_on_our_op(name, engine, models, prompts,
     assert xml.count('type="PagedAttention" version="ie_internal_opset"') == layers
     assert 'type="PagedAttentionExtension"' not in xml
 
-    core = ov.Core()
-    core.add_extension(os.environ.get("PA_EXTENSION_LIB",
-                                      str(ROOT / "target/release/libpaged_attention_openvino.so")))
+    core = ext_core()
     compiled = core.compile_model(core.read_model(out), "CPU",
                                   {**F32_CONFIG, "INFERENCE_NUM_THREADS": THREADS})
     model = PagedModel(compiled, num_blocks=32)
