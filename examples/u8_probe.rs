@@ -7,9 +7,12 @@
 //! 96 MiB between calls, so every call reads its cache from memory (as in a serving loop, where
 //! the model's other layers run in between). `U8_PROBE_LONG=1` adds decode 1 x 16384 (one long
 //! context: its keys are cut into chunks when sequences x KV heads are few);
-//! `U8_PROBE_HEADS=8,1` sets the query and KV heads (default 32,8).
+//! `U8_PROBE_HEADS=8,1` sets the query and KV heads (default 32,8). `U8_PROBE_LEVELS=avx512,amx`
+//! alternates SIMD levels call by call in one process and prints each level's min (an A/B of
+//! two tiers on the same inputs, the host's drift shared).
 
-use paged_attention::{execute, PaInputs, PaOutputs, Tensor, TensorMut};
+use paged_attention::kernel::fast::{execute_with, FastOptions, SimdLevel};
+use paged_attention::{PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
 
 /// Query and KV heads: 32 and 8, or `U8_PROBE_HEADS=H,HKV`.
@@ -25,7 +28,19 @@ fn heads() -> (usize, usize) {
 const D: usize = 128;
 const BS: usize = 32;
 
-fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
+/// The levels of `U8_PROBE_LEVELS` (default: the process's own, `PA_SIMD` or detected).
+fn levels() -> Vec<SimdLevel> {
+    match std::env::var("U8_PROBE_LEVELS") {
+        Ok(v) => v
+            .split(',')
+            .map(|l| SimdLevel::parse(l).unwrap_or_else(|| panic!("unknown level {l:?}")))
+            .collect(),
+        Err(_) => vec![SimdLevel::from_env()],
+    }
+}
+
+/// Min ms per level of [`levels`], the levels alternated call by call.
+fn bench(seqs: &[(usize, usize)], reps: usize) -> Vec<f64> {
     #[allow(non_snake_case)]
     let (H, HKV) = heads();
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
@@ -79,12 +94,14 @@ fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
     }
     let scores_len = seqs.iter().map(|s| s.0 + s.1).sum::<usize>();
     let (mut out, mut scores) = (vec![0f32; t * H * D], vec![0f32; scores_len]);
-    let mut best = f64::MAX;
+    let levels = levels();
+    let mut best = vec![f64::MAX; levels.len()];
     let mut evict = match std::env::var_os("U8_PROBE_COLD") {
         Some(_) => vec![0u8; 96 << 20],
         None => Vec::new(),
     };
-    for rep in 0..reps {
+    for rep in 0..reps * levels.len() {
+        let li = rep % levels.len();
         for line in evict.chunks_mut(64) {
             line[0] = line[0].wrapping_add(rep as u8);
         }
@@ -111,9 +128,13 @@ fn bench(seqs: &[(usize, usize)], reps: usize) -> f64 {
             output: TensorMut::new(&[t, H * D], &mut out),
             scores: TensorMut::new(&[scores_len], &mut scores),
         };
+        let opts = FastOptions {
+            simd: levels[li],
+            ..FastOptions::default()
+        };
         let t0 = Instant::now();
-        execute(&mut inputs, &mut outputs).expect("u8 decode");
-        best = best.min(t0.elapsed().as_secs_f64() * 1e3);
+        execute_with(opts, &mut inputs, &mut outputs).expect("u8 decode");
+        best[li] = best[li].min(t0.elapsed().as_secs_f64() * 1e3);
     }
     best
 }
@@ -130,7 +151,12 @@ fn main() {
     if std::env::var_os("U8_PROBE_LONG").is_some() {
         shapes.push(("decode 1 x 16384", vec![(16384, 1)]));
     }
+    let names: Vec<_> = levels().iter().map(|l| l.name()).collect();
     for (label, seqs) in shapes {
-        println!("{label}: u8 min {:.2} ms", bench(&seqs, reps));
+        let mins: Vec<_> = bench(&seqs, reps)
+            .into_iter()
+            .map(|m| format!("{m:.2}"))
+            .collect();
+        println!("{label}: u8 min {} ms ({})", mins.join(" / "), names.join(" / "));
     }
 }
