@@ -7,6 +7,7 @@
 //! 96 MiB between calls, so every call reads its cache from memory (as in a serving loop, where
 //! the model's other layers run in between). `U8_PROBE_LONG=1` adds decode 1 x 16384 (one long
 //! context: its keys are cut into chunks when sequences x KV heads are few);
+//! `U8_PROBE_PREFILL=1` times prefill 1 x 1024 instead (one sequence, no past).
 //! `U8_PROBE_HEADS=8,1` sets the query and KV heads (default 32,8). `U8_PROBE_LEVELS=avx512,amx`
 //! alternates SIMD levels call by call in one process and prints each level's min (an A/B of
 //! two tiers on the same inputs, the host's drift shared).
@@ -150,6 +151,9 @@ fn main() {
     ];
     if std::env::var_os("U8_PROBE_LONG").is_some() {
         shapes.push(("decode 1 x 16384", vec![(16384, 1)]));
+    }
+    if std::env::var_os("U8_PROBE_PREFILL").is_some() {
+        shapes = vec![("prefill 1 x 1024", vec![(0, 1024)])];
     }
     let names: Vec<_> = levels().iter().map(|l| l.name()).collect();
     for (label, seqs) in shapes {

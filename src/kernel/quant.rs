@@ -212,11 +212,15 @@ pub fn quantize_channel_block(rows: &[f32], d: usize, slab: &mut [u8], bits: usi
             put_q(out, d, bits, q);
             continue;
         }
-        for j in 0..vec_len {
-            out[j] = q_vector(row[j], hi[j], lo[j], 255.0);
+        // Zipped slices, not indices: with bounds checks in the loop it ran one element at a
+        // time (6% of a u8 prefill's time, `perf`).
+        let (ov, os) = out.split_at_mut(vec_len);
+        let chans = |a, b| row[a..b].iter().zip(&hi[a..b]).zip(&lo[a..b]);
+        for (o, ((&x, &inv), &zp)) in ov.iter_mut().zip(chans(0, vec_len)) {
+            *o = q_vector(x, inv, zp, 255.0);
         }
-        for j in vec_len..d {
-            out[j] = q_scalar(row[j], hi[j], lo[j], 255.0);
+        for (o, ((&x, &scale), &zp)) in os.iter_mut().zip(chans(vec_len, d)) {
+            *o = q_scalar(x, scale, zp, 255.0);
         }
     }
 }
