@@ -20,7 +20,9 @@ pa_set_num_threads. Each repetition runs the paths back to back (so machine nois
 alike); the table gives min and median ms, the ratio OpenVINO built-in / ours inside OpenVINO
 (min/min), ours inside OpenVINO against the bare C ABI call, KV GB/s (cache bytes the attention
 must read, at the min time) and GFLOP/s (4*D flops per visible (query head, key) pair) with our
-share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run.
+share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run
+(rows whose prefill items run on AMX tiles, a bf16 cache on the amx tier: also the share of the
+AMX-BF16 tile peak it measures).
 Outputs of the paths are compared (max abs difference) as a sanity check. A thread-scaling table
 (parallel efficiency t1 / (n * tn)) follows when more than one thread count is measured.
 --chart FILE (.svg or .png, matplotlib) draws min ms of ours inside OpenVINO and of OpenVINO's
@@ -336,15 +338,17 @@ def main():
     print(f"# OpenVINO {ov.__version__.split('-')[0]}, INFERENCE_PRECISION_HINT={args.hint} for both ops, "
           f"{ncpu} CPUs; our extension: {'yes' if has_ext else 'n/a (no ' + str(EXT) + ': cargo build --release -p paged_attention_openvino)'}")
     hdr = ("| workload | cache | threads | ours in OV ms min / med | OV built-in ms min / med | ratio OV/ours "
-           "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak) "
+           "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak[, AMX peak]) "
            "| OV GB/s | max abs diff |")
     rows = []
     first = True
     for nthr in threads:
         machine = json.loads(subprocess.run([str(MACHINE)], capture_output=True, text=True, check=True,
                                             env=dict(os.environ, RAYON_NUM_THREADS=str(nthr))).stdout)
+        amx_peak = machine.get("amx_bf16_gflops") if machine["simd"] == "Amx" else None
+        amx_txt = f", AMX-BF16 tile peak {amx_peak:.0f} GFLOP/s" if amx_peak else ""
         print(f"\n## {nthr} threads; machine: read {machine['read_gbs']:.1f} GB/s, "
-              f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']})")
+              f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']}){amx_txt}")
         print(hdr)
         print("|---" * (hdr.count("|") - 1) + "|")
         rng = np.random.default_rng(0)
@@ -419,6 +423,10 @@ def main():
                            ratio=(vmin / emin) if (vmin and emin) else None, gbs=gbs,
                            bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
                            fma_pct=100 * gfl / machine["fma_gflops"], diff=diff, machine=machine)
+                # Prefill items of a bf16 cache run on AMX tiles on the amx tier (mixed: its 256
+                # prefill tokens hold 94% of the visible pairs): their limit is the tiles' peak.
+                on_tiles = amx_peak and cache == "bf16" and key in ("prefill", "mixed")
+                row["amx_pct"] = 100 * gfl / amx_peak if on_tiles else None
                 if ab:
                     row.update(ab_min=min(ab), ab_med=statistics.median(ab), ab_ratio=ratios)
                 rows.append(row)
@@ -428,7 +436,8 @@ def main():
                 vs = f" ({100 * (emin / omin - 1):+.0f}%)" if emin else ""
                 ov_gbs = f"{call.kv_bytes / vmin / 1e6:.1f}" if vmin else "-"
                 print(f"| {label} | {ctype} | {nthr} | {ext_txt} | {ov_txt} | {ratio_txt} | {omin:.2f}{vs} "
-                      f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%) | {ov_gbs} "
+                      f"| {gbs:.1f} ({row['bw_pct']:.0f}%) | {gfl:.0f} ({row['fma_pct']:.0f}%{amx_share(row)}) "
+                      f"| {ov_gbs} "
                       f"| {diff:.1e} |", flush=True)
                 del call
     if len(threads) > 1:
@@ -458,6 +467,11 @@ def main():
     if args.chart:
         write_chart(rows, args.chart)
         print(f"\nwrote {args.chart}")
+
+
+def amx_share(row):
+    """", x.x% AMX" for a row whose prefill items ran on AMX tiles, else ""."""
+    return f", {row['amx_pct']:.1f}% AMX" if row.get("amx_pct") is not None else ""
 
 
 def write_chart(rows, path):

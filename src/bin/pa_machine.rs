@@ -1,14 +1,17 @@
 //! Measures this machine's limits for the benchmark table (`tools/bench.py` runs it):
-//! read bandwidth with a streaming-read kernel, and the f32 FMA peak with a register-blocked
-//! FMA loop, both on the rayon pool (`RAYON_NUM_THREADS`). Prints one JSON line.
+//! read bandwidth with a streaming-read kernel, the f32 FMA peak with a register-blocked FMA
+//! loop and, on CPUs with AMX, the bf16 tile peak with tile products that stay in registers, all
+//! on the rayon pool (`RAYON_NUM_THREADS`). Prints one JSON line.
 
 use clap::Parser;
 use rayon::prelude::*;
 use std::time::Instant;
 
 /// Measures this machine's read bandwidth (a parallel sum over 1 GiB, best of 5) and f32 FMA
-/// peak on the rayon pool (RAYON_NUM_THREADS threads); prints one JSON line:
-/// {"threads", "read_gbs", "fma_gflops", "simd"}. Takes a few seconds and 1 GiB of memory.
+/// peak (and the AMX-BF16 tile peak where the CPU has AMX, else null) on the rayon pool
+/// (RAYON_NUM_THREADS threads); prints one JSON line:
+/// {"threads", "read_gbs", "fma_gflops", "amx_bf16_gflops", "simd"}. Takes a few seconds and
+/// 1 GiB of memory.
 #[derive(Parser)]
 #[command(name = "pa_machine", version)]
 struct Cli {}
@@ -19,8 +22,9 @@ fn main() {
     let threads = rayon::current_num_threads();
     let bw = read_bandwidth();
     let fma = fma_peak(threads);
+    let amx = amx_peak(threads).map_or("null".to_string(), |g| format!("{g:.1}"));
     println!(
-        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"simd\": \"{:?}\"}}",
+        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"amx_bf16_gflops\": {amx}, \"simd\": \"{:?}\"}}",
         paged_attention::kernel::fast::SimdLevel::detected()
     );
 }
@@ -69,6 +73,25 @@ fn fma_peak(threads: usize) -> f64 {
     };
     let flops_per_iter = 12.0 * lanes * 2.0;
     threads as f64 * iters as f64 * flops_per_iter / best / 1e9
+}
+
+/// GFLOP/s of AMX-BF16 tile products on every thread (four independent products per round on
+/// tiles in registers), best of 5; None without AMX.
+fn amx_peak(threads: usize) -> Option<f64> {
+    use paged_attention::kernel::fast::amx_bf16_tile_products as products;
+    let rounds = 200_000usize;
+    if !products(1) {
+        return None;
+    }
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        (0..threads).into_par_iter().for_each(|_| {
+            products(rounds);
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Some(threads as f64 * rounds as f64 * 4.0 * 16384.0 / best / 1e9)
 }
 
 fn avx512() -> bool {

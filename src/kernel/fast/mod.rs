@@ -185,6 +185,19 @@ pub fn amx_items_run() -> u64 {
     0
 }
 
+/// Runs `rounds` x 4 AMX-BF16 tile products (16 x 16 x 32 multiply-adds, 16384 flops each) on
+/// the calling thread on tiles that stay in registers, for measuring the tiles' peak
+/// (`pa_machine`); false, having run nothing, on a CPU (or OS) without AMX.
+pub fn amx_bf16_tile_products(rounds: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(a) = Amx::detect() {
+        a.tile_products(rounds);
+        return true;
+    }
+    let _ = rounds;
+    false
+}
+
 /// The AMX token when prefill items of this call may use tiles: the `Amx` level, a CPU/OS that
 /// grants AMX, and a bf16 query (bf16 math on tiles) or a bf16 cache (an f32 or f16 query gets
 /// f32 math on tiles, its operands cut into bf16 parts, see `prefill_amx`). An f32 or f16

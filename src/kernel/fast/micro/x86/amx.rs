@@ -53,6 +53,39 @@ impl Amx {
         }
     }
 
+    /// `rounds` rounds of four independent `tdpbf16ps` (16 x 16 x 32 multiply-adds each) on
+    /// tiles that stay in registers (zeros: no loads, no stores): the tiles' own limit, what the
+    /// benchmark calls the AMX peak.
+    pub(crate) fn tile_products(self, rounds: usize) {
+        let _t = self.tiles();
+        if rounds == 0 {
+            return;
+        }
+        // SAFETY: the configuration of `tiles` is loaded on this thread; the tile instructions
+        // read and write tiles only.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) rounds => _,
+                options(nostack, nomem),
+            )
+        };
+    }
+
     /// `dst[i]` = bf16 bits of `src[i]`, rounded to nearest even (f32 subnormals become
     /// zero, as `vcvtneps2bf16` does; `scalar_amx::round_bf16` is the twin).
     pub(crate) fn round(self, src: &[f32], dst: &mut [u16]) {
@@ -658,6 +691,14 @@ mod tests {
             eprintln!("AMX not available on this machine: tile tests skipped");
         }
         a
+    }
+
+    /// The peak probe runs exactly where AMX is granted (`pa_machine` reports null elsewhere).
+    #[test]
+    fn tile_products_run_only_with_amx() {
+        let ran = crate::kernel::fast::amx_bf16_tile_products(3);
+        assert_eq!(ran, Amx::detect().is_some());
+        assert_eq!(crate::kernel::fast::amx_bf16_tile_products(0), ran);
     }
 
     #[test]
