@@ -225,11 +225,12 @@ pub mod timing {
         if let Some(log) = LOG.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             let region = log.regions;
             log.regions += 1;
-            log.items.extend(times.iter().enumerate().map(|(i, &ns)| ItemTime {
-                region,
-                item: i as u32,
-                ns,
-            }));
+            log.items
+                .extend(times.iter().enumerate().map(|(i, &ns)| ItemTime {
+                    region,
+                    item: i as u32,
+                    ns,
+                }));
             log.hook_ns += ((first - entered) + t0.elapsed()).as_nanos() as u64;
         }
     }

@@ -170,7 +170,9 @@ impl<'a> PaInputs<'a> {
         match i {
             KEY_CACHE => Some(cache(&self.key_cache)),
             VALUE_CACHE => Some(cache(&self.value_cache)),
-            _ => self.read_only(i).map(|t| (t.elem_type(), &t.shape[..], t.data.len())),
+            _ => self
+                .read_only(i)
+                .map(|t| (t.elem_type(), &t.shape[..], t.data.len())),
         }
     }
 

@@ -371,7 +371,11 @@ mod tests {
                         k1 - k0
                     };
                     let work = rows * keys * (it.kvh1 - it.kvh0) as usize;
-                    let group = if lay.prefill && threads <= plan.hkv { it.kvh0 } else { 0 };
+                    let group = if lay.prefill && threads <= plan.hkv {
+                        it.kvh0
+                    } else {
+                        0
+                    };
                     assert!(
                         (group, std::cmp::Reverse(work)) >= (last.0, std::cmp::Reverse(last.1)),
                         "{threads} threads: {it:?} (work {work}) after work {}",
