@@ -17,6 +17,7 @@ pub use shape::{
 };
 pub use validate::{validate, Plan, Rotation, SeqPlan};
 
+use crate::dtype::ElemType;
 use crate::error::{PaError, Result};
 use crate::tensor::{Tensor, TensorMut};
 use contract::*;
@@ -151,34 +152,57 @@ impl<'a> PaInputs<'a> {
 
     /// Input `i` (SPEC order) as a read-only view; `None` when an optional input is not given.
     pub fn get(&self, i: usize) -> Option<Tensor<'_>> {
-        let t = match i {
-            QUERY => &self.query,
-            KEY => &self.key,
-            VALUE => &self.value,
-            KEY_CACHE => return Some(self.key_cache.as_ref()),
-            VALUE_CACHE => return Some(self.value_cache.as_ref()),
-            PAST_LENS => &self.past_lens,
-            SUBSEQUENCE_BEGINS => &self.subsequence_begins,
-            BLOCK_INDICES => &self.block_indices,
-            BLOCK_INDICES_BEGINS => &self.block_indices_begins,
-            SCALE => self.scale.as_ref()?,
-            SLIDING_WINDOW => self.sliding_window.as_ref()?,
-            ALIBI_SLOPES => self.alibi_slopes.as_ref()?,
-            ROTATED_BLOCK_INDICES => self.rotated_block_indices.as_ref()?,
-            ROTATION_DELTAS => self.rotation_deltas.as_ref()?,
-            ROTATION_TRIG_LUT => self.rotation_trig_lut.as_ref()?,
-            SCORE_AGGREGATION_WINDOW => self.score_aggregation_window.as_ref()?,
-            SINKS => self.sinks.as_ref()?,
-            _ => return None,
-        };
-        Some(t.clone())
+        match i {
+            KEY_CACHE => Some(self.key_cache.as_ref()),
+            VALUE_CACHE => Some(self.value_cache.as_ref()),
+            _ => self.read_only(i).cloned(),
+        }
+    }
+
+    /// The element type, shape and element count of input `i` (SPEC order), read in place:
+    /// validation reads these of every input on every call, which [`PaInputs::get`]'s copies
+    /// of the shapes made slower (a copy is an allocation, and a call starts with its caches
+    /// cold). `None` when an optional input is not given.
+    pub fn meta(&self, i: usize) -> Option<(ElemType, &[usize], usize)> {
+        fn cache<'s>(t: &'s TensorMut<'_>) -> (ElemType, &'s [usize], usize) {
+            (t.elem_type(), &t.shape, t.data.len())
+        }
+        match i {
+            KEY_CACHE => Some(cache(&self.key_cache)),
+            VALUE_CACHE => Some(cache(&self.value_cache)),
+            _ => self
+                .read_only(i)
+                .map(|t| (t.elem_type(), &t.shape[..], t.data.len())),
+        }
+    }
+
+    /// Input `i` when it is one of the read-only inputs and given.
+    pub(crate) fn read_only(&self, i: usize) -> Option<&Tensor<'a>> {
+        match i {
+            QUERY => Some(&self.query),
+            KEY => Some(&self.key),
+            VALUE => Some(&self.value),
+            PAST_LENS => Some(&self.past_lens),
+            SUBSEQUENCE_BEGINS => Some(&self.subsequence_begins),
+            BLOCK_INDICES => Some(&self.block_indices),
+            BLOCK_INDICES_BEGINS => Some(&self.block_indices_begins),
+            SCALE => self.scale.as_ref(),
+            SLIDING_WINDOW => self.sliding_window.as_ref(),
+            ALIBI_SLOPES => self.alibi_slopes.as_ref(),
+            ROTATED_BLOCK_INDICES => self.rotated_block_indices.as_ref(),
+            ROTATION_DELTAS => self.rotation_deltas.as_ref(),
+            ROTATION_TRIG_LUT => self.rotation_trig_lut.as_ref(),
+            SCORE_AGGREGATION_WINDOW => self.score_aggregation_window.as_ref(),
+            SINKS => self.sinks.as_ref(),
+            _ => None,
+        }
     }
 
     /// Number of inputs in the positional form: 9 plus the optional ones up to the last given.
     pub fn count(&self) -> usize {
         (MIN_INPUTS..MAX_INPUTS)
             .rev()
-            .find(|&i| self.get(i).is_some())
+            .find(|&i| self.read_only(i).is_some())
             .map_or(MIN_INPUTS, |i| i + 1)
     }
 }

@@ -100,17 +100,13 @@ impl Plan {
     }
 }
 
-fn partial(t: &Tensor<'_>) -> PartialInput {
-    PartialInput::new(Some(t.elem_type()), PartialShape::from_static(&t.shape))
-}
-
-fn check_len(name: &str, t: &Tensor<'_>) -> Result<()> {
-    let expected = t.numel();
-    if t.data.len() != expected {
+fn check_len(name: &str, shape: &[usize], found: usize) -> Result<()> {
+    let expected = crate::tensor::shape_elems(shape).unwrap_or(usize::MAX);
+    if found != expected {
         return Err(PaError::BufferSize {
             name: name.to_string(),
             expected,
-            found: t.data.len(),
+            found,
         });
     }
     Ok(())
@@ -129,28 +125,23 @@ fn scalar_f32(t: &Tensor<'_>) -> f32 {
 /// Validates a call and resolves everything the kernels need.
 pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
     let n = inputs.count();
-    let tensors: Vec<Option<Tensor<'_>>> = (0..n).map(|i| inputs.get(i)).collect();
-    let parts: Vec<PartialInput> = tensors
+    let metas: Vec<_> = (0..n).map(|i| inputs.meta(i)).collect();
+    let parts: Vec<PartialInput> = metas
         .iter()
-        .map(|t| {
-            t.as_ref().map_or(
-                PartialInput::new(None, PartialShape::from_static(&[0])),
-                partial,
-            )
+        .map(|m| match m {
+            Some((elem, shape, _)) => {
+                PartialInput::new(Some(*elem), PartialShape::from_static(shape))
+            }
+            None => PartialInput::new(None, PartialShape::from_static(&[0])),
         })
         .collect();
     let k = check(&parts)?;
-    for (i, t) in tensors.iter().enumerate() {
-        if let Some(t) = t {
-            check_len(INPUTS[i].name, t)?;
+    for (i, m) in metas.iter().enumerate() {
+        if let Some((_, shape, len)) = m {
+            check_len(INPUTS[i].name, shape, *len)?;
         }
     }
-    let get = |i: usize| {
-        tensors
-            .get(i)
-            .and_then(|t| t.as_ref())
-            .filter(|_| k.present[i])
-    };
+    let get = |i: usize| inputs.read_only(i).filter(|_| k.present[i]);
     let dim = |v: Option<i64>| v.unwrap_or(0) as usize;
     let (t, b, h, hkv, d, bs, nb) = (
         dim(k.t),

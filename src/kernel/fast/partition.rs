@@ -145,7 +145,6 @@ impl Partition {
         };
         let prefill_qtok = (PREFILL_ROWS / g.max(1)).max(1);
         let mut seqs = Vec::with_capacity(plan.seqs.len());
-        let mut items = Vec::new();
         let (mut part_len, mut stash_len, mut direct_len) = (0usize, 0usize, 0usize);
         let mut seq_of_token = vec![0u32; plan.t];
         let decoding = plan
@@ -209,49 +208,60 @@ impl Partition {
             .rev()
             .find(|&k| plan.hkv.is_multiple_of(k) && plan.hkv / k >= split.min(plan.hkv))
             .unwrap_or(1);
+        // Largest items first (an estimate of their work: query rows x keys), so that threads
+        // claiming them in order end on small ones (the longest-processing-time-first rule);
+        // the order changes no result. The items of one (sequence, query tile, chunk) have the
+        // same work whatever their KV heads, so those units are sorted (stable: equal ones keep
+        // the order below), not the items (a decode call cut for 32 threads: a partition that
+        // sorted every item, its key computed per comparison, took 26-75 us, all of it serial;
+        // about 9 us now).
+        // With no more threads than KV heads, prefill items stay grouped by KV head (largest
+        // first within each; decode items go with head 0's): the threads then share one head's
+        // K and V rows at a time, which stay in their caches across its query tiles (u8
+        // prefill 1 x 1024 at 2 threads: 8-10% slower in a global largest-first order, which
+        // walks the heads' rows in turn).
+        let heads_per_item = |s: usize| if seqs[s].prefill { 1 } else { decode_heads };
+        let (mut units, mut count) = (Vec::new(), 0);
         for (s, (sp, lay)) in plan.seqs.iter().zip(&seqs).enumerate() {
             let nqt = sp.n.div_ceil(lay.qtok);
-            let heads_per_item = if lay.prefill { 1 } else { decode_heads };
-            for kvh0 in (0..plan.hkv).step_by(heads_per_item.max(1)) {
-                // Last query tiles first: under causal masks they see the most keys, so the
-                // threads end on small items (work stealing then balances them).
-                for qt in (0..nqt).rev() {
-                    for chunk in 0..lay.nchunks {
-                        items.push(Item {
-                            seq: s as u32,
-                            kvh0: kvh0 as u32,
-                            kvh1: (kvh0 + heads_per_item) as u32,
-                            qt: qt as u32,
-                            chunk: chunk as u32,
-                        });
-                    }
+            count += plan.hkv.div_ceil(heads_per_item(s)) * nqt * lay.nchunks;
+            // Last query tiles first: under causal masks they see the most keys, so the
+            // threads end on small items (work stealing then balances them).
+            for qt in (0..nqt).rev() {
+                let t0 = qt * lay.qtok;
+                let tokens = lay.qtok.min(sp.n - t0);
+                for chunk in 0..lay.nchunks {
+                    let keys = if lay.prefill {
+                        (sp.past + t0 + tokens).saturating_sub(window_start(plan, sp.past + t0))
+                    } else {
+                        let (k0, k1) = lay.chunk_range(chunk, sp.ctx());
+                        k1.saturating_sub(k0)
+                    };
+                    let work = tokens * keys * heads_per_item(s);
+                    units.push((std::cmp::Reverse(work), s, qt, chunk));
                 }
             }
         }
-        // Largest items first (an estimate of their work: query rows x keys), so that threads
-        // claiming them in order end on small ones (the longest-processing-time-first rule);
-        // the order changes no result. The sort is stable: equal items keep the order above.
-        // With no more threads than KV heads, prefill items stay grouped by KV head (largest
-        // first within each): the threads then share one head's K and V rows at a time, which
-        // stay in their caches across its query tiles (u8 prefill 1 x 1024 at 2 threads: 8-10%
-        // slower in a global largest-first order, which walks the heads' rows in turn).
+        units.sort_by_key(|u| u.0);
         let by_head = threads.max(1) <= plan.hkv;
-        items.sort_by_key(|it| {
-            let (sp, lay) = (&plan.seqs[it.seq as usize], &seqs[it.seq as usize]);
-            let t0 = it.qt as usize * lay.qtok;
-            let tokens = lay.qtok.min(sp.n - t0);
-            let keys = if lay.prefill {
-                (sp.past + t0 + tokens).saturating_sub(window_start(plan, sp.past + t0))
-            } else {
-                let (k0, k1) = lay.chunk_range(it.chunk as usize, sp.ctx());
-                k1.saturating_sub(k0)
-            };
-            let group = if lay.prefill && by_head { it.kvh0 } else { 0 };
-            (
-                group,
-                std::cmp::Reverse(tokens * keys * (it.kvh1 - it.kvh0) as usize),
-            )
-        });
+        let mut items = Vec::with_capacity(count);
+        for group in 0..if by_head { plan.hkv } else { 1 } {
+            for &(_, s, qt, chunk) in &units {
+                let heads = match (by_head && seqs[s].prefill, group) {
+                    (true, _) => group..group + 1,
+                    (false, 0) => 0..plan.hkv,
+                    (false, _) => continue,
+                };
+                let n = heads_per_item(s);
+                items.extend(heads.step_by(n).map(|kvh0| Item {
+                    seq: s as u32,
+                    kvh0: kvh0 as u32,
+                    kvh1: (kvh0 + n) as u32,
+                    qt: qt as u32,
+                    chunk: chunk as u32,
+                }));
+            }
+        }
         let budget = 8 * plan.t * h * d + STASH_EXTRA;
         let stash_len = (mode == ScoresMode::Auto && stash_len <= budget).then_some(stash_len);
         Partition {
@@ -261,6 +271,121 @@ impl Partition {
             stash_len,
             direct_len,
             seq_of_token,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::ElemType;
+    use crate::op::SeqPlan;
+    use std::collections::BTreeSet;
+
+    /// A plan of H=32, Hkv=8, D=128, BS=32 and the given (past, new) per sequence.
+    fn plan(seqs: &[(usize, usize)], sliding_window: usize) -> Plan {
+        let (mut begin, mut block_begin, mut score_offset) = (0, 0, 0);
+        let seqs: Vec<SeqPlan> = seqs
+            .iter()
+            .map(|&(past, n)| {
+                let sp = SeqPlan {
+                    past,
+                    begin,
+                    n,
+                    block_begin,
+                    score_tokens: n.min(1),
+                    score_offset,
+                };
+                begin += n;
+                block_begin += (past + n).div_ceil(32);
+                score_offset += past + n;
+                sp
+            })
+            .collect();
+        Plan {
+            t: begin,
+            b: seqs.len(),
+            h: 32,
+            hkv: 8,
+            d: 128,
+            dv: 128,
+            bs: 32,
+            nb: block_begin,
+            g: 4,
+            query_type: ElemType::F32,
+            cache_type: ElemType::F32,
+            u8: None,
+            scale: 1.0,
+            sliding_window,
+            alibi: None,
+            sinks: None,
+            rotation: None,
+            seqs,
+            scores_len: score_offset,
+        }
+    }
+
+    /// Every (sequence, KV head, query tile, chunk) is in exactly one item, and items come
+    /// largest first (query rows x visible keys x heads), within groups of one KV head each
+    /// for prefill items when there are no more threads than KV heads.
+    #[test]
+    fn items_cover_each_tile_once_largest_first() {
+        let mut mixed = vec![(768, 256)];
+        mixed.extend([(1024, 1); 15]);
+        let calls = [
+            (vec![(1024, 1); 16], 0),
+            (vec![(4096, 1); 4], 0),
+            (vec![(0, 1024)], 0),
+            (vec![(0, 1000)], 300),
+            (mixed, 0),
+            (vec![(100, 3), (0, 70), (5000, 1), (40, 33)], 0),
+        ];
+        for (seqs, window) in calls {
+            let plan = plan(&seqs, window);
+            for threads in [1, 2, 8, 9, 32, 64] {
+                let part = Partition::new(&plan, ScoresMode::Auto, threads, &Tuning::FLOAT);
+                let mut want = BTreeSet::new();
+                for (s, (sp, lay)) in plan.seqs.iter().zip(&part.seqs).enumerate() {
+                    for kvh in 0..plan.hkv {
+                        for qt in 0..sp.n.div_ceil(lay.qtok) {
+                            for c in 0..lay.nchunks {
+                                want.insert((s, kvh, qt, c));
+                            }
+                        }
+                    }
+                }
+                let mut got = BTreeSet::new();
+                let mut last = (0, usize::MAX);
+                for it in &part.items {
+                    let (s, qt, c) = (it.seq as usize, it.qt as usize, it.chunk as usize);
+                    let (sp, lay) = (&plan.seqs[s], &part.seqs[s]);
+                    for kvh in it.kvh0..it.kvh1 {
+                        assert!(got.insert((s, kvh as usize, qt, c)), "{it:?} twice");
+                    }
+                    let t0 = qt * lay.qtok;
+                    let rows = lay.qtok.min(sp.n - t0);
+                    // A prefill tile's visible keys, a decode item's chunk.
+                    let keys = if lay.prefill {
+                        (sp.past + t0 + rows).saturating_sub(window_start(&plan, sp.past + t0))
+                    } else {
+                        let (k0, k1) = lay.chunk_range(c, sp.ctx());
+                        k1 - k0
+                    };
+                    let work = rows * keys * (it.kvh1 - it.kvh0) as usize;
+                    let group = if lay.prefill && threads <= plan.hkv {
+                        it.kvh0
+                    } else {
+                        0
+                    };
+                    assert!(
+                        (group, std::cmp::Reverse(work)) >= (last.0, std::cmp::Reverse(last.1)),
+                        "{threads} threads: {it:?} (work {work}) after work {}",
+                        last.1
+                    );
+                    last = (group, work);
+                }
+                assert_eq!(got, want, "{threads} threads");
+            }
         }
     }
 }
