@@ -64,11 +64,8 @@ impl Amx {
         // SAFETY: the configuration of `tiles` is loaded on this thread; the tile instructions
         // read and write tiles only.
         unsafe {
+            c_zero();
             asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
                 "tilezero tmm4",
                 "tilezero tmm5",
                 "tilezero tmm6",
