@@ -161,6 +161,10 @@ fn main() {
             .into_iter()
             .map(|m| format!("{m:.2}"))
             .collect();
-        println!("{label}: u8 min {} ms ({})", mins.join(" / "), names.join(" / "));
+        println!(
+            "{label}: u8 min {} ms ({})",
+            mins.join(" / "),
+            names.join(" / ")
+        );
     }
 }
