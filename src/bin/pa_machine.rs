@@ -10,8 +10,9 @@ use std::time::Instant;
 /// Measures this machine's read bandwidth (a parallel sum over 1 GiB, best of 5) and f32 FMA
 /// peak (and the AMX-BF16 tile peak where the CPU has AMX, else null) on the rayon pool
 /// (RAYON_NUM_THREADS threads); prints one JSON line:
-/// {"threads", "read_gbs", "fma_gflops", "amx_bf16_gflops", "simd"}. Takes a few seconds and
-/// 1 GiB of memory.
+/// {"threads", "read_gbs", "fma_gflops", "amx_bf16_gflops", "simd", "runs"}: "simd" is the
+/// best level the CPU has, "runs" the one the library's calls run at in this environment
+/// (`PA_SIMD` can lower it). Takes a few seconds and 1 GiB of memory.
 #[derive(Parser)]
 #[command(name = "pa_machine", version)]
 struct Cli {}
@@ -23,9 +24,11 @@ fn main() {
     let bw = read_bandwidth();
     let fma = fma_peak(threads);
     let amx = amx_peak(threads).map_or("null".to_string(), |g| format!("{g:.1}"));
+    use paged_attention::kernel::fast::SimdLevel;
     println!(
-        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"amx_bf16_gflops\": {amx}, \"simd\": \"{:?}\"}}",
-        paged_attention::kernel::fast::SimdLevel::detected()
+        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"amx_bf16_gflops\": {amx}, \"simd\": \"{:?}\", \"runs\": \"{:?}\"}}",
+        SimdLevel::detected(),
+        SimdLevel::from_env()
     );
 }
 
