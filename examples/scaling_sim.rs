@@ -5,7 +5,10 @@
 //! host's parallel-for runs our regions (each free thread claims the next item in order, as
 //! `threads.rs` does on OpenVINO's threads), regions one after another, and the time outside
 //! the regions serial. T1 is the call cut for one thread, run on one. A call's time leaves out
-//! what the timing itself spends outside the items (`timing::Log::hook_ns`).
+//! what the timing itself spends outside the items (`timing::Log::hook_ns`). The cuts take
+//! turns call by call, and each item's time is its best over the repetitions (its work is the
+//! same in each), so a noisy host's slow moments neither favour one cut nor leave single slow
+//! items at the end of a replay.
 //!
 //! Reports per workload the predicted speed-up T1/TP and parallel efficiency T1/(P*TP), and the
 //! idle tail of its largest region (the share of the P threads' time spent waiting for the
@@ -125,28 +128,44 @@ where
         t0.elapsed().as_nanos() as u64
     };
     call(Runner::Serial);
-    let timed = ps
-        .iter()
-        .map(|&p| {
-            let mut best: Option<(u64, Vec<timing::ItemTime>)> = None;
-            for _ in 0..reps {
-                timing::start(p);
-                let wall = call(Runner::Serial);
-                let log = timing::stop();
-                // The call's time without the log's bookkeeping.
-                let ns = wall.saturating_sub(log.hook_ns);
-                if best.as_ref().is_none_or(|(b, _)| ns < *b) {
-                    best = Some((ns, log.items));
-                }
+    // The cuts take turns, one call each per round, so the host's drift (10-15% over a few
+    // seconds on a shared VM) falls on all of them alike. Each cut keeps its best call's time
+    // outside the items and, per item, its best time over the rounds (an item's work is the
+    // same in every round; a slower round is the host's noise, which would otherwise put single
+    // items hit by it at the end of a replay).
+    type Best = (u64, BTreeMap<(u32, u32), u64>);
+    let mut best: Vec<Option<Best>> = vec![None; ps.len()];
+    for _ in 0..reps {
+        for (&p, best) in ps.iter().zip(best.iter_mut()) {
+            timing::start(p);
+            let wall = call(Runner::Serial);
+            let log = timing::stop();
+            // The call's time without the log's bookkeeping, and outside its items.
+            let in_items: u64 = log.items.iter().map(|it| it.ns).sum();
+            let serial = wall.saturating_sub(log.hook_ns).saturating_sub(in_items);
+            let (s, items) = best.get_or_insert_with(|| (u64::MAX, BTreeMap::new()));
+            *s = (*s).min(serial);
+            for it in log.items {
+                let t = items.entry((it.region, it.item)).or_insert(u64::MAX);
+                *t = (*t).min(it.ns);
             }
-            let (ns, log) = best.unwrap_or_default();
+        }
+    }
+    let timed = best
+        .into_iter()
+        .map(|b| {
+            let (serial, items) = b.unwrap_or_default();
             let mut regions: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-            for it in log {
-                regions.entry(it.region).or_default().push(it.ns);
+            for ((region, _), ns) in items {
+                regions.entry(region).or_default().push(ns);
             }
-            (ns, regions.into_values().collect())
+            let regions: Vec<Vec<u64>> = regions.into_values().collect();
+            let wall = serial + regions.iter().flatten().sum::<u64>();
+            (wall, regions)
         })
         .collect();
+    // The pools one after another (a pool's idle workers spin for a while, so two pools alive
+    // at once would take each other's cores).
     let mut measured = [0u64; 2];
     for (n, m) in measured.iter_mut().enumerate() {
         let pool = rayon::ThreadPoolBuilder::new()
