@@ -42,9 +42,10 @@ fn main() {
     for s in &sources {
         println!("cargo:rerun-if-changed={}", s.display());
     }
-    for h in ["cpp/session.hpp"] {
-        println!("cargo:rerun-if-changed={}", manifest.join(h).display());
-    }
+    println!(
+        "cargo:rerun-if-changed={}",
+        manifest.join("cpp/session.hpp").display()
+    );
     for h in ["convert.hpp", "paged_attention_op.hpp", "cache_inputs.hpp"] {
         println!("cargo:rerun-if-changed={}", cpp.join(h).display());
     }
