@@ -1,6 +1,6 @@
 //! A measurement, not a check (ignored by default): the share of this CPU's f32 FMA peak the
-//! prefill tile loops reach, on one item's shape (64 query rows, D=128, 16 key tiles of 32 keys,
-//! L2-resident), per SIMD tier:
+//! prefill tile loops reach, on one item's shape (64 query rows, D=128, 16 key tiles of 32 keys:
+//! 512 KiB of keys and values, L2-resident where L2 is larger than that), per SIMD tier:
 //! `cargo test --release -p paged_attention --lib tile_loops_share_of_fma_peak -- --ignored --nocapture`.
 //! Bursts of the loops alternate with bursts of an FMA loop (24 independent accumulators, what
 //! `pa_machine` runs) and the best of each is kept, so a noisy host disturbs both alike.
@@ -79,8 +79,8 @@ fn measure<M: TileMicro>(m: M, tier: &str, wide: bool) {
         (x >> 8) as f32 / (1u32 << 24) as f32 * a - a / 2.0
     };
     // Every buffer starts on a 64-byte boundary, as the kernel's scratch does (`aligned`) and as
-    // OpenVINO allocates its tensors: 32-byte loads from a buffer 16 bytes off a line split a
-    // cache line every other load, which on an AVX2-only AMD EPYC cost the loops 15-25 points.
+    // OpenVINO allocates its tensors, so no load splits a cache line that the kernel's would not
+    // (a `Vec` of this size may start 16 bytes off a line).
     let al = |n: usize, f: &mut dyn FnMut() -> f32| {
         let mut v = Vec::new();
         let s = crate::kernel::fast::prefill::aligned(&mut v, n);
