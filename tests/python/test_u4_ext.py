@@ -13,6 +13,7 @@ import pytest
 from ir_writer import paged_attention_ir, pa_port_dims
 from ov_u4_cache import (cache_shapes, channel_block_params, dequant, dequantized_caches,
                          read_token_row, run_u4, token_row_steps, u4_config, u4_dims)
+from ov_u8_cache import attention_over
 from test_openvino_ext import core, max_err  # noqa: F401 (core is a fixture)
 from test_u8_ext import DV, DV_LAYOUTS, block_table, schedule_calls, value_head_against_float64
 
@@ -61,6 +62,12 @@ class Runner:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_u4_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
+    """After every call the cache bytes equal the built-in op's, and our output is within 2e-5 of
+    float64 attention over the dequantized caches and within 1e-5 of the built-in op's wherever
+    that is itself within 2e-5 of float64. Where it is not, the built-in op is wrong, and the
+    call is printed: OpenVINO 2026.4.1 on an AVX2-only CPU (AMD EPYC, Zen 3) gives NaN and errors
+    of 2 on the decode calls of by-token keys in groups of 8 (docs/openvino.md). Its first call,
+    a prefill with nothing cached, must be right (the reference and the feeds are)."""
     layout = LAYOUTS[name]
     cfg = u4_config(**layout)
     ks, vs = cache_shapes(NB, HKV, D, **layout)
@@ -69,7 +76,7 @@ def test_u4_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
     run = Runner(compile_ours(core, tmp_path, kc, vc))
     rng = np.random.default_rng(len(name))
     bi, bib = block_table()
-    worst = 0.0
+    worst, builtin_wrong = 0.0, []
     for step, q, k, v, past_a, sb in schedule_calls(rng):
         out_ov, kc_ov, vc_ov = run_u4(D, k, v, kc_ov, vc_ov, past_a, sb, bi, bib, cfg, query=q, H=H)
         out, _ = run([q, k, v, kc, vc, past_a, sb, bi, bib])
@@ -77,11 +84,22 @@ def test_u4_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
             f"({int(np.count_nonzero(kc != kc_ov))} of {kc.size})"
         assert np.array_equal(vc, vc_ov), f"{name} step {step}: value cache bytes differ " \
             f"({int(np.count_nonzero(vc != vc_ov))} of {vc.size})"
+        want, _ = attention_over(q, k.shape, *dequantized_caches(kc, vc, D, **layout), past_a, sb,
+                                 bi, bib, None)
+        e64 = max_err(out, want)
+        assert e64 <= 2e-5, f"{name} step {step}: output max error {e64:.3g} vs float64"
+        builtin64 = max_err(out_ov, want)
+        if not builtin64 <= 2e-5:  # NaN included
+            assert step > 0, f"{name}: the built-in op's prefill is {builtin64:.3g} from " \
+                "float64: the reference or the feeds are wrong"
+            builtin_wrong.append((step, builtin64))
+            continue
         e = max_err(out, out_ov)
         assert e <= 1e-5, f"{name} step {step}: output max error {e:.3g} vs the built-in op"
         worst = max(worst, e)
     assert np.count_nonzero(kc) > 0 and np.count_nonzero(vc) > 0
-    print(f"{name}: worst output distance to the built-in op {worst:.2e}")
+    print(f"{name}: worst output distance to the built-in op {worst:.2e}"
+          + "".join(f"; step {s}: the built-in op is {b:.2g} from float64" for s, b in builtin_wrong))
 
 
 @pytest.mark.parametrize("name", list(DV_LAYOUTS))
