@@ -4,6 +4,7 @@
 //! on the rayon pool (`RAYON_NUM_THREADS`). Prints one JSON line.
 
 use clap::Parser;
+use paged_attention::kernel::fast::SimdLevel;
 use rayon::prelude::*;
 use std::time::Instant;
 
@@ -24,7 +25,6 @@ fn main() {
     let bw = read_bandwidth();
     let fma = fma_peak(threads);
     let amx = amx_peak(threads).map_or("null".to_string(), |g| format!("{g:.1}"));
-    use paged_attention::kernel::fast::SimdLevel;
     println!(
         "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"amx_bf16_gflops\": {amx}, \"simd\": \"{:?}\", \"runs\": \"{:?}\"}}",
         SimdLevel::detected(),

@@ -81,19 +81,18 @@ fn measure<M: TileMicro>(m: M, tier: &str, wide: bool) {
     // Every buffer starts on a 64-byte boundary, as the kernel's scratch does (`aligned`) and as
     // OpenVINO allocates its tensors, so no load splits a cache line that the kernel's would not
     // (a `Vec` of this size may start 16 bytes off a line).
-    let al = |n: usize, f: &mut dyn FnMut() -> f32| {
-        let mut v = Vec::new();
-        let s = crate::kernel::fast::prefill::aligned(&mut v, n);
-        s.iter_mut().for_each(|x| *x = f());
-        (v.as_ptr().align_offset(64), v)
-    };
-    let (oq, qt) = al(D * ROWS, &mut || r(1.0));
-    let (ok, k) = al(TILES * KEYS * D, &mut || r(1.0));
-    let (ov, v) = al(TILES * KEYS * D, &mut || r(1.0));
-    let (os, mut st) = al(KEYS * ROWS, &mut || 0.0);
-    let (oa, mut acc) = al(ROWS * D, &mut || 0.0);
-    let (qt, k, v) = (&qt[oq..], &k[ok..], &v[ov..]);
-    let (st, acc) = (&mut st[os..], &mut acc[oa..]);
+    use crate::kernel::fast::prefill::aligned;
+    let (mut qb, mut kb, mut vb, mut sb, mut ab) = Default::default();
+    let (qt, k, v) = (
+        aligned(&mut qb, D * ROWS),
+        aligned(&mut kb, TILES * KEYS * D),
+        aligned(&mut vb, TILES * KEYS * D),
+    );
+    for x in qt.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+        *x = r(1.0);
+    }
+    let (qt, k, v): (&[f32], &[f32], &[f32]) = (qt, k, v);
+    let (st, acc) = (aligned(&mut sb, KEYS * ROWS), aligned(&mut ab, ROWS * D));
     let (mut ml, mut ll, c) = (
         vec![f32::NEG_INFINITY; ROWS],
         vec![0f32; ROWS],
