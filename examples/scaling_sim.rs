@@ -257,7 +257,7 @@ fn main() {
     }
     println!("---|");
     let ps: Vec<usize> = std::iter::once(1).chain(THREADS).collect();
-    // 256 MiB to read for the bandwidth (8 times the largest L3 of the machines seen).
+    // 256 MiB to read for the bandwidth (past the L3 of every machine seen: 32 MiB on the EPYC).
     let stream: Vec<u64> = (0..32u64 << 20).collect();
     for (name, seqs) in workloads() {
         let (timed, measured) = match cache {
