@@ -203,8 +203,8 @@ def build_tokenizer(meta: dict):
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GgufError("tokenizer.ggml.tokens holds duplicates")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=_token(meta, "unknown_token_id"),
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               unk_token=_token(meta, "unknown_token_id")))
     steps = {"digits": pre_tokenizers.Digits(individual_digits=True),
              "byte_level": pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)}
     tok.pre_tokenizer = pre_tokenizers.Sequence([steps[s] for s in PRE_TOKENIZERS[pre]])
@@ -287,7 +287,8 @@ def write_model_dir(gguf_path, out_dir) -> Path:
     hf = model_dir.hf_config(cfg)
     hf.pop("tiny_llm")
     hf.update({"tie_word_embeddings": cfg.tie_word_embeddings, "sliding_window": None,
-               "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["padding"],
+               "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+               "pad_token_id": ids["padding"],
                "gguf": {"file": Path(gguf_path).name, "name": meta.get("general.name")}})
     model_dir._write_json(out_dir / "config.json", hf)
     model_dir._write_json(out_dir / "generation_config.json", {

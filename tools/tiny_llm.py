@@ -193,7 +193,8 @@ def build(cfg: Config, weights=None) -> ov.Model:
     for layer in range(cfg.layers):
         pre = f"model.layers.{layer}."
         h = _rms_norm(x, w(pre + "input_layernorm.weight", E), cfg.eps)
-        q = _rope(_heads(_linear(h, w(pre + "self_attn.q_proj.weight", H * D, E)), H, D), cos, sin, D)
+        q = _rope(_heads(_linear(h, w(pre + "self_attn.q_proj.weight", H * D, E)), H, D),
+                  cos, sin, D)
         k = _rope(_heads(_linear(h, w(pre + "self_attn.k_proj.weight", Hkv * D, E)), Hkv, D),
                   cos, sin, D)
         v = _heads(_linear(h, w(pre + "self_attn.v_proj.weight", Hkv * Dv, E)), Hkv, Dv)
@@ -226,7 +227,8 @@ def build(cfg: Config, weights=None) -> ov.Model:
         h = _rms_norm(x, w(pre + "post_attention_layernorm.weight", E), cfg.eps)
         gate = ops.swish(_linear(h, w(pre + "mlp.gate_proj.weight", cfg.intermediate, E)))
         up = _linear(h, w(pre + "mlp.up_proj.weight", cfg.intermediate, E))
-        x = ops.add(x, _linear(ops.multiply(gate, up), w(pre + "mlp.down_proj.weight", E, cfg.intermediate)))
+        down = w(pre + "mlp.down_proj.weight", E, cfg.intermediate)
+        x = ops.add(x, _linear(ops.multiply(gate, up), down))
     h = _rms_norm(x, w("model.norm.weight", E), cfg.eps)
     head = embed if cfg.tie_word_embeddings else ops.constant(w("lm_head.weight", cfg.vocab, E))
     logits = ops.matmul(h, head, transpose_a=False, transpose_b=True)

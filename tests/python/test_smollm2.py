@@ -121,7 +121,8 @@ def results(smollm2, engine, tmp_path_factory):  # noqa: F811
                                          tmp_path=tmp_path_factory.mktemp("smollm2"))
                 got[who, chat] = lines
             else:
-                got[who, chat] = genai_ref.run(smollm2, prompts, genai_ref.Options(**OPTS, chat=chat))
+                opts = genai_ref.Options(**OPTS, chat=chat)
+                got[who, chat] = genai_ref.run(smollm2, prompts, opts)
         return got[who, chat]
 
     return get
@@ -139,7 +140,8 @@ def test_tokenizer_equals_genai(smollm2):  # noqa: F811
             want = ours.encode(text, add_special_tokens=special).ids
             got = [int(t) for t in genai.encode(text, add_special_tokens=special).input_ids.data[0]]
             if got != want:
-                bad.append(f"encode {text!r} (special tokens {special}): GenAI {got} != ours {want}")
+                bad.append(f"encode {text!r} (special tokens {special}): "
+                           f"GenAI {got} != ours {want}")
         ids = ours.encode(text).ids
         for skip in (True, False):
             want = ours.decode(ids, skip_special_tokens=skip)
