@@ -5,7 +5,7 @@ INFERENCE_PRECISION_HINT, INFERENCE_NUM_THREADS, max batched tokens per step, KV
 prefix caching (off for both unless --prefix-caching), greedy, EOS ignored, a fixed number of new
 tokens.
 
-    .venv/bin/python tools/bench_engine.py [--workload tiny|attn|all] [--repeats 2]
+    .venv/bin/python tools/bench_engine.py [--workload tiny|attn|smollm2|all] [--repeats 2]
         [--precision f32] [--threads 2] [--max-batched-tokens 256] [--kv-cache-gb 1]
         [--work /tmp/pa_bench_engine] [--json out.json] [--chart out.svg|png] [--quick]
     .venv/bin/python tools/bench_engine.py --from-json out.json [--chart out.svg]   (no run)
@@ -16,12 +16,15 @@ Workloads (model directories written by tools/model_dir.py into --work when abse
   tokens arriving evenly over 0.2 s, 64 new tokens each, f32 cache;
 - ``attn``: tools/model_dir.py's ``attn`` model (32 heads over 8 KV heads of 128, 2 layers), 8
   prompts of 1024 to 4096 tokens (1024, 1024, 2048, 2048, 3072, 1024, 4096, 2048) arriving evenly
-  over 2 s, 256 new tokens each; one row with a u8 cache and one with f32.
+  over 2 s, 256 new tokens each; one row with a u8 cache and one with f32;
+- ``smollm2``: the trained SmolLM2-135M-Instruct (tools/gguf_model.py's directory, 30 layers, 9
+  heads over 3 KV heads of 64, f32 weights), batch 1: one prompt of 128 tokens, 128 new tokens;
+  one row with an f32 cache and one with u8.
 
-A full ``--workload all`` run takes about 4 minutes on 2 cores (12 engine processes); the tiny
+A full ``--workload all`` run takes about 5 minutes on 2 cores (16 engine processes); the tiny
 rows last ~0.3 s each, so their figures move with any other load on the machine.
-``--quick`` (smoke run, about 10 s): 8 tiny prompts and 4 attn prompts of 256 to 512
-tokens, 16 new tokens, one repetition.
+``--quick`` (smoke run, about 20 s): 8 tiny prompts, 4 attn prompts of 256 to 512 tokens and
+one SmolLM2 prompt of 64 tokens (f32 cache), 16 new tokens, one repetition.
 
 Each engine runs in its own process: ours is the CLI (a copy of target/release/pa-engine taken
 at start, so a concurrent rebuild cannot swap it mid-run) with ``--json --timings --stats``;
@@ -88,10 +91,12 @@ def workloads(quick: bool) -> dict:
             "tiny": dict(variant="gqa4", lengths=TINY_LENGTHS[:8], spread=0.1, new=16, caches=["f32"]),
             "attn": dict(variant="attn", lengths=[256, 512, 384, 256], spread=0.3, new=16,
                          caches=["u8", "f32"]),
+            "smollm2": dict(variant="smollm2", lengths=[64], spread=0.0, new=16, caches=["f32"]),
         }
     return {
         "tiny": dict(variant="gqa4", lengths=TINY_LENGTHS, spread=0.2, new=64, caches=["f32"]),
         "attn": dict(variant="attn", lengths=ATTN_LENGTHS, spread=2.0, new=256, caches=["u8", "f32"]),
+        "smollm2": dict(variant="smollm2", lengths=[128], spread=0.0, new=128, caches=["f32", "u8"]),
     }
 
 
@@ -100,6 +105,11 @@ def workloads(quick: bool) -> dict:
 
 
 def ensure_model_dir(work: Path, variant: str) -> Path:
+    if variant == "smollm2":  # built once into target/real_models/
+        sys.path.insert(0, str(TOOLS))
+        from gguf_model import smollm2_dir
+
+        return smollm2_dir(log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
     d = work / "models" / variant
     if (d / "openvino_model.xml").is_file() and (d / "openvino_tokenizer.xml").is_file():
         return d
@@ -448,7 +458,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["tiny", "attn", "all"], default="all")
+    ap.add_argument("--workload", choices=["tiny", "attn", "smollm2", "all"], default="all")
     ap.add_argument("--repeats", type=int, default=None, help="repetitions per engine (default 2, --quick 1)")
     ap.add_argument("--precision", default="f32", help="INFERENCE_PRECISION_HINT for both (default f32)")
     ap.add_argument("--threads", type=int, default=2, help="INFERENCE_NUM_THREADS for both (default 2)")

@@ -51,6 +51,8 @@ class Config:
     alternate_window: bool = False
     # Value head size when it differs from head_size (0: the same; DeepSeek-style attention).
     v_head_size: int = 0
+    # The output projection is the embedding matrix (one Constant for both).
+    tie_word_embeddings: bool = False
 
 
 # gpt-oss-shaped: sinks and alternating sliding-window / full layers.
@@ -127,20 +129,44 @@ def _mask(cfg, input_ids, attention_mask, window=None):
     return ops.slice(add, _c([0]), ops.unsqueeze(total, _c(0)), _c([1]), _c([3]))
 
 
-def build(cfg: Config) -> ov.Model:
-    """The stateful SDPA model of ``cfg`` (weights from ``np.random.default_rng(cfg.seed)``)."""
+def random_weights(cfg: Config):
+    """The seeded random weights of ``cfg``: a ``weights(name, shape)`` for ``build`` that draws
+    from ``np.random.default_rng(cfg.seed)`` in the order ``build`` asks (so the values depend
+    on that order, not on the names): norms near 1, the embedding with std 1, attention sinks
+    around 1, every other matrix with std 1/sqrt(fan-in)."""
     rng = np.random.default_rng(cfg.seed)
+
+    def weights(name: str, shape: tuple) -> np.ndarray:
+        if name.endswith("norm.weight"):
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if name.endswith(".sinks"):
+            # Around the logits' size, so each row gives its sink a real share of the weight.
+            return (1.0 + 1.5 * rng.standard_normal(shape)).astype(np.float32)
+        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    return weights
+
+
+def build(cfg: Config, weights=None) -> ov.Model:
+    """The stateful SDPA model of ``cfg``. ``weights(name, shape)`` gives each f32 array by its
+    Hugging Face Llama name (``model.embed_tokens.weight``, ``model.layers.{i}.input_layernorm.
+    weight``, ``...self_attn.{q,k,v,o}_proj.weight``, ``...post_attention_layernorm.weight``,
+    ``...mlp.{gate,up,down}_proj.weight``, ``model.norm.weight``, ``lm_head.weight``; matrices
+    [out, in]; ``model.layers.{i}.self_attn.sinks`` [1, H, 1, 1] with ``cfg.sinks``), asked in
+    that order; default ``random_weights(cfg)``. With ``cfg.tie_word_embeddings`` the output
+    projection is the embedding's own Constant (no ``lm_head.weight``)."""
+    weights = weights or random_weights(cfg)
     H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
     Dv = cfg.v_head_size or D
     G = H // Hkv
     assert H % Hkv == 0 and D % 2 == 0
 
-    def w(*shape, std=None):
-        std = std if std is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-
-    def norm_w():
-        return (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
+    def w(name, *shape):
+        got = np.asarray(weights(name, shape), dtype=np.float32)
+        if got.shape != shape:
+            raise ValueError(f"{name}: shape {got.shape}, the config needs {shape}")
+        return got
 
     input_ids = ops.parameter([-1, -1], ov.Type.i64, name="input_ids")
     attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
@@ -150,7 +176,8 @@ def build(cfg: Config) -> ov.Model:
     for p in params:
         p.output(0).get_tensor().set_names({p.get_friendly_name()})
 
-    x = ops.gather(ops.constant(w(cfg.vocab, E, std=1.0)), input_ids, _c(0))  # [B,S,E]
+    embed = ops.constant(w("model.embed_tokens.weight", cfg.vocab, E))
+    x = ops.gather(embed, input_ids, _c(0))  # [B,S,E]
 
     # RoPE tables from position_ids: [B,1,S,D], shared by all layers.
     inv_freq = (1.0 / cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
@@ -164,10 +191,13 @@ def build(cfg: Config) -> ov.Model:
     batch = ops.gather(ops.shape_of(input_ids), _c([0]), _c(0))
     sinks = []
     for layer in range(cfg.layers):
-        h = _rms_norm(x, norm_w(), cfg.eps)
-        q = _rope(_heads(_linear(h, w(H * D, E)), H, D), cos, sin, D)
-        k = _rope(_heads(_linear(h, w(Hkv * D, E)), Hkv, D), cos, sin, D)
-        v = _heads(_linear(h, w(Hkv * Dv, E)), Hkv, Dv)
+        pre = f"model.layers.{layer}."
+        h = _rms_norm(x, w(pre + "input_layernorm.weight", E), cfg.eps)
+        q = _rope(_heads(_linear(h, w(pre + "self_attn.q_proj.weight", H * D, E)), H, D),
+                  cos, sin, D)
+        k = _rope(_heads(_linear(h, w(pre + "self_attn.k_proj.weight", Hkv * D, E)), Hkv, D),
+                  cos, sin, D)
+        v = _heads(_linear(h, w(pre + "self_attn.v_proj.weight", Hkv * Dv, E)), Hkv, Dv)
         kv = []
         for what, cur, width in (("key", k, D), ("value", v, Dv)):
             var_id = f"past_key_values.{layer}.{what}"
@@ -189,17 +219,19 @@ def build(cfg: Config) -> ov.Model:
             sdpa_in.append(_c(cfg.scale if cfg.scale is not None else D ** -0.5, np.float32))
         attn = ops.scaled_dot_product_attention(*sdpa_in, causal=False)
         if cfg.sinks:  # the Python API has no sink argument: the 6th input is set on the node
-            # Around the logits' size, so each row gives its sink a real share of the weight.
-            sink = ops.constant((1.0 + 1.5 * rng.standard_normal((1, H, 1, 1))).astype(np.float32))
+            sink = ops.constant(w(pre + "self_attn.sinks", 1, H, 1, 1))
             attn.set_arguments([attn.input_value(i) for i in range(5)] + [sink.output(0)])
             attn.validate_and_infer_types()
         attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, H * Dv]), special_zero=True)
-        x = ops.add(x, _linear(attn, w(E, H * Dv)))
-        h = _rms_norm(x, norm_w(), cfg.eps)
-        gate = ops.swish(_linear(h, w(cfg.intermediate, E)))
-        up = _linear(h, w(cfg.intermediate, E))
-        x = ops.add(x, _linear(ops.multiply(gate, up), w(E, cfg.intermediate)))
-    logits = _linear(_rms_norm(x, norm_w(), cfg.eps), w(cfg.vocab, E))
+        x = ops.add(x, _linear(attn, w(pre + "self_attn.o_proj.weight", E, H * Dv)))
+        h = _rms_norm(x, w(pre + "post_attention_layernorm.weight", E), cfg.eps)
+        gate = ops.swish(_linear(h, w(pre + "mlp.gate_proj.weight", cfg.intermediate, E)))
+        up = _linear(h, w(pre + "mlp.up_proj.weight", cfg.intermediate, E))
+        down = w(pre + "mlp.down_proj.weight", E, cfg.intermediate)
+        x = ops.add(x, _linear(ops.multiply(gate, up), down))
+    h = _rms_norm(x, w("model.norm.weight", E), cfg.eps)
+    head = embed if cfg.tie_word_embeddings else ops.constant(w("lm_head.weight", cfg.vocab, E))
+    logits = ops.matmul(h, head, transpose_a=False, transpose_b=True)
     res = ops.result(logits)
     res.output(0).get_tensor().set_names({"logits"})
     return ov.Model([res], sinks, params, f"tiny_llm_{cfg.name}")
