@@ -31,3 +31,8 @@ pub use threads::Runner;
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The cache manager's Rust example (docs/cache.md), compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cache.md")]
+pub struct CacheDocDoctests;
