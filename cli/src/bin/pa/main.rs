@@ -23,7 +23,9 @@ use paged_attention_cli::simulate::{simulate, LengthDist, SimConfig, SimReport, 
 #[command(
     name = "pa",
     version,
-    about = "PagedAttention (OpenVINO ie_internal_opset, 17 inputs / 2 outputs) on IR models",
+    about = "PagedAttention (OpenVINO ie_internal_opset, 17 inputs / 2 outputs) for CPUs: generate \
+             and serve text from a model directory, run IR models and the golden suite, simulate \
+             the KV cache",
     after_help = ".npy element types: <f4 (f32), <f2 (f16), <u2 (bf16 raw bits), <i4 (i32), \
                   |u1 (u8 cache bytes); masks |b1 or |u1.\n\
                   Exit status: 0 success, 1 a failure (failed case, unreadable file, model \
