@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Coverage-guided fuzzing of the library (fuzz/, see README "Reliability").
+# Coverage-guided fuzzing of the library (fuzz/, see docs/reliability.md).
 #
 #   scripts/fuzz.sh [TARGET|all] [SECONDS]     default: all 25
 #

@@ -66,7 +66,7 @@ libdir=\${prefix}/lib
 includedir=\${prefix}/include
 
 Name: paged_attention
-Description: PagedAttention (OpenVINO ie_internal_opset, 16 inputs / 2 outputs) for CPUs: C ABI
+Description: PagedAttention (OpenVINO ie_internal_opset, 17 inputs / 2 outputs) for CPUs: C ABI
 Version: $version
 Libs: -L\${libdir} -lpaged_attention
 Libs.private: $native_static

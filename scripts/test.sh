@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The project's test command (README "Test"); .ci/run calls it. On a fresh machine it installs
+# The project's test command (README "Build and test"); .ci/run calls it. On a fresh machine it installs
 # what it needs (OpenVINO 2026.4.1 from PyPI into .venv), builds the C library and the OpenVINO
 # extension module (the workspace's two cdylibs), and runs every suite: Rust tests (kernel vs
 # float64 reference, validation, shape inference, C ABI, C/C++ programs, the C programs under
-# valgrind, IR loader, cache manager, install to a prefix), Python tests in OpenVINO, the golden
+# valgrind, cache manager, install to a prefix; the IR loader and `pa` in cli/; that neither
+# shipped library holds the IR loader or quick-xml), Python tests in OpenVINO, the golden
 # conformance suite through both our executor and OpenVINO with the extension, and a short run of every fuzz target (FUZZ_SECONDS each, default 25; 0
 # skips it), which fails the command if it finds a crash. The tests that read the test hooks
 # (Cargo feature test-hooks) also run on a build with them, in target/test-hooks.

@@ -1,7 +1,7 @@
 //! u8 caches as a cache type of the op itself (`execute`, `execute_reference`, validation, shape
 //! inference): the layout is read from the shapes, insertion writes exactly the bytes of the
 //! byte-checked quantizer (`kernel::quant::insert_u8`, held to OpenVINO's bytes by
-//! tests/u8_cache.rs), outputs match the float64 reference over the dequantized caches, rotation
+//! cli/tests/u8_cache.rs), outputs match the float64 reference over the dequantized caches, rotation
 //! of a u8 key cache stays within one quantization step of float64, and wrong shapes are refused
 //! with messages that say what a u8 cache must look like.
 

@@ -1,5 +1,5 @@
 """Read an IR with our extension loaded and write it back with OpenVINO's own `save_model`, so the
-IR reader can be tested on what OpenVINO writes (tests/conformance.rs, round trip).
+IR reader can be tested on what OpenVINO writes (cli/tests/conformance.rs, round trip).
 
     .venv/bin/python tools/ov_save_roundtrip.py --ext target/release/libpaged_attention_openvino.so \
         IN.xml OUT.xml

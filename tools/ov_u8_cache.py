@@ -565,7 +565,7 @@ def main_fixtures(outdir):
                     key_group=int(v.get("key_group", 0)), value_group=int(v.get("value_group", 0)),
                     source="OpenVINO 2026.4.1 CPU plugin, built-in PagedAttentionExtension, "
                            f"config {u8_config(**v)}; caches start as zeros",
-                    generator="python tools/ov_u8_cache.py fixtures tests/data/u8_cache")
+                    generator="python tools/ov_u8_cache.py fixtures cli/tests/data/u8_cache")
         with open(os.path.join(d, "case.json"), "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.write("\n")

@@ -1,7 +1,7 @@
-//! The IR loader (src/ir/): XML text, then a NUL byte, then the weights (.bin) bytes.
+//! The IR loader (cli/src/ir/): XML text, then a NUL byte, then the weights (.bin) bytes.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use paged_attention::ir::Model;
+use paged_attention_cli::ir::Model;
 
 fuzz_target!(|data: &[u8]| {
     let cut = data.iter().position(|&b| b == 0).unwrap_or(data.len());

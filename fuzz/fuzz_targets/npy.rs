@@ -1,13 +1,9 @@
-//! The .npy reader (src/bin/pa/npy.rs, the `pa` binary's own): a whole file in memory, then the
+//! The .npy reader (cli/src/npy.rs, the `pa` command's): a whole file in memory, then the
 //! conversions `pa run` applies.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
-#[allow(dead_code)]
-#[path = "../../src/bin/pa/npy.rs"]
-mod npy;
-
-use npy::{encode_npy, parse_npy};
+use paged_attention_cli::npy::{encode_npy, parse_npy};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(arr) = parse_npy(data) else {

@@ -33,7 +33,7 @@ def _find(env: str, stem: str) -> Path:
         return p
     raise FileNotFoundError(
         f"{stem}.so not found next to {__file__} nor in {_CHECKOUT}; "
-        f"build it (README, 'Install') or set {env}")
+        f"build it (README, 'Use it from C') or set {env}")
 
 
 def library_path() -> str:

@@ -6,8 +6,7 @@
 //! - `manager`: sequences and block tables; append, fork, copy-on-write, truncate, prefix hits.
 //! - `eviction`: per-block scores, score-based eviction, the op's rotation inputs and LUT.
 //! - `scheduler`: continuous batching with chunked prefill and preemption; yields op inputs.
-//! - `simulate`: a synthetic serving workload comparing paged and contiguous allocation.
-//! - `rng`: the small seeded PRNG the simulation and tests use (no extra crates).
+//! - `rng`: the small seeded PRNG the `pa simulate` workload and the tests use (no extra crates).
 //!
 //! All safe Rust; the C ABI is `crate::ffi::cache` / `include/paged_attention_cache.h`.
 
@@ -16,7 +15,6 @@ pub mod manager;
 pub mod pool;
 pub mod rng;
 pub mod scheduler;
-pub mod simulate;
 
 pub use eviction::{
     fill_rotation_lut, rotation_lut, rotation_lut_len, Eviction, EvictionPolicy, RotationDirection,
@@ -30,4 +28,3 @@ pub use rng::SplitMix64;
 pub use scheduler::{
     FinishReason, Request, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters, Step,
 };
-pub use simulate::{simulate, LengthDist, SimConfig, SimReport};

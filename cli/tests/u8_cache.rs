@@ -1,20 +1,15 @@
 //! u8 caches against the bytes OpenVINO 2026.4.1's built-in PagedAttention writes.
 //!
-//! The fixtures in tests/data/u8_cache/<case>/ were produced by
-//! `.venv/bin/python tools/ov_u8_cache.py fixtures tests/data/u8_cache` (the CPU plugin with
+//! The fixtures in cli/tests/data/u8_cache/<case>/ were produced by
+//! `.venv/bin/python tools/ov_u8_cache.py fixtures cli/tests/data/u8_cache` (the CPU plugin with
 //! `KV_CACHE_PRECISION=u8`, f32 inference, one thread): per step the new keys/values, the
 //! sequence inputs and the two caches after the call, starting from zeroed caches. Each case
 //! replays the steps through our insertion, feeding each step our own caches of the step before,
 //! and requires every byte of both caches to equal OpenVINO's.
 
-// The `.npy` reader is the `pa` binary's (kept out of the library); compiled in here as well.
-#[allow(dead_code)]
-#[path = "../src/bin/pa/npy.rs"]
-mod npy;
-
-use npy::{read_npy, NpyArray, NpyDtype};
 use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
 use paged_attention::op::validate::SeqPlan;
+use paged_attention_cli::npy::{read_npy, NpyArray, NpyDtype};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 

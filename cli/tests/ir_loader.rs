@@ -1,14 +1,14 @@
 //! The IR loader and executor: one test per class of malformed input (asserting the error and
 //! that it names the layer), and wiring checks of execution against `execute` called directly.
-//! (Numeric truth comes from the golden suite, tests/conformance.rs.)
+//! (Numeric truth comes from the golden suite, cli/tests/conformance.rs.)
 
 use std::collections::HashMap;
 
 use half::f16;
 use paged_attention::execute;
-use paged_attention::ir::{CacheLocation, IrError, Model, OwnedData, OwnedTensor};
 use paged_attention::op::{InputArg, PaInputs, PaOutputs};
 use paged_attention::tensor::TensorMut;
+use paged_attention_cli::ir::{CacheLocation, IrError, Model, OwnedData, OwnedTensor};
 
 const NAMES: [&str; 9] = [
     "query",

@@ -10,8 +10,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The repository root (this crate is its cli/).
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 /// A fresh scratch directory under the target directory, removed first if it exists.
@@ -313,8 +314,7 @@ fn conformance_never_skips_openvino_silently() {
 /// extension are found from another working directory.
 #[test]
 fn conformance_outside_the_repository_finds_openvino() {
-    let ext =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/libpaged_attention_openvino.so");
+    let ext = root().join("target/release/libpaged_attention_openvino.so");
     if !ext.exists() {
         eprintln!("{} not built: this test is not run", ext.display());
         return;

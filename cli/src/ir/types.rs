@@ -1,7 +1,7 @@
 //! IR element types (port `precision` and `element_type` strings) and dimensions.
 
-use crate::dtype::ElemType;
-use crate::op::{PartialShape, DYN};
+use paged_attention::dtype::ElemType;
+use paged_attention::op::{PartialShape, DYN};
 
 /// An element type as an IR may name it. Only f32, f16, bf16 and i32 can be executed; the rest
 /// are recognised so that a message can say "unsupported" rather than "unknown".

@@ -3,8 +3,8 @@
 
 use half::{bf16, f16};
 
-use crate::dtype::ElemType;
-use crate::tensor::{shape_elems, Elems, ElemsMut, Tensor, TensorMut};
+use paged_attention::dtype::ElemType;
+use paged_attention::tensor::{shape_elems, Elems, ElemsMut, Tensor, TensorMut};
 
 /// Typed storage of an [`OwnedTensor`].
 #[derive(Clone, Debug, PartialEq)]

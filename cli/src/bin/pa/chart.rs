@@ -3,7 +3,7 @@
 //! has no binary-only dependencies, so it would become a dependency of the library for every
 //! user, for one line chart.
 
-use paged_attention::cache::simulate::{SimReport, StepRecord};
+use paged_attention_cli::simulate::{SimReport, StepRecord};
 use std::fmt::Write;
 
 const W: f64 = 800.0;

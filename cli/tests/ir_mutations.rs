@@ -4,13 +4,8 @@
 //! with an error. A panic, an out-of-bounds read or an allocation from an unchecked size
 //! (which would abort the process) fails the test.
 
-// The `.npy` reader is the `pa` binary's (kept out of the library); compiled in here as well.
-#[allow(dead_code)]
-#[path = "../src/bin/pa/npy.rs"]
-mod npy;
-
-use npy::parse_npy;
-use paged_attention::ir::Model;
+use paged_attention_cli::ir::Model;
+use paged_attention_cli::npy::parse_npy;
 use std::path::PathBuf;
 
 /// splitmix64: a seeded stream independent of the code under test.
@@ -69,7 +64,7 @@ fn mutate(rng: &mut Rng, src: &[u8]) -> Vec<u8> {
 }
 
 fn case_dirs() -> Vec<PathBuf> {
-    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models");
+    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&models)
         .expect("models/")
         .flatten()

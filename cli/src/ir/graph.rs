@@ -8,12 +8,12 @@ use super::error::IrError;
 use super::owned::OwnedTensor;
 use super::types::{compatible, parse_dim, parse_shape_attr, IrType};
 use super::xml::{parse_net, RawLayer, RawNet, RawPort};
-use crate::dtype::ElemType;
-use crate::op::contract::{
+use paged_attention::dtype::ElemType;
+use paged_attention::op::contract::{
     INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, PAST_LENS, VALUE_CACHE,
 };
-use crate::op::{infer_shapes_with_past_lens, PartialInput, PartialShape};
-use crate::tensor::shape_elems;
+use paged_attention::op::{infer_shapes_with_past_lens, PartialInput, PartialShape};
+use paged_attention::tensor::shape_elems;
 
 /// The op's type and opset as they appear in an IR.
 pub const PA_TYPE: &str = "PagedAttention";

@@ -2,11 +2,10 @@
 //! simulator. The argument parser is clap's (per-command help, `--opt=value`, `--version`);
 //! usage errors exit 2 (clap's code), runtime failures and failed cases exit 1.
 //!
-//! The conformance harness (`case`, `npy`) lives here, not in the library OpenVINO loads.
+//! The IR executor, the conformance harness and the simulator are this crate's library
+//! (`paged_attention_cli`), not the C library or the OpenVINO extension.
 
-mod case;
 mod chart;
-mod npy;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -14,17 +13,19 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 
-use case::{find_cases, Actual, Case, OvEnv, Verdict, COMPARED};
-use npy::{read_npy, write_npy};
-use paged_attention::cache::simulate::{simulate, LengthDist, SimConfig, SimReport, CACHE_TYPES};
 use paged_attention::dtype::ElemType;
-use paged_attention::ir::{CacheLocation, Model};
+use paged_attention_cli::case::{find_cases, Actual, Case, OvEnv, Verdict, COMPARED};
+use paged_attention_cli::ir::{CacheLocation, Model};
+use paged_attention_cli::npy::{read_npy, write_npy};
+use paged_attention_cli::simulate::{simulate, LengthDist, SimConfig, SimReport, CACHE_TYPES};
 
 #[derive(Parser)]
 #[command(
     name = "pa",
     version,
-    about = "PagedAttention (OpenVINO ie_internal_opset, 17 inputs / 2 outputs) on IR models",
+    about = "PagedAttention (OpenVINO ie_internal_opset, 17 inputs / 2 outputs) for CPUs: generate \
+             and serve text from a model directory, run IR models and the golden suite, simulate \
+             the KV cache",
     after_help = ".npy element types: <f4 (f32), <f2 (f16), <u2 (bf16 raw bits), <i4 (i32), \
                   |u1 (u8 cache bytes); masks |b1 or |u1.\n\
                   Exit status: 0 success, 1 a failure (failed case, unreadable file, model \
@@ -286,7 +287,11 @@ fn row(name: &str, features: &str, path: &str, v: &Verdict, tol: &[f64; 4], ms: 
 /// that running it from another directory still finds them.
 fn repo_root(flag: Option<PathBuf>) -> PathBuf {
     flag.or_else(|| std::env::var_os("PA_ROOT").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|| {
+            // This crate is cli/ of the repository.
+            let cli = Path::new(env!("CARGO_MANIFEST_DIR"));
+            cli.parent().unwrap_or(cli).to_path_buf()
+        })
 }
 
 fn conformance(a: ConformanceArgs) -> Result<bool, String> {
@@ -502,7 +507,7 @@ fn simulate_cmd(a: SimulateArgs) -> Result<bool, String> {
         layers: a.layers,
     };
     if let Some(mib) = a.kv_memory_mib {
-        let block = paged_attention::cache::simulate::block_bytes(
+        let block = paged_attention_cli::simulate::block_bytes(
             cfg.cache,
             cfg.kv_heads,
             cfg.head_size,
@@ -542,7 +547,7 @@ fn write_trace(path: &Path, r: &SimReport) -> Result<(), String> {
     let runs = [("paged", &r.paged), ("contiguous", &r.contiguous)];
     let json = path.extension().is_some_and(|e| e == "json");
     let text = if json {
-        let run = |s: &paged_attention::cache::simulate::SimRun| {
+        let run = |s: &paged_attention_cli::simulate::SimRun| {
             s.trace
                 .iter()
                 .map(|t| {

@@ -1,4 +1,4 @@
-//! Running a [`Model`]: each layer in topological order, the op through [`crate::execute`].
+//! Running a [`Model`]: each layer in topological order, the op through [`paged_attention::execute`].
 //!
 //! In-place caches: when a Parameter feeds PagedAttention's input 3 or 4 directly, the op writes
 //! into the caller's tensor in the input map, as OpenVINO does with shared buffers. When a
@@ -12,9 +12,9 @@ use super::error::IrError;
 use super::graph::{Kind, Model};
 use super::owned::OwnedTensor;
 use super::types::fits;
-use crate::op::contract::{INPUTS, KEY_CACHE, VALUE_CACHE};
-use crate::op::{InputArg, PaInputs, PaOutputs};
-use crate::tensor::Tensor;
+use paged_attention::op::contract::{INPUTS, KEY_CACHE, VALUE_CACHE};
+use paged_attention::op::{InputArg, PaInputs, PaOutputs};
+use paged_attention::tensor::Tensor;
 
 /// One Result of the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -345,7 +345,7 @@ impl Model {
         }
         let mut pa = PaInputs::from_list(list).map_err(op_err)?;
         // Validate before allocating: the outputs' sizes come from input values (past_lens).
-        let plan = crate::op::validate(&pa).map_err(op_err)?;
+        let plan = paged_attention::op::validate(&pa).map_err(op_err)?;
         let [s0, s1] = plan.output_shapes();
         let alloc = |shape: Vec<usize>| {
             OwnedTensor::zeros(plan.query_type, shape)
@@ -356,7 +356,7 @@ impl Model {
             output: o0.view_mut(),
             scores: o1.view_mut(),
         };
-        crate::execute(&mut pa, &mut outs).map_err(op_err)?;
+        paged_attention::execute(&mut pa, &mut outs).map_err(op_err)?;
         Ok([o0, o1])
     }
 }

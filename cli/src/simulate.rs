@@ -38,10 +38,10 @@
 //! key `[BS + 8, D]` per block and head, value `D + 8` bytes per token and head), u4 caches its
 //! u4 layout's ("u4 caches": key `[BS + 16, D]`, value `D + 16` elements, two a byte).
 
-use super::rng::SplitMix64;
-use super::scheduler::{Request, Scheduler, SchedulerConfig};
-use crate::dtype::ElemType;
-use crate::op::u8_layout::{KeyQuant, U8Layout};
+use paged_attention::cache::rng::SplitMix64;
+use paged_attention::cache::scheduler::{Request, Scheduler, SchedulerConfig};
+use paged_attention::dtype::ElemType;
+use paged_attention::op::u8_layout::{KeyQuant, U8Layout};
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;

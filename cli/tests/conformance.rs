@@ -8,21 +8,14 @@
 
 use std::path::{Path, PathBuf};
 
-// The harness is the `pa` binary's (kept out of the library); compiled in here as well.
-#[allow(dead_code)]
-#[path = "../src/bin/pa/case.rs"]
-mod case;
-#[allow(dead_code)]
-#[path = "../src/bin/pa/npy.rs"]
-mod npy;
-
-use case::{find_cases, Case, OvEnv};
-use paged_attention::ir::Model;
+use paged_attention_cli::case::{find_cases, Case, OvEnv};
+use paged_attention_cli::ir::Model;
 
 const MIN_CASES: usize = 30;
 
+/// The repository root (this crate is its cli/).
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 fn cases() -> Vec<Case> {

@@ -3,13 +3,13 @@
 //! read only, `<f8` and `<i8`. Sizes are checked against the file before anything is allocated.
 
 //!
-//! Private to the `pa` binary (the golden suite's harness); the tests and the fuzz target that
-//! exercise it include this file with `#[path]`. Errors are messages naming the file.
+//! The golden suite's harness and `pa run` read and write them; the u8-cache fixtures are `.npy`
+//! too. Errors are messages naming the file.
 
 use std::path::Path;
 
+use crate::ir::{OwnedData, OwnedTensor};
 use paged_attention::dtype::ElemType;
-use paged_attention::ir::{OwnedData, OwnedTensor};
 use paged_attention::tensor::shape_elems;
 
 const MAGIC: &[u8] = b"\x93NUMPY";

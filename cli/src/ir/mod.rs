@@ -1,6 +1,6 @@
 //! OpenVINO IR (v10/v11 XML with its `.bin`) for PagedAttention models: a reader, a checker and a
-//! small executor. (The golden suite's harness, its `.npy` files and `case.json`, is the `pa`
-//! binary's: src/bin/pa/.)
+//! small executor. (The golden suite's harness, its `.npy` files and `case.json`, are
+//! [`crate::case`] and [`crate::npy`].)
 //!
 //! - `xml`: the document into layers, ports and edges (`rt_info` skipped), nothing interpreted.
 //! - `types`: precision strings and dimensions.

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::error::PaError;
+use paged_attention::error::PaError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IrError {

@@ -3,8 +3,7 @@
 //! process this binary starts: never the library, which OpenVINO loads), and the comparison with
 //! the expected outputs and caches.
 //!
-//! Private to the `pa` binary; tests/conformance.rs includes it with `#[path]` (with `npy.rs`
-//! beside it as `crate::npy`).
+//! `pa conformance` and tests/conformance.rs run it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
+use crate::ir::{Model, OwnedTensor};
 use crate::npy::{read_npy, NpyArray};
-use paged_attention::ir::{Model, OwnedTensor};
 use paged_attention::op::contract::{KEY_CACHE, VALUE_CACHE};
 
 /// The four compared tensors, in table order.
