@@ -44,6 +44,6 @@ pub use error::{EngineError, Result};
 pub use input_processor::InputProcessor;
 pub use model_dir::{GenerationDefaults, ModelConfig, ModelDir};
 pub use paged_attention::cache::{EvictionPolicy, FinishReason};
-pub use request::{Event, GenerationParams, Prompt, RequestError, RequestId, Update};
+pub use request::{ChatMessage, Event, GenerationParams, Prompt, RequestError, RequestId, Update};
 pub use sampling::Sampling;
-pub use tokenizer::{ChatMessage, StreamDecoder, TextTokenizer};
+pub use tokenizer::{StreamDecoder, TextTokenizer};

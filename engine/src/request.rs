@@ -3,7 +3,6 @@
 //! updates an engine client sends a request's caller.
 
 use crate::sampling::Sampling;
-use crate::tokenizer::ChatMessage;
 use paged_attention::cache::FinishReason;
 
 /// A request's id, unique in its engine (the engine client hands them out).
@@ -99,6 +98,13 @@ impl std::fmt::Display for RequestError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.message)
     }
+}
+
+/// One chat message (`role`: system, user, assistant, ...).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
 }
 
 /// A prompt before tokenizing.

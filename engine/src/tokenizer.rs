@@ -3,16 +3,9 @@
 //! templates use them), and a streaming decoder that never emits a partial UTF-8 sequence.
 
 use crate::error::{read_json, EngineError, Result};
-use serde::{Deserialize, Serialize};
+use crate::request::ChatMessage;
 use serde_json::Value;
 use std::path::Path;
-
-/// One chat message (`role`: system, user, assistant, ...).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
 
 /// The model directory's tokenizer.
 pub struct TextTokenizer {

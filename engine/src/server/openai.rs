@@ -1,9 +1,8 @@
 //! OpenAI's API: its error JSON (on every error status), and its completion and chat requests
 //! read into a prompt and generation parameters, each fault blamed on its field.
 
-use crate::request::{GenerationParams, Prompt, RequestError};
+use crate::request::{ChatMessage, GenerationParams, Prompt, RequestError};
 use crate::sampling::Sampling;
-use crate::tokenizer::ChatMessage;
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};

@@ -4,7 +4,6 @@
 //! makes the engine abort the request.
 
 use super::openai::{error, Kind};
-use super::routes::Slot;
 use crate::request::{Event, Update};
 use crate::FinishReason;
 use axum::http::{header, StatusCode};
@@ -107,9 +106,10 @@ pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Respo
         .into_response()
 }
 
-/// The answer as server-sent events; `slot` is held until the stream ends.
+/// The answer as server-sent events; `slot` (the request's place in the queue) is held until
+/// the stream ends.
 pub(crate) fn stream(
-    slot: Slot,
+    slot: impl Send + 'static,
     mut rx: UnboundedReceiver<Update>,
     a: Answer,
     include_usage: bool,
