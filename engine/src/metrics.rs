@@ -86,91 +86,22 @@ impl Snapshot {
         } else {
             self.counters.prefix_hit_tokens as f64 / self.stats.prompt_tokens as f64
         };
+        #[rustfmt::skip]
         let rows: [(&str, &str, &str, f64); 14] = [
-            (
-                "pa_requests_running",
-                "Requests whose sequences are running.",
-                "gauge",
-                self.running as f64,
-            ),
-            (
-                "pa_requests_waiting",
-                "Requests waiting to start.",
-                "gauge",
-                self.waiting as f64,
-            ),
-            (
-                "pa_requests_in_flight",
-                "HTTP requests admitted and not answered yet.",
-                "gauge",
-                in_flight as f64,
-            ),
-            (
-                "pa_kv_blocks_used",
-                "KV cache blocks referenced by a sequence.",
-                "gauge",
-                self.cache.used_blocks as f64,
-            ),
-            (
-                "pa_kv_blocks_total",
-                "KV cache blocks in all.",
-                "gauge",
-                self.num_blocks as f64,
-            ),
-            (
-                "pa_prefix_cache_hit_rate",
-                "Prompt tokens served from the prefix cache / prompt tokens.",
-                "gauge",
-                hit_rate,
-            ),
-            (
-                "pa_prefix_cache_hits_total",
-                "Requests that reused cached prefix blocks.",
-                "counter",
-                self.counters.prefix_hits as f64,
-            ),
-            (
-                "pa_preemptions_total",
-                "Sequences preempted for lack of blocks.",
-                "counter",
-                self.counters.preemptions as f64,
-            ),
-            (
-                "pa_generated_tokens_total",
-                "Tokens generated.",
-                "counter",
-                self.stats.generated_tokens as f64,
-            ),
-            (
-                "pa_prompt_tokens_total",
-                "Prompt tokens admitted.",
-                "counter",
-                self.stats.prompt_tokens as f64,
-            ),
-            (
-                "pa_requests_finished_total",
-                "Requests finished (length or stop).",
-                "counter",
-                self.finished as f64,
-            ),
-            (
-                "pa_requests_aborted_total",
-                "Requests aborted (client gone, shutdown).",
-                "counter",
-                self.aborted as f64,
-            ),
-            (
-                "pa_engine_steps_total",
-                "Engine steps.",
-                "counter",
-                self.stats.steps as f64,
-            ),
-            (
-                "pa_engine_infer_seconds_total",
-                "Time in OpenVINO's infer().",
-                "counter",
-                self.stats.infer_time.as_secs_f64(),
-            ),
+            ("pa_requests_running", "Requests whose sequences are running.", "gauge", self.running as f64),
+            ("pa_requests_waiting", "Requests waiting to start.", "gauge", self.waiting as f64),
+            ("pa_requests_in_flight", "HTTP requests admitted and not answered yet.", "gauge", in_flight as f64),
+            ("pa_kv_blocks_used", "KV cache blocks referenced by a sequence.", "gauge", self.cache.used_blocks as f64),
+            ("pa_kv_blocks_total", "KV cache blocks in all.", "gauge", self.num_blocks as f64),
+            ("pa_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.", "gauge", hit_rate),
+            ("pa_prefix_cache_hits_total", "Requests that reused cached prefix blocks.", "counter", self.counters.prefix_hits as f64),
+            ("pa_preemptions_total", "Sequences preempted for lack of blocks.", "counter", self.counters.preemptions as f64),
+            ("pa_generated_tokens_total", "Tokens generated.", "counter", self.stats.generated_tokens as f64),
+            ("pa_prompt_tokens_total", "Prompt tokens admitted.", "counter", self.stats.prompt_tokens as f64),
+            ("pa_requests_finished_total", "Requests finished (length or stop).", "counter", self.finished as f64),
+            ("pa_requests_aborted_total", "Requests aborted (client gone, shutdown).", "counter", self.aborted as f64),
+            ("pa_engine_steps_total", "Engine steps.", "counter", self.stats.steps as f64),
+            ("pa_engine_infer_seconds_total", "Time in OpenVINO's infer().", "counter", self.stats.infer_time.as_secs_f64()),
         ];
         for (name, help, kind, v) in rows {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
