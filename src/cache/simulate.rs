@@ -190,8 +190,14 @@ impl Default for SimConfig {
     }
 }
 
-/// The cache element types the simulator reports memory for: the library's one list.
-pub use crate::dtype::CACHE_TYPES;
+/// The cache element types the simulator reports memory for.
+pub const CACHE_TYPES: [ElemType; 5] = [
+    ElemType::F32,
+    ElemType::F16,
+    ElemType::BF16,
+    ElemType::U8,
+    ElemType::U4,
+];
 
 /// Bytes of one block of `block_size` tokens, key and value caches of all `kv_heads` heads and
 /// `layers` layers; u8 and u4 in OpenVINO's default layouts (keys by channel, one value group),
