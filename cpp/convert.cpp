@@ -18,6 +18,7 @@
 #include <openvino/pass/manager.hpp>
 #include <openvino/pass/sdpa_to_paged_attention.hpp>
 
+#include "paged_attention.h"
 #include "paged_attention_op.hpp"
 
 namespace paged_attention {
@@ -127,26 +128,6 @@ int64_t rt_int(const ov::Node& node, const char* key) {
     return std::stoll(it->second.as<std::string>());
 }
 
-ov::element::Type cache_element(const std::string& cache_type) {
-    if (cache_type == "f32") {
-        return ov::element::f32;
-    }
-    if (cache_type == "f16") {
-        return ov::element::f16;
-    }
-    if (cache_type == "bf16") {
-        return ov::element::bf16;
-    }
-    if (cache_type == "u8") {
-        return ov::element::u8;
-    }
-    if (cache_type == "u4") {
-        return ov::element::u4;
-    }
-    require(false, "unknown cache type `", cache_type, "` (f32, f16, bf16, u8 or u4)");
-    return ov::element::dynamic;
-}
-
 // Types a cache Parameter (the pass leaves it dynamic) as our op reads it.
 void type_cache(const std::shared_ptr<ov::Node>& pa,
                 size_t port,
@@ -165,7 +146,7 @@ void type_cache(const std::shared_ptr<ov::Node>& pa,
                     ") is fed by ",
                     src->get_type_name(),
                     "; the op writes the caches in place, so they must be model inputs (Parameters)");
-    const ov::element::Type et = cache_element(cfg.cache_type);
+    const ov::element::Type et = cfg.cache_type;
     int64_t rows = cfg.block_size;
     int64_t cols = head_size;
     if (et == ov::element::u8 || et == ov::element::u4) {
@@ -267,9 +248,44 @@ bool gather_logits(const std::shared_ptr<ov::Model>& model) {
 
 }  // namespace
 
+namespace {
+// The one C++ table of the cache types: the element codes of include/paged_attention.h (the
+// discriminants of the Rust ElemType, src/dtype.rs, whose NAMES table holds the names) and
+// OpenVINO's types. OpenVINO names them itself (f32, f16, bf16, u8, u4).
+struct CacheTypeEntry {
+    int code;
+    ov::element::Type_t type;
+};
+constexpr CacheTypeEntry kCacheTypes[] = {
+    {PA_ELEM_F32, ov::element::Type_t::f32},
+    {PA_ELEM_F16, ov::element::Type_t::f16},
+    {PA_ELEM_BF16, ov::element::Type_t::bf16},
+    {PA_ELEM_U8, ov::element::Type_t::u8},
+    {PA_ELEM_U4, ov::element::Type_t::u4},
+};
+}  // namespace
+
+ov::element::Type cache_element_type(int code) {
+    for (const auto& e : kCacheTypes) {
+        if (e.code == code) {
+            return e.type;
+        }
+    }
+    OPENVINO_THROW("element code ", code, " is not a cache type (f32, f16, bf16, u8, u4)");
+}
+
+bool is_cache_type(const ov::element::Type& type) {
+    for (const auto& e : kCacheTypes) {
+        if (ov::element::Type(e.type) == type) {
+            return true;
+        }
+    }
+    return false;
+}
+
 ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const ConvertConfig& config) {
     require(config.block_size > 0, "block size must be positive, got ", config.block_size);
-    cache_element(config.cache_type);
+    require(is_cache_type(config.cache_type), "cache type ", config.cache_type, " is not one of f32, f16, bf16, u8, u4");
     for (const auto& op : model->get_ops()) {
         require(std::strcmp(op->get_type_name(), PagedAttention::get_type_info_static().name) != 0,
                         "the model already uses PagedAttention (",

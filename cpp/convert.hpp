@@ -1,8 +1,8 @@
 // The one converter from OpenVINO's LLM graphs to this project's op, in memory: a stateful SDPA
 // LLM (as optimum-intel exports it) goes through OpenVINO's own SDPAToPagedAttention pass, as GenAI
 // applies it, and every PagedAttentionExtension it makes is replaced by our PagedAttention
-// (ie_internal_opset, 9 to 17 inputs, 2 outputs). Used by the engine (through cxx) and exported by the
-// extension module as `pa_ov_convert` for the Python tool.
+// (ie_internal_opset, 9 to 17 inputs, 2 outputs). Used by the engine (through cxx), which
+// `pa-engine convert` and tools/pa_convert.py run.
 #pragma once
 
 #include <cstddef>
@@ -10,16 +10,17 @@
 #include <string>
 
 #include <openvino/core/model.hpp>
+#include <openvino/core/type/element_type.hpp>
 
 namespace paged_attention {
 
 struct ConvertConfig {
     // Token slots per cache block.
     int block_size = 32;
-    // "f32", "f16", "bf16", "u8" (OpenVINO's u8 layout: key [?, Hkv, BS + 8, D] by channel,
-    // value [?, Hkv, BS, D + 8] by token) or "u4" (OpenVINO's u4 layout: key [?, Hkv, BS + 16, D],
-    // value [?, Hkv, BS, D + 16], two values per byte).
-    std::string cache_type = "f32";
+    // f32, f16, bf16, u8 (OpenVINO's u8 layout: key [?, Hkv, BS + 8, D] by channel, value
+    // [?, Hkv, BS, Dv + 8] by token) or u4 (OpenVINO's u4 layout: key [?, Hkv, BS + 16, D], value
+    // [?, Hkv, BS, Dv + 16], two values per byte). u8 is OpenVINO's CPU default, and the engine's.
+    ov::element::Type cache_type = ov::element::u8;
     // Also give the graph what score-driven eviction needs: outputs scores.N, inputs
     // score_aggregation_window and the rotation inputs.
     bool serving = false;
@@ -39,10 +40,15 @@ struct ConvertReport {
     bool gathered_logits = false;
 };
 
-// Converts `model` in place. Throws std::runtime_error with a message naming the node and the input
-// when the graph uses what our op does not implement (sinks, xattention, adaptive R-KV, token
-// type ids, qq_bias, a Dv != D value cache, write_kv_cache=false), or when it is not a stateful
-// SDPA LLM the pass can transform.
+// The cache type of an element code of include/paged_attention.h (PA_ELEM_*; the Rust
+// ElemType's discriminant); throws for a code that is no cache type.
+ov::element::Type cache_element_type(int code);
+bool is_cache_type(const ov::element::Type& type);
+
+// Converts `model` in place. Attention sinks and a value head size other than the key's (Dv != D)
+// are carried over to our op. Throws std::runtime_error with a message naming the node and the
+// input when the graph uses what our op does not implement (xattention, adaptive R-KV, token type
+// ids, qq_bias, write_kv_cache=false), or when it is not a stateful SDPA LLM the pass can transform.
 ConvertReport convert_to_our_op(const std::shared_ptr<ov::Model>& model, const ConvertConfig& config);
 
 }  // namespace paged_attention

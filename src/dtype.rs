@@ -69,18 +69,58 @@ impl ElemType {
         matches!(self, ElemType::U8 | ElemType::U4)
     }
 
-    /// The lower-case name used in messages and in OpenVINO's element types (`f32`, `bf16`...).
+    /// The lower-case name used in messages, on command lines and in OpenVINO's element types
+    /// (`f32`, `bf16`...): [`NAMES`]' entry.
     pub fn name(self) -> &'static str {
-        match self {
-            ElemType::F32 => "f32",
-            ElemType::F16 => "f16",
-            ElemType::BF16 => "bf16",
-            ElemType::I32 => "i32",
-            ElemType::U8 => "u8",
-            ElemType::U4 => "u4",
-        }
+        NAMES
+            .iter()
+            .find(|(t, _)| *t == self)
+            .map_or("?", |(_, n)| n)
+    }
+
+    /// The type a name of [`NAMES`] spells.
+    pub fn from_name(name: &str) -> Option<ElemType> {
+        NAMES.iter().find(|(_, n)| *n == name).map(|(t, _)| *t)
+    }
+
+    /// A KV cache type by name (one of [`CACHE_TYPES`]); the error lists them.
+    pub fn parse_cache_type(name: &str) -> Result<ElemType, String> {
+        ElemType::from_name(name)
+            .filter(|t| CACHE_TYPES.contains(t))
+            .ok_or_else(|| {
+                let names: Vec<&str> = CACHE_TYPES.iter().map(|t| t.name()).collect();
+                let (last, rest) = names.split_last().unwrap_or((&"", &[]));
+                format!(
+                    "unknown cache type `{name}` ({} or {last})",
+                    rest.join(", ")
+                )
+            })
     }
 }
+
+/// The one name table of the element types: what messages print and command lines parse (the
+/// engine, both binaries and the converter), and OpenVINO's names for the same types.
+pub const NAMES: [(ElemType, &str); 6] = [
+    (ElemType::F32, "f32"),
+    (ElemType::F16, "f16"),
+    (ElemType::BF16, "bf16"),
+    (ElemType::I32, "i32"),
+    (ElemType::U8, "u8"),
+    (ElemType::U4, "u4"),
+];
+
+/// The KV cache types: the float ones and the quantized ones (u8, u4 in OpenVINO's layouts).
+pub const CACHE_TYPES: [ElemType; 5] = [
+    ElemType::F32,
+    ElemType::F16,
+    ElemType::BF16,
+    ElemType::U8,
+    ElemType::U4,
+];
+
+/// The KV cache type when none is given: u8, OpenVINO's own default for the CPU (a quarter of
+/// f32's memory; greedy ids then follow OpenVINO's u8 cache, not f32's).
+pub const DEFAULT_CACHE_TYPE: ElemType = ElemType::U8;
 
 impl std::fmt::Display for ElemType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

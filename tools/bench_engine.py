@@ -53,6 +53,11 @@ Metrics, computed the same way for both engines from per-request times:
   each), and the mean fraction of tokens before the first difference (f32 should give 100%; a u8
   cache quantizes the same way in both but near-ties may flip).
 
+``--baseline PATH`` runs a second pa-engine build (another checkout's, say) as a third engine in
+every repetition, in rotating order with the other two, and prints ours / baseline per row
+(tokens/s, TTFT and TPOT p50, GenAI's convention: > 1 means ours is better): paired runs, so
+other load on the machine falls on both.
+
 Outputs: a markdown table on stdout, ``--json OUT`` (config, versions, every run with per-request
 times and ids), ``--chart OUT.svg|png`` (matplotlib: tokens/s, TTFT p50 and TPOT p50 bars per
 engine and row, the ratio over each pair).
@@ -472,6 +477,7 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/tmp/pa_bench_engine"),
                     help="model directories, prompts and the engine copy (default /tmp/pa_bench_engine)")
     ap.add_argument("--engine", type=Path, default=ENGINE, help="pa-engine binary (copied before use)")
+    ap.add_argument("--baseline", type=Path, help="another pa-engine binary run beside ours (copied)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
     ap.add_argument("--json", type=Path, help="write every figure to this file")
     ap.add_argument("--chart", type=Path, help="draw tokens/s, TTFT and TPOT p50 to this .svg/.png")
@@ -499,6 +505,11 @@ def main():
         ap.error(f"{args.engine} not found (cargo build --release -p paged_attention_engine)")
     binary = tmp / "pa-engine"
     shutil.copy2(args.engine, binary)
+    base_binary = None
+    if args.baseline:
+        base_binary = tmp / "pa-engine-baseline"
+        shutil.copy2(args.baseline, base_binary)
+    engines = ["ours", "genai"] + (["base"] if base_binary else [])
     eng_mtime = datetime.datetime.fromtimestamp(args.engine.stat().st_mtime).isoformat(timespec="seconds")
     wls = workloads(args.quick)
     names = list(wls) if args.workload == "all" else [args.workload]
@@ -533,13 +544,15 @@ def main():
                    "prompt_lens": [len(x) for x in ids], "arrivals": arrivals,
                    "max_new_tokens": w["new"], "runs": []}
             for rep in range(repeats):
-                order = ["ours", "genai"] if rep % 2 == 0 else ["genai", "ours"]
+                k = rep % len(engines)
+                order = engines[k:] + engines[:k]
                 for eng in order:
                     t0 = time.perf_counter()
                     rec = {"engine": eng, "rep": rep, "first": eng == order[0],
                            "load_avg": os.getloadavg()[0]}
                     try:
-                        res = run_ours(binary, spec, tmp) if eng == "ours" else run_genai(spec, tmp)
+                        res = (run_genai(spec, tmp) if eng == "genai"
+                               else run_ours(binary if eng == "ours" else base_binary, spec, tmp))
                         rec.update(res)
                         rec["metrics"] = metrics(res, arrivals)
                         m = rec["metrics"]
@@ -554,13 +567,13 @@ def main():
                         print(f"#   {name} {cache} rep {rep} {eng}: ERROR {str(e)[:300]}", flush=True)
                     row["runs"].append(rec)
             row["median"] = {e: median_metrics([r for r in row["runs"] if r["engine"] == e])
-                             for e in ("ours", "genai")}
+                             for e in engines}
             first = {e: next((r for r in row["runs"] if r["engine"] == e and "requests" in r), None)
                      for e in ("ours", "genai")}
             if first["ours"] and first["genai"]:
                 row["agreement"] = agreement(first["ours"]["requests"], first["genai"]["requests"])
             # each engine against itself across repetitions (greedy: should be deterministic)
-            for e in ("ours", "genai"):
+            for e in engines:
                 rs = [r for r in row["runs"] if r["engine"] == e and "requests" in r]
                 row[f"{e}_self_consistent"] = all(
                     [q["token_ids"] for q in r["requests"]] == [q["token_ids"] for q in rs[0]["requests"]]
@@ -575,7 +588,13 @@ def main():
           f"Total {total:.0f} s; load average at start/end {config['load_avg_start'][0]:.2f} / "
           f"{config['load_avg_end'][0]:.2f}.")
     for row in rows:
-        for e in ("ours", "genai"):
+        o, b = row["median"].get("ours"), row["median"].get("base")
+        if o and b:
+            ratio = lambda k, up: (o[k] / b[k]) if up else (b[k] / o[k])  # noqa: E731
+            print(f"ours / baseline, {row['workload']} {row['cache']}: tokens/s "
+                  f"{ratio('tokens_per_s', True):.3f}, TTFT p50 {ratio('ttft_p50', False):.3f}, "
+                  f"TPOT p50 {ratio('tpot_p50', False):.3f} (> 1: ours better)")
+        for e in engines:
             if not row[f"{e}_self_consistent"]:
                 print(f"note: {e} gave different ids across repetitions on {row['workload']} {row['cache']}")
     if args.json:

@@ -4,13 +4,16 @@ it) goes through OpenVINO's ``SDPAToPagedAttention`` pass, then every ``PagedAtt
 becomes a 16-input / 2-output ``PagedAttention`` (``ie_internal_opset``, docs/contract.md), which
 the extension ``libpaged_attention_openvino.so`` runs.
 
-    python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type f32|f16|bf16|u8|u4]
+    python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type u8|u4|f32|f16|bf16]
         [--serving]
 
 IN.xml is a stateful SDPA LLM. An IR that already holds ``PagedAttentionExtension`` layers
 (``ov.save_model`` of a transformed model) cannot be read back by OpenVINO, so it is refused: convert
-the stateful model it came from. Graphs that use what our op lacks (sinks, xattention, adaptive
-R-KV, token type ids, qq_bias) are refused with the node and input named.
+the stateful model it came from. Attention sinks and a value head size other than the key's are
+carried over to our op. Graphs that use what our op lacks (xattention, adaptive R-KV, token type
+ids, qq_bias) are refused with the node and input named. The command line's cache type defaults
+to u8, as ``pa-engine``'s (OpenVINO's own for the CPU); the functions below default to f32, the
+type the oracle comparisons run in.
 
 ``to_paged`` is OpenVINO's own transformation (its Python binding): the built-in op's graph, the
 oracle the tests run beside ours on the same schedule. ``pa-engine`` is found at ``$PA_ENGINE``,
@@ -142,8 +145,8 @@ def main(argv=None):
     ap.add_argument("input", type=Path, help="stateful LLM IR (optimum-intel export)")
     ap.add_argument("output", type=Path)
     ap.add_argument("--block-size", type=int, default=32, help="cache block size (default 32)")
-    ap.add_argument("--cache-type", choices=CACHE_TYPES, default="f32",
-                    help="cache element type (default f32; u8 and u4: OpenVINO's quantized layouts)")
+    ap.add_argument("--cache-type", choices=CACHE_TYPES, default="u8",
+                    help="cache element type (default u8, OpenVINO's CPU default; u8 and u4: its quantized layouts)")
     ap.add_argument("--serving", action="store_true",
                     help="also give the graph the scores outputs and the cache rotation / score "
                          "window inputs that eviction needs (tools/generate.py)")

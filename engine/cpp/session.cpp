@@ -17,15 +17,10 @@ std::string str(rust::Str s) {
     return std::string(s.data(), s.size());
 }
 
-ov::element::Type element(const std::string& name) {
-    if (name == "f32") return ov::element::f32;
-    if (name == "f16") return ov::element::f16;
-    if (name == "bf16") return ov::element::bf16;
-    if (name == "u8") return ov::element::u8;
-    if (name == "u4") return ov::element::u4;
-    if (name == "i32") return ov::element::i32;
-    if (name == "i64") return ov::element::i64;
-    OPENVINO_THROW("unknown element type `", name, "`");
+// The cxx enum's discriminants are the element codes (PA_ELEM_*), which the converter's one
+// table maps.
+ov::element::Type element(CacheType t) {
+    return paged_attention::cache_element_type(static_cast<int>(t));
 }
 
 Port port(const ov::Output<const ov::Node>& out) {
@@ -83,10 +78,10 @@ void Session::compile(rust::Str device, rust::Slice<const Property> properties) 
     request_ = compiled_.create_infer_request();
 }
 
-void Session::set_input(size_t index, rust::Str element_type, rust::Slice<const size_t> shape, uint8_t* data) {
+void Session::set_input(size_t index, CacheType element_type, rust::Slice<const size_t> shape, uint8_t* data) {
     OPENVINO_ASSERT(index < compiled_.inputs().size(), "no input ", index);
     const ov::Shape s(shape.begin(), shape.end());
-    request_.set_tensor(compiled_.input(index), ov::Tensor(element(str(element_type)), s, data));
+    request_.set_tensor(compiled_.input(index), ov::Tensor(element(element_type), s, data));
 }
 
 void Session::copy_input(size_t index, rust::Slice<const size_t> shape, rust::Slice<const uint8_t> data) {
@@ -128,7 +123,7 @@ std::unique_ptr<Session> open_session(rust::Str xml, const ConvertOptions& optio
     std::shared_ptr<ov::Model> model = core.read_model(str(xml));
     paged_attention::ConvertConfig cfg;
     cfg.block_size = static_cast<int>(options.block_size);
-    cfg.cache_type = str(options.cache_type);
+    cfg.cache_type = element(options.cache_type);
     cfg.serving = options.serving;
     cfg.gather_logits = options.gather_logits;
     cfg.allow_xattention = options.allow_xattention;

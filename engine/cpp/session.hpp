@@ -15,6 +15,7 @@
 namespace pa_engine {
 
 struct ConvertOptions;
+enum class CacheType : uint8_t;
 struct Port;
 struct Property;
 
@@ -28,7 +29,7 @@ public:
     bool gathered_logits() const;
     void save(rust::Str xml) const;
     void compile(rust::Str device, rust::Slice<const Property> properties);
-    void set_input(size_t index, rust::Str element_type, rust::Slice<const size_t> shape, uint8_t* data);
+    void set_input(size_t index, CacheType element_type, rust::Slice<const size_t> shape, uint8_t* data);
     // Copies `data` into the request's own tensor of input `index`, reshaped to `shape` (for the
     // small per-step inputs: cheaper than a set_tensor, which looks the port up and checks it).
     void copy_input(size_t index, rust::Slice<const size_t> shape, rust::Slice<const uint8_t> data);

@@ -23,7 +23,7 @@ pub enum EngineError {
     /// A request that cannot run (too long for the context or the KV cache, bad parameters);
     /// the engine and its other requests go on.
     #[error("request refused: {0}")]
-    Request(String),
+    Request(crate::request::RequestError),
     /// The engine's configuration.
     #[error("engine configuration: {0}")]
     Config(String),

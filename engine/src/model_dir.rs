@@ -7,6 +7,7 @@ use crate::error::{read_json, EngineError, Result};
 use crate::tokenizer::TextTokenizer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// What the engine reads of `config.json`.
 #[derive(Clone, Debug, Default)]
@@ -36,7 +37,7 @@ pub struct ModelDir {
     pub xml: PathBuf,
     pub config: ModelConfig,
     pub generation: GenerationDefaults,
-    pub tokenizer: TextTokenizer,
+    pub tokenizer: Arc<TextTokenizer>,
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
@@ -110,7 +111,7 @@ impl ModelDir {
         } else {
             GenerationDefaults::default()
         };
-        let tokenizer = TextTokenizer::from_dir(&path)?;
+        let tokenizer = Arc::new(TextTokenizer::from_dir(&path)?);
         Ok(ModelDir {
             xml: path.join("openvino_model.xml"),
             path,

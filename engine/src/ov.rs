@@ -4,10 +4,21 @@
 
 #[cxx::bridge(namespace = "pa_engine")]
 pub(crate) mod ffi {
+    /// A KV cache element type: the discriminants are `ElemType`'s (the `PA_ELEM_*` codes),
+    /// which the C++ side maps with its one table (`cpp/convert.cpp`).
+    #[repr(u8)]
+    enum CacheType {
+        F32 = 0,
+        F16 = 1,
+        Bf16 = 2,
+        U8 = 4,
+        U4 = 5,
+    }
+
     /// How the stateful model is turned into a paged one (`paged_attention::ConvertConfig`).
     struct ConvertOptions {
         block_size: u32,
-        cache_type: String,
+        cache_type: CacheType,
         serving: bool,
         gather_logits: bool,
         /// OpenVINO features to ask the pass for, which the converter then refuses (tests).
@@ -48,7 +59,7 @@ pub(crate) mod ffi {
         unsafe fn set_input(
             self: Pin<&mut Session>,
             index: usize,
-            element_type: &str,
+            element_type: CacheType,
             shape: &[usize],
             data: *mut u8,
         ) -> Result<()>;
@@ -63,4 +74,34 @@ pub(crate) mod ffi {
     }
 }
 
-pub(crate) use ffi::{ConvertOptions, Property, Session};
+pub(crate) use ffi::{CacheType, ConvertOptions, Property, Session};
+
+impl CacheType {
+    /// The bridge's name for a KV cache type; `None` for an element type no cache has.
+    pub(crate) fn of(t: paged_attention::ElemType) -> Option<CacheType> {
+        use paged_attention::ElemType as E;
+        Some(match t {
+            E::F32 => CacheType::F32,
+            E::F16 => CacheType::F16,
+            E::BF16 => CacheType::Bf16,
+            E::U8 => CacheType::U8,
+            E::U4 => CacheType::U4,
+            E::I32 => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CacheType;
+    use paged_attention::dtype::CACHE_TYPES;
+
+    #[test]
+    fn the_bridge_enum_carries_the_element_codes() {
+        for t in CACHE_TYPES {
+            let c = CacheType::of(t).expect("every cache type crosses the bridge");
+            assert_eq!(c.repr as i32, t as i32, "{t}");
+        }
+        assert!(CacheType::of(paged_attention::ElemType::I32).is_none());
+    }
+}

@@ -3,20 +3,17 @@
 //! templates use them), and a streaming decoder that never emits a partial UTF-8 sequence.
 
 use crate::error::{read_json, EngineError, Result};
-use serde::{Deserialize, Serialize};
+use crate::request::ChatMessage;
 use serde_json::Value;
 use std::path::Path;
-
-/// One chat message (`role`: system, user, assistant, ...).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
 
 /// The model directory's tokenizer.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// Bytes of the longest token's text (its vocabulary entry, added tokens included): no token
+    /// covers more of a prompt, so a prompt of more than `n * max_token_bytes` bytes has more than
+    /// `n` tokens, which is known before tokenizing it.
+    max_token_bytes: usize,
     chat_template: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
@@ -58,8 +55,16 @@ impl TextTokenizer {
         };
         let chat_template =
             chat_template.or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok());
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(TextTokenizer {
             inner,
+            max_token_bytes,
             chat_template,
             bos_token: token_text(cfg.get("bos_token")),
             eos_token: token_text(cfg.get("eos_token")),
@@ -89,6 +94,10 @@ impl TextTokenizer {
             .and_then(|t| self.inner.token_to_id(t))
     }
 
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -98,12 +107,14 @@ impl TextTokenizer {
     }
 
     /// Renders the chat template (`messages`, `add_generation_prompt`, `bos_token`,
-    /// `eos_token`). The result already holds the template's special tokens: encode it with
-    /// `add_special_tokens = false`.
+    /// `eos_token`) into at most `max_bytes` bytes: a template whose output would be longer is
+    /// stopped there and refused (the request's text alone decides how long it runs). The result
+    /// already holds the template's special tokens: encode it with `add_special_tokens = false`.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+        max_bytes: usize,
     ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::Tokenizer(
@@ -128,8 +139,43 @@ impl TextTokenizer {
             bos_token => self.bos_token.as_deref().unwrap_or(""),
             eos_token => self.eos_token.as_deref().unwrap_or(""),
         };
-        env.render_str(template, ctx)
-            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e:#}")))
+        let tmpl = env
+            .template_from_str(template)
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e:#}")))?;
+        let mut out = Capped {
+            bytes: Vec::new(),
+            max: max_bytes,
+        };
+        let rendered = tmpl.render_captured_to(ctx, &mut out).map(|_| ());
+        match rendered {
+            Ok(_) => String::from_utf8(out.bytes)
+                .map_err(|_| EngineError::Tokenizer("chat template: output is not UTF-8".into())),
+            Err(_) if out.bytes.len() >= max_bytes => Err(EngineError::Tokenizer(format!(
+                "the chat template's output is over {max_bytes} bytes, more than the model's context holds"
+            ))),
+            Err(e) => Err(EngineError::Tokenizer(format!("chat template: {e:#}"))),
+        }
+    }
+}
+
+/// A writer that takes at most `max` bytes and fails past them.
+struct Capped {
+    bytes: Vec<u8>,
+    max: usize,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let room = self.max - self.bytes.len();
+        if buf.len() > room {
+            self.bytes.extend_from_slice(&buf[..room]);
+            return Err(std::io::Error::other("over the cap"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

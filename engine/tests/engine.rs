@@ -4,9 +4,10 @@
 //! alone; preemption and forks give what an undisturbed run gives. Token equality with OpenVINO
 //! GenAI is tests/python/test_engine.py's.
 
+use paged_attention::ElemType;
 use paged_attention_engine::{
-    CacheType, Engine, EngineConfig, EngineError, Event, FinishReason, GenerationParams, Precision,
-    Sampling,
+    EngineConfig, EngineCore as Engine, EngineError, Event, FinishReason, GenerationParams,
+    Precision, Sampling,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -47,7 +48,7 @@ fn model_dir() -> &'static Path {
 
 fn config(kv_bytes: usize) -> EngineConfig {
     EngineConfig {
-        cache_type: CacheType::F32,
+        cache_type: ElemType::F32,
         kv_cache_bytes: kv_bytes,
         block_size: 32,
         max_batched_tokens: 64,
@@ -57,6 +58,24 @@ fn config(kv_bytes: usize) -> EngineConfig {
         threads: Some(2),
         device: "CPU".into(),
         eviction: None,
+    }
+}
+
+/// The core takes request ids from its caller; these tests number theirs from one counter.
+trait Submit {
+    fn add(&mut self, prompt: Vec<u32>, params: GenerationParams) -> Result<u64, EngineError>;
+    fn encode_prompt(&self, text: &str, chat: bool) -> Result<Vec<u32>, EngineError>;
+}
+
+impl Submit for Engine {
+    fn add(&mut self, prompt: Vec<u32>, params: GenerationParams) -> Result<u64, EngineError> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.add_request(id, prompt, params).map(|()| id)
+    }
+    fn encode_prompt(&self, text: &str, chat: bool) -> Result<Vec<u32>, EngineError> {
+        assert!(!chat, "these tests encode plain text");
+        self.tokenizer().encode(text, true)
     }
 }
 
@@ -106,15 +125,15 @@ fn end_of_sequence_ends_one_output_early_and_frees_its_blocks_at_once() {
         .unwrap();
     let b = e.encode_prompt("Paris brings new light", false).unwrap();
     // The undisturbed greedy run of a, to pick a stop id it reaches at its 6th token.
-    let ra = e.add_request(a.clone(), greedy(40)).unwrap();
+    let ra = e.add(a.clone(), greedy(40)).unwrap();
     let full = run(&mut e).remove(&(ra, 0)).unwrap().1;
     let stop = full[5];
     let first = full.iter().position(|&t| t == stop).unwrap();
 
     let mut params = greedy(40);
     params.stop_token_ids = Some(vec![stop]);
-    let ra = e.add_request(a.clone(), params).unwrap();
-    let rb = e.add_request(b.clone(), greedy(40)).unwrap();
+    let ra = e.add(a.clone(), params).unwrap();
+    let rb = e.add(b.clone(), greedy(40)).unwrap();
     let mut seen_end = false;
     while !e.is_idle() {
         for ev in e.step().unwrap() {
@@ -147,7 +166,7 @@ fn end_of_sequence_ends_one_output_early_and_frees_its_blocks_at_once() {
 fn stop_strings_cut_the_text_and_end_the_output() {
     let mut e = engine();
     let p = e.encode_prompt("quiet Tokyo river", false).unwrap();
-    let r = e.add_request(p.clone(), greedy(48)).unwrap();
+    let r = e.add(p.clone(), greedy(48)).unwrap();
     let (_, ids, text) = run(&mut e).remove(&(r, 0)).unwrap();
     // A stop string from the middle of the text: three ASCII letters.
     let chars: Vec<(usize, char)> = text.char_indices().collect();
@@ -158,7 +177,7 @@ fn stop_strings_cut_the_text_and_end_the_output() {
     let cut = text.find(&stop).unwrap();
     let mut params = greedy(48);
     params.stop = vec!["no such text \u{1F600}".into(), stop.clone()];
-    let r = e.add_request(p, params).unwrap();
+    let r = e.add(p, params).unwrap();
     let mut streamed = String::new();
     let mut done = None;
     e.run_to_completion(|ev| match ev {
@@ -194,11 +213,11 @@ fn abort_mid_decode_frees_blocks_and_leaves_the_others_untouched() {
         .encode_prompt("over would of and may as is", false)
         .unwrap();
     let b = e.encode_prompt("the cache of the river", false).unwrap();
-    let rb = e.add_request(b.clone(), greedy(30)).unwrap();
+    let rb = e.add(b.clone(), greedy(30)).unwrap();
     let alone = run(&mut e).remove(&(rb, 0)).unwrap().1;
 
-    let ra = e.add_request(a, greedy(200)).unwrap();
-    let rb = e.add_request(b, greedy(30)).unwrap();
+    let ra = e.add(a, greedy(200)).unwrap();
+    let rb = e.add(b, greedy(30)).unwrap();
     for _ in 0..10 {
         e.step().unwrap();
     }
@@ -229,19 +248,19 @@ fn a_prompt_over_the_context_or_the_whole_cache_is_refused_alone() {
     let mut e = Engine::load(model_dir(), &config(4 * 2 * 2 * 2 * 32 * 32 * 4)).unwrap();
     assert_eq!(e.num_blocks(), 4);
     let ok = e
-        .add_request(e.encode_prompt("Paris", false).unwrap(), greedy(8))
+        .add(e.encode_prompt("Paris", false).unwrap(), greedy(8))
         .unwrap();
     let ctx = e.context_len().expect("config.json gives the context");
     let long = vec![5u32; ctx];
-    match e.add_request(long, greedy(8)) {
-        Err(EngineError::Request(m)) => assert!(m.contains("context"), "{m}"),
+    match e.add(long, greedy(8)) {
+        Err(EngineError::Request(m)) => assert!(m.message.contains("context"), "{m}"),
         other => panic!("{other:?}"),
     }
-    match e.add_request(vec![5u32; 200], greedy(8)) {
-        Err(EngineError::Request(m)) => assert!(m.contains("blocks"), "{m}"),
+    match e.add(vec![5u32; 200], greedy(8)) {
+        Err(EngineError::Request(m)) => assert!(m.message.contains("blocks"), "{m}"),
         other => panic!("{other:?}"),
     }
-    assert!(e.add_request(vec![], greedy(8)).is_err());
+    assert!(e.add(vec![], greedy(8)).is_err());
     let done = run(&mut e);
     assert_eq!(done.len(), 1);
     assert_eq!(done[&(ok, 0)].1.len(), 8);
@@ -262,7 +281,7 @@ fn preemption_and_forks_give_what_an_undisturbed_run_gives() {
         .collect();
     let reqs: Vec<u64> = ids
         .iter()
-        .map(|p| big.add_request(p.clone(), greedy(60)).unwrap())
+        .map(|p| big.add(p.clone(), greedy(60)).unwrap())
         .collect();
     let want = run(&mut big);
     assert_eq!(big.counters().preemptions, 0);
@@ -271,7 +290,7 @@ fn preemption_and_forks_give_what_an_undisturbed_run_gives() {
     let mut small = Engine::load(model_dir(), &config(6 * 2 * 2 * 2 * 32 * 32 * 4)).unwrap();
     let sreqs: Vec<u64> = ids
         .iter()
-        .map(|p| small.add_request(p.clone(), greedy(60)).unwrap())
+        .map(|p| small.add(p.clone(), greedy(60)).unwrap())
         .collect();
     let got = run(&mut small);
     assert!(
@@ -296,7 +315,7 @@ fn preemption_and_forks_give_what_an_undisturbed_run_gives() {
             n: 3,
             ..Default::default()
         };
-        let r = e.add_request(ids[1].clone(), params).unwrap();
+        let r = e.add(ids[1].clone(), params).unwrap();
         let done = run(e);
         (0..3).map(|i| done[&(r, i)].1.clone()).collect::<Vec<_>>()
     };
@@ -325,7 +344,7 @@ fn cache_eviction_bounds_every_sequence_and_rotates_kept_keys() {
             .iter()
             .map(|p| {
                 let ids = e.encode_prompt(p, false).unwrap();
-                e.add_request(ids, greedy(150)).unwrap()
+                e.add(ids, greedy(150)).unwrap()
             })
             .collect();
         let mut most = 0;

@@ -37,7 +37,7 @@ def free_port():
 
 
 class Server:
-    def __init__(self, model, *extra, env=None):
+    def __init__(self, model, *extra, env=None, **popen):
         if not ENGINE.is_file():
             pytest.fail(f"pa-engine not found at {ENGINE}: cargo build --release --workspace")
         self.port = free_port()
@@ -45,7 +45,7 @@ class Server:
         self.proc = subprocess.Popen(
             [str(ENGINE), "serve", str(model), "--port", str(self.port), "--served-model-name", NAME,
              *F32, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})}, **popen)
         deadline = time.time() + 60
         while time.time() < deadline:
             try:

@@ -3,15 +3,17 @@
 
 use clap::{Args, Parser, Subcommand};
 use paged_attention::cache::EvictionPolicy;
+use paged_attention::ElemType;
 use paged_attention_engine::{
-    convert_ir, CacheType, Conversion, Engine, EngineConfig, Event, FinishReason, GenerationParams,
-    ModelDir, Precision, Sampling,
+    convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
+    ModelDir, Precision, Prompt, Sampling, Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 #[derive(Parser)]
@@ -43,8 +45,11 @@ Serves MODEL_DIR over an OpenAI-compatible HTTP API: POST /v1/completions and \
 /v1/chat/completions (streaming as server-sent events with \"stream\": true), GET /v1/models, \
 GET /health (200 once the model is compiled), GET /metrics (Prometheus text). The engine runs \
 on its own thread; a client that disconnects has its request aborted and its KV blocks freed \
-before the next engine step. SIGINT/SIGTERM: new requests get 503, in-flight ones finish (or are \
-ended after --shutdown-timeout), then the process exits 0.";
+before the next engine step. Every error is OpenAI's error JSON. A request's head and its body \
+must each arrive within --read-timeout, or the connection is closed (a body gets 408). \
+SIGINT/SIGTERM: new requests (on open or new connections) get 503 with OpenAI's error JSON, \
+in-flight ones finish, or are ended after --shutdown-timeout; then the process exits 0, whatever \
+clients still hold open.";
 
 #[derive(Args)]
 struct ServeArgs {
@@ -66,8 +71,11 @@ struct ServeArgs {
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
     /// Seconds in-flight requests may run on after SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30.0)]
-    shutdown_timeout: f64,
+    #[arg(long, default_value = "30", value_parser = seconds)]
+    shutdown_timeout: Duration,
+    /// Seconds a request's head, and then its body, may take to arrive.
+    #[arg(long, default_value = "30", value_parser = positive_seconds)]
+    read_timeout: Duration,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -81,14 +89,16 @@ continuous-batching scheduler: all prompts of --prompts run as one continuous ba
 
 With one prompt the text is streamed to stdout as it is generated. With --json, one JSON object \
 per prompt and line, in input order: index, prompt_tokens, token_ids (generated ids only), text, \
-finish_reason (length, stop), and with --n > 1 `samples` (every output).";
+finish_reason (length, stop), and with --n > 1 `samples` (every output). Without --json, one \
+prompt with --n 1 is streamed; otherwise every output is printed when done, tagged [PROMPT] \
+(or [PROMPT.SAMPLE] with --n > 1).";
 
 #[derive(Args)]
 struct EngineArgs {
     /// KV cache element type: f32, f16, bf16, u8 or u4 (u8 and u4 are OpenVINO's quantized
-    /// layouts, u4 two values a byte; u8 is its CPU default).
-    #[arg(long, default_value = "u8", value_parser = parse_cache_type)]
-    cache_type: CacheType,
+    /// layouts, u4 two values a byte). Default u8, OpenVINO's own for the CPU.
+    #[arg(long, default_value_t = DEFAULT_CACHE_TYPE, value_parser = ElemType::parse_cache_type)]
+    cache_type: ElemType,
     /// KV cache size in GB, over all layers.
     #[arg(long, default_value_t = 1.0)]
     kv_cache_size: f64,
@@ -173,9 +183,10 @@ struct ConvertArgs {
     output: PathBuf,
     #[arg(long, default_value_t = 32)]
     block_size: usize,
-    /// Element type of the cache inputs: f32, f16, bf16, u8 or u4.
-    #[arg(long, default_value = "f32", value_parser = parse_cache_type)]
-    cache_type: CacheType,
+    /// Element type of the cache inputs: f32, f16, bf16, u8 or u4. Default u8, as generate and
+    /// serve (OpenVINO's own for the CPU).
+    #[arg(long, default_value_t = DEFAULT_CACHE_TYPE, value_parser = ElemType::parse_cache_type)]
+    cache_type: ElemType,
     /// Also give the graph what cache eviction needs: outputs scores.N, inputs
     /// score_aggregation_window and the rotation inputs.
     #[arg(long)]
@@ -186,9 +197,23 @@ struct ConvertArgs {
     allow: Vec<String>,
 }
 
-fn parse_cache_type(s: &str) -> Result<CacheType, String> {
-    s.parse()
+use paged_attention::dtype::DEFAULT_CACHE_TYPE;
+
+/// Seconds >= 0 that a `Duration` holds (not NaN, not infinite, not 1e20).
+fn seconds(s: &str) -> Result<Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .and_then(|x| Duration::try_from_secs_f64(x).ok())
+        .ok_or_else(|| format!("needs seconds >= 0 (at most about 1.8e19), got `{s}`"))
 }
+
+fn positive_seconds(s: &str) -> Result<Duration, String> {
+    match seconds(s)? {
+        Duration::ZERO => Err(format!("needs seconds > 0, got `{s}`")),
+        d => Ok(d),
+    }
+}
+
 fn parse_precision(s: &str) -> Result<Precision, String> {
     s.parse()
 }
@@ -211,12 +236,6 @@ fn main() -> ExitCode {
 
 fn serve(a: ServeArgs) -> Result<(), String> {
     let engine = engine_config(&a.engine)?;
-    if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout.is_finite()) {
-        return Err(format!(
-            "--shutdown-timeout must be seconds >= 0, got {}",
-            a.shutdown_timeout
-        ));
-    }
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         a.model_dir
             .canonicalize()
@@ -235,7 +254,8 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         api_key,
         max_queue: a.max_queue.max(1),
         max_body_bytes: a.max_body_bytes,
-        shutdown_timeout: Duration::from_secs_f64(a.shutdown_timeout),
+        read_timeout: a.read_timeout,
+        shutdown_timeout: a.shutdown_timeout,
         model_name: name,
     };
     paged_attention_engine::server::serve(a.model_dir, engine, cfg)
@@ -299,30 +319,27 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     })
 }
 
-/// One prompt of --prompts.
-enum PromptSpec {
-    Text(String),
-    Timed { text: String, arrival: f64 },
-    Ids { ids: Vec<u32>, arrival: f64 },
+/// One prompt of --prompts: what to run, and when (after the start).
+struct PromptSpec {
+    prompt: Prompt,
+    arrival: Duration,
 }
 
 impl PromptSpec {
-    fn parse(v: &serde_json::Value) -> Result<PromptSpec, String> {
+    fn parse(v: &serde_json::Value, chat: bool) -> Result<PromptSpec, String> {
+        let text = |t: &str| PromptSpec::text(t, chat);
         if let Some(s) = v.as_str() {
-            return Ok(PromptSpec::Text(s.to_owned()));
+            return Ok(text(s));
         }
         let arrival = match v.get("arrival") {
-            None => 0.0,
+            None => Duration::ZERO,
             Some(x) => x
                 .as_f64()
-                .filter(|a| *a >= 0.0)
-                .ok_or("`arrival` must be seconds >= 0")?,
+                .and_then(|a| Duration::try_from_secs_f64(a).ok())
+                .ok_or("`arrival` must be seconds >= 0 (at most about 1.8e19)")?,
         };
         if let Some(t) = v.get("text").and_then(|t| t.as_str()) {
-            return Ok(PromptSpec::Timed {
-                text: t.to_owned(),
-                arrival,
-            });
+            return Ok(PromptSpec { arrival, ..text(t) });
         }
         if let Some(ids) = v.get("token_ids").and_then(|t| t.as_array()) {
             let ids = ids
@@ -333,17 +350,30 @@ impl PromptSpec {
                         .ok_or("token ids must be integers")
                 })
                 .collect::<Result<_, _>>()?;
-            return Ok(PromptSpec::Ids { ids, arrival });
+            return Ok(PromptSpec {
+                prompt: Prompt::Ids(ids),
+                arrival,
+            });
         }
         Err(
             "a prompt is a string or an object with `text` or `token_ids` (and optional `arrival`)"
                 .into(),
         )
     }
-    fn arrival(&self) -> f64 {
-        match self {
-            PromptSpec::Text(_) => 0.0,
-            PromptSpec::Timed { arrival, .. } | PromptSpec::Ids { arrival, .. } => *arrival,
+
+    /// A text prompt (one user message through the chat template with `chat`), at the start.
+    fn text(t: &str, chat: bool) -> PromptSpec {
+        let prompt = if chat {
+            Prompt::Chat(vec![paged_attention_engine::ChatMessage {
+                role: "user".into(),
+                content: t.into(),
+            }])
+        } else {
+            Prompt::Text(t.into())
+        };
+        PromptSpec {
+            prompt,
+            arrival: Duration::ZERO,
         }
     }
 }
@@ -362,9 +392,18 @@ struct Done {
     reason: FinishReason,
 }
 
+/// A prompt's request: its id once submitted, its prompt length once accepted, its outputs.
+#[derive(Default)]
+struct Run {
+    id: Option<u64>,
+    prompt_tokens: usize,
+    times: Times,
+    outputs: HashMap<usize, Done>,
+}
+
 fn generate(a: GenerateArgs) -> Result<(), String> {
     let prompts: Vec<PromptSpec> = match (&a.prompt, &a.prompts) {
-        (Some(p), _) => vec![PromptSpec::Text(p.clone())],
+        (Some(p), _) => vec![PromptSpec::text(p, a.chat)],
         (None, Some(f)) => {
             let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
             let v: Vec<serde_json::Value> = serde_json::from_str(&text)
@@ -372,7 +411,8 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             v.iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    PromptSpec::parse(p).map_err(|e| format!("{}: prompt {i}: {e}", f.display()))
+                    PromptSpec::parse(p, a.chat)
+                        .map_err(|e| format!("{}: prompt {i}: {e}", f.display()))
                 })
                 .collect::<Result<_, _>>()?
         }
@@ -385,7 +425,8 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         .max_new_tokens
         .or(md.generation.max_new_tokens)
         .unwrap_or(256);
-    let mut engine = Engine::from_model_dir(md, &cfg).map_err(|e| e.to_string())?;
+    let (client, loading) = EngineClient::from_model_dir(md, cfg).map_err(|e| e.to_string())?;
+    loading.wait()?;
     let load_time = t_load.elapsed();
     let params = GenerationParams {
         max_new_tokens: max_new,
@@ -400,93 +441,113 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         ignore_eos: a.ignore_eos,
         n: a.n,
     };
-    // Requests in input order, each at its arrival time; a refused prompt fails alone.
+    // Requests in input order, each at its arrival time (tokenized on this thread); a refused
+    // prompt fails alone.
     let n = prompts.len();
-    let mut ids: Vec<Option<u64>> = vec![None; n];
-    let mut prompt_lens = vec![0usize; n];
-    let mut times = vec![Times::default(); n];
+    let mut runs: Vec<Run> = (0..n).map(|_| Run::default()).collect();
     let mut by_request: HashMap<u64, usize> = HashMap::new();
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&x, &y| prompts[x].arrival().total_cmp(&prompts[y].arrival()));
-    let mut next = 0;
-    let mut failed = 0;
-    let stream = n == 1 && !a.json;
-    let mut results: HashMap<(u64, usize), Done> = HashMap::new();
+    order.sort_by_key(|&i| prompts[i].arrival);
+    let mut prompts: Vec<Option<PromptSpec>> = prompts.into_iter().map(Some).collect();
+    let (mut next, mut failed, mut pending) = (0, 0, 0);
+    let stream = n == 1 && a.n == 1 && !a.json;
     let stdout = std::io::stdout();
+    let (tx, rx) = mpsc::channel::<Update>();
     let t_gen = Instant::now();
     let mut first_token: Option<Duration> = None;
-    while next < n || !engine.is_idle() {
-        let now = t_gen.elapsed().as_secs_f64();
-        while next < n && prompts[order[next]].arrival() <= now {
+    loop {
+        while next < n
+            && prompts[order[next]]
+                .as_ref()
+                .is_some_and(|p| p.arrival <= t_gen.elapsed())
+        {
             let i = order[next];
             next += 1;
-            let r = match &prompts[i] {
-                PromptSpec::Text(t) | PromptSpec::Timed { text: t, .. } => {
-                    engine.encode_prompt(t, a.chat)
-                }
-                PromptSpec::Ids { ids, .. } => Ok(ids.clone()),
-            }
-            .and_then(|toks| {
-                let len = toks.len();
-                engine.add_request(toks, params.clone()).map(|id| (id, len))
-            });
-            match r {
-                Ok((id, len)) => {
-                    ids[i] = Some(id);
-                    prompt_lens[i] = len;
+            let Some(p) = prompts[i].take() else { continue };
+            match client.submit(p.prompt, params.clone(), tx.clone()) {
+                Ok(id) => {
+                    runs[i].id = Some(id);
+                    runs[i].times.arrival = t_gen.elapsed();
                     by_request.insert(id, i);
-                    times[i].arrival = t_gen.elapsed();
+                    pending += 1;
                 }
                 Err(e) => {
-                    eprintln!("pa-engine: prompt {i}: {e}");
+                    eprintln!("pa-engine: prompt {i}: request refused: {e}");
                     failed += 1;
                 }
             }
         }
-        if engine.is_idle() {
-            if next < n {
-                let wait = prompts[order[next]].arrival() - t_gen.elapsed().as_secs_f64();
-                std::thread::sleep(Duration::from_secs_f64(wait.max(0.0)));
-            }
-            continue;
+        if next == n && pending == 0 {
+            break;
         }
-        for e in engine.step().map_err(|e| e.to_string())? {
-            match e {
-                Event::Token {
-                    request,
-                    index,
-                    text,
-                    ..
-                } => {
-                    let at = t_gen.elapsed();
-                    first_token.get_or_insert(at);
-                    if index == 0 {
-                        let t = &mut times[by_request[&request]];
-                        t.first.get_or_insert(at);
-                        t.last = at;
-                        t.tokens += 1;
-                    }
-                    if stream && index == 0 && !text.is_empty() {
-                        let mut out = stdout.lock();
-                        let _ = out.write_all(text.as_bytes());
-                        let _ = out.flush();
+        let update = match prompts
+            .get(*order.get(next).unwrap_or(&0))
+            .and_then(Option::as_ref)
+        {
+            Some(p) if next < n => {
+                match rx.recv_timeout(p.arrival.saturating_sub(t_gen.elapsed())) {
+                    Ok(u) => u,
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        return Err("the engine stopped".into())
                     }
                 }
-                Event::Finished {
-                    request,
+            }
+            _ => rx.recv().map_err(|_| "the engine stopped".to_string())?,
+        };
+        let at = t_gen.elapsed();
+        let event = match update {
+            Update::Accepted {
+                request,
+                prompt_tokens,
+            } => {
+                runs[by_request[&request]].prompt_tokens = prompt_tokens;
+                continue;
+            }
+            Update::Refused { request, error } => {
+                let i = by_request[&request];
+                runs[i].id = None;
+                eprintln!("pa-engine: prompt {i}: request refused: {error}");
+                failed += 1;
+                pending -= 1;
+                continue;
+            }
+            Update::Failed { message, .. } => return Err(message),
+            Update::Event(e) => e,
+        };
+        let run = &mut runs[by_request[&event.request()]];
+        match event {
+            Event::Token { index, text, .. } => {
+                first_token.get_or_insert(at);
+                if index == 0 {
+                    let t = &mut run.times;
+                    t.first.get_or_insert(at);
+                    t.last = at;
+                    t.tokens += 1;
+                }
+                if stream && !text.is_empty() {
+                    let mut out = stdout.lock();
+                    let _ = out.write_all(text.as_bytes());
+                    let _ = out.flush();
+                }
+            }
+            Event::Finished {
+                index,
+                reason,
+                token_ids,
+                text,
+                ..
+            } => {
+                run.outputs.insert(
                     index,
-                    reason,
-                    token_ids,
-                    text,
-                } => {
-                    results.insert(
-                        (request, index),
-                        Done {
-                            token_ids,
-                            text,
-                            reason,
-                        },
-                    );
+                    Done {
+                        token_ids,
+                        text,
+                        reason,
+                    },
+                );
+                if run.outputs.len() == a.n {
+                    pending -= 1;
                 }
             }
         }
@@ -496,32 +557,34 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
     if stream {
         let _ = writeln!(out);
     }
-    for (i, id) in ids.iter().enumerate() {
-        let Some(id) = *id else { continue };
-        let outputs: Vec<&Done> = (0..a.n).filter_map(|k| results.get(&(id, k))).collect();
+    for (i, run) in runs.iter().enumerate() {
+        if run.id.is_none() {
+            continue;
+        }
+        let outputs: Vec<&Done> = (0..a.n).filter_map(|k| run.outputs.get(&k)).collect();
         let Some(first) = outputs.first() else {
             continue;
         };
         if a.json {
             let mut obj = json!({
                 "index": i,
-                "prompt_tokens": prompt_lens[i],
+                "prompt_tokens": run.prompt_tokens,
                 "token_ids": first.token_ids,
                 "text": first.text,
                 "finish_reason": first.reason.as_str(),
             });
             if a.timings {
-                let t = &times[i];
+                let t = &run.times;
                 let ms = |d: Duration| d.as_secs_f64() * 1e3;
                 let first = t.first.unwrap_or(t.arrival);
                 obj["arrival_s"] = json!(t.arrival.as_secs_f64());
-                obj["ttft_ms"] = json!(ms(first - t.arrival));
+                obj["ttft_ms"] = json!(ms(first.saturating_sub(t.arrival)));
                 obj["tpot_ms"] = json!(if t.tokens > 1 {
                     ms(t.last - first) / (t.tokens - 1) as f64
                 } else {
                     0.0
                 });
-                obj["e2e_ms"] = json!(ms(t.last - t.arrival));
+                obj["e2e_ms"] = json!(ms(t.last.saturating_sub(t.arrival)));
             }
             if a.n > 1 {
                 obj["samples"] = outputs
@@ -542,15 +605,15 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         }
     }
     if a.stats {
-        let s = engine.stats();
-        let c = engine.counters();
+        let m = client.snapshot();
+        let (s, c) = (m.stats, m.counters);
         let secs = gen_time.as_secs_f64();
         eprintln!(
             "load {:.2} s; {} prompts, {} prompt tokens, {} generated in {:.3} s ({:.1} tokens/s), first token after {:.1} ms; \
              {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks, \
              {} evictions ({} blocks), {} blocks rotated",
             load_time.as_secs_f64(),
-            prompts.len(),
+            n,
             s.prompt_tokens,
             s.generated_tokens,
             secs,
@@ -559,9 +622,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             s.steps,
             100.0 * s.infer_time.as_secs_f64() / s.step_time.as_secs_f64().max(1e-9),
             1e6 * s.step_time.saturating_sub(s.infer_time).as_secs_f64() / (s.steps.max(1) as f64),
-            engine.num_blocks(),
-            engine.block_size(),
-            engine.cache_type().as_str(),
+            m.num_blocks,
+            m.block_size,
+            m.cache_type.map_or("?", ElemType::name),
             c.preemptions,
             c.prefix_hits,
             c.prefix_hit_tokens,
@@ -572,10 +635,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         );
     }
     if failed > 0 {
-        return Err(format!(
-            "{failed} of {} prompts were refused",
-            prompts.len()
-        ));
+        return Err(format!("{failed} of {n} prompts were refused"));
     }
     Ok(())
 }

@@ -1,0 +1,480 @@
+//! The engine core: requests in, events out, one [`EngineCore::step`] at a time. A step is
+//! schedule (the project's continuous-batching scheduler and block manager: chunked prefill
+//! under a token budget, decodes, preemption when blocks run out, prefix-cache hits), run (the
+//! model runner), sample (one token per sequence that reached its end), update (the scheduler,
+//! forks of n > 1 requests, and the output processor, which ends outputs on an end-of-sequence
+//! id, a stop string or `max_new_tokens`). A request with `n` > 1 prefills once; its other
+//! outputs are forks of the first (sharing its blocks, copy-on-write) from its first token on.
+//!
+//! The core knows no threads, channels or HTTP: an engine client drives it.
+
+use crate::config::EngineConfig;
+use crate::error::{EngineError, Result};
+use crate::model_dir::ModelDir;
+use crate::model_runner::ModelRunner;
+use crate::output_processor::OutputText;
+use crate::request::{Event, GenerationParams, RequestError, RequestId};
+use crate::sampling::sample;
+use crate::tokenizer::TextTokenizer;
+use paged_attention::cache::{
+    CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters, SeqId,
+    SplitMix64, Step,
+};
+use paged_attention::ElemType;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Time and work since the engine started.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EngineStats {
+    pub steps: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    /// In `infer()`.
+    pub infer_time: Duration,
+    /// In whole steps (scheduling, copies, inputs, infer, sampling, detokenization).
+    pub step_time: Duration,
+}
+
+/// One output of a request.
+struct Output {
+    seq: SeqId,
+    rng: SplitMix64,
+    text: OutputText,
+}
+
+struct RequestState {
+    params: GenerationParams,
+    stop_ids: Vec<u32>,
+    outputs: Vec<Output>,
+}
+
+pub struct EngineCore {
+    tokenizer: Arc<TextTokenizer>,
+    eos: Vec<u32>,
+    context: Option<usize>,
+    runner: ModelRunner,
+    cache_type: ElemType,
+    sched: Scheduler,
+    requests: HashMap<RequestId, RequestState>,
+    /// Scheduler sequence -> (request, output index).
+    seqs: HashMap<SeqId, (RequestId, usize)>,
+    next_seq: SeqId,
+    scratch: Vec<(f32, u32)>,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    /// Loads a model directory: reads its configuration and tokenizer, converts the stateful
+    /// graph to our op in memory, compiles it and allocates the caches of `cfg`.
+    pub fn load(dir: impl AsRef<Path>, cfg: &EngineConfig) -> Result<EngineCore> {
+        EngineCore::from_model_dir(ModelDir::open(dir)?, cfg)
+    }
+
+    pub fn from_model_dir(md: ModelDir, cfg: &EngineConfig) -> Result<EngineCore> {
+        if cfg.block_size == 0 || cfg.max_batched_tokens == 0 || cfg.max_seqs == 0 {
+            return Err(EngineError::Config(
+                "block size, max batched tokens and max sequences must be positive".into(),
+            ));
+        }
+        let (runner, num_blocks) = ModelRunner::load(&md, cfg)?;
+        let sched = Scheduler::new(SchedulerConfig {
+            num_blocks,
+            block_size: cfg.block_size,
+            prefix_caching: cfg.prefix_caching,
+            max_batched_tokens: cfg.max_batched_tokens,
+            max_seqs: cfg.max_seqs,
+            eviction: cfg.eviction,
+        })?;
+        Ok(EngineCore {
+            eos: md.eos_token_ids(),
+            context: md.config.max_position_embeddings,
+            tokenizer: md.tokenizer,
+            runner,
+            cache_type: cfg.cache_type,
+            sched,
+            requests: HashMap::new(),
+            seqs: HashMap::new(),
+            next_seq: 0,
+            scratch: Vec::new(),
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.tokenizer
+    }
+    /// The model's context (`max_position_embeddings`), when config.json gives it.
+    pub fn context_len(&self) -> Option<usize> {
+        self.context
+    }
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.sched.config().num_blocks
+    }
+    pub fn block_size(&self) -> usize {
+        self.sched.config().block_size
+    }
+    pub fn cache_type(&self) -> ElemType {
+        self.cache_type
+    }
+    pub fn cache_stats(&self) -> CacheStats {
+        self.sched.manager().stats()
+    }
+    pub fn counters(&self) -> SchedulerCounters {
+        self.sched.counters()
+    }
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            infer_time: self.runner.infer_time,
+            ..self.stats
+        }
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.sched.num_waiting()
+    }
+    pub fn num_running(&self) -> usize {
+        self.sched.num_running()
+    }
+    /// No request waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Queues request `id` (not in use). Refuses it alone (nothing else changes) when the prompt
+    /// is empty or does not fit the model's context or the whole KV cache, or the parameters are
+    /// out of range. `max_new_tokens` is cut to what the context leaves.
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: GenerationParams,
+    ) -> Result<()> {
+        let refuse = |e: RequestError| Err(EngineError::Request(e));
+        let mut params = params;
+        if self.requests.contains_key(&id) {
+            return refuse(RequestError::prompt(format!("request {id} is in use")));
+        }
+        if prompt.is_empty() {
+            return refuse(RequestError::prompt("the prompt is empty (no tokens)"));
+        }
+        params.validate().map_err(EngineError::Request)?;
+        if let Some(ctx) = self.context {
+            if prompt.len() >= ctx {
+                return refuse(RequestError::prompt(format!(
+                    "the prompt has {} tokens; the model's context is {ctx} (prompt and generated tokens)",
+                    prompt.len()
+                )));
+            }
+            params.max_new_tokens = params.max_new_tokens.min(ctx - prompt.len());
+        }
+        let vocab = self.tokenizer.vocab_size();
+        if vocab > 0 {
+            if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+                return refuse(RequestError::prompt(format!(
+                    "token id {bad} is outside the vocabulary of {vocab}"
+                )));
+            }
+        }
+        let seq = self.next_seq;
+        let prompt_len = prompt.len();
+        self.sched
+            .add_request(Request {
+                id: seq,
+                prompt,
+                max_new_tokens: params.max_new_tokens,
+                priority: 0,
+            })
+            .map_err(|e| EngineError::Request(RequestError::prompt(e.to_string())))?;
+        self.next_seq += 1;
+        let seed = params.seed.unwrap_or_else(fresh_seed);
+        let stop_ids = match (&params.stop_token_ids, params.ignore_eos) {
+            (Some(ids), _) => ids.clone(),
+            (None, true) => Vec::new(),
+            (None, false) => self.eos.clone(),
+        };
+        // Output 0 is the scheduled sequence; the others get their sequence ids when forked.
+        let outputs = (0..params.n)
+            .map(|i| Output {
+                seq: if i == 0 { seq } else { SeqId::MAX },
+                rng: SplitMix64::new(seed.wrapping_add(i as u64)),
+                text: OutputText::default(),
+            })
+            .collect();
+        self.seqs.insert(seq, (id, 0));
+        self.stats.prompt_tokens += prompt_len as u64;
+        self.requests.insert(
+            id,
+            RequestState {
+                params,
+                stop_ids,
+                outputs,
+            },
+        );
+        Ok(())
+    }
+
+    /// Aborts a request (waiting or running): its blocks are freed at once; each of its unfinished
+    /// outputs gets a `Finished` event with reason `abort`.
+    pub fn abort(&mut self, request: RequestId) -> Result<Vec<Event>> {
+        let Some(state) = self.requests.get(&request) else {
+            return Err(EngineError::Request(RequestError::prompt(format!(
+                "no request {request}"
+            ))));
+        };
+        let live: Vec<SeqId> = state
+            .outputs
+            .iter()
+            .filter(|o| !o.text.done && o.seq != SeqId::MAX)
+            .map(|o| o.seq)
+            .collect();
+        for seq in live {
+            self.sched.abort(seq)?;
+        }
+        let mut events = Vec::new();
+        self.drain_finished(&mut events)?;
+        // Outputs never forked (the prompt was still prefilling) end with the request.
+        if let Some(state) = self.requests.get_mut(&request) {
+            for (i, o) in state.outputs.iter_mut().enumerate() {
+                if !o.text.done {
+                    o.text.done = true;
+                    events.push(Event::Finished {
+                        request,
+                        index: i,
+                        reason: FinishReason::Abort,
+                        token_ids: o.text.generated.clone(),
+                        text: String::new(),
+                    });
+                }
+            }
+        }
+        self.forget_if_done(request);
+        Ok(events)
+    }
+
+    /// One step: schedule, run, sample, update. Returns its events (nothing when idle).
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        if self.sched.is_idle() {
+            return Ok(events);
+        }
+        let t0 = Instant::now();
+        let step = self.schedule()?;
+        if let Err(e) = self.run(&step) {
+            // The step's tokens were not computed: end its requests with the error rather than
+            // leave the scheduler in flight.
+            let _ = self.sched.complete_step(&[]);
+            return Err(e);
+        }
+        let (sampled, forks) = self.sample(&step)?;
+        self.update(&sampled, forks, &mut events)?;
+        self.stats.step_time += t0.elapsed();
+        Ok(events)
+    }
+
+    fn schedule(&mut self) -> Result<Step> {
+        let step = self.sched.schedule()?;
+        if step.seqs.is_empty() {
+            self.sched.complete_step(&[])?;
+            return Err(EngineError::Config(format!(
+                "no request could be scheduled ({} waiting, {} running, {} free blocks)",
+                self.sched.num_waiting(),
+                self.sched.num_running(),
+                self.sched.manager().available_blocks()
+            )));
+        }
+        Ok(step)
+    }
+
+    fn run(&mut self, step: &Step) -> Result<()> {
+        self.runner.execute(step)?;
+        if let Some(scores) = self.runner.scores() {
+            self.sched.accumulate_scores(step, scores)?;
+        }
+        Ok(())
+    }
+
+    /// One token per emitting sequence, in batch order; and for an n > 1 request sampling its
+    /// first token now, the first tokens of its other outputs (from the same logits row, each
+    /// with its own seed): (parent sequence, output index, token).
+    #[allow(clippy::type_complexity)]
+    fn sample(&mut self, step: &Step) -> Result<(Vec<(SeqId, u32)>, Vec<(SeqId, usize, u32)>)> {
+        let (logits, rows) = self.runner.logits(step)?;
+        let mut sampled = Vec::with_capacity(rows.len());
+        let mut forks = Vec::new();
+        let emitting = step.seqs.iter().filter(|s| s.emits);
+        for (s, row) in emitting.zip(rows) {
+            let Some(&(req, index)) = self.seqs.get(&s.id) else {
+                return Err(EngineError::Config(format!(
+                    "sequence {} has no request",
+                    s.id
+                )));
+            };
+            let state = self
+                .requests
+                .get_mut(&req)
+                .ok_or_else(|| EngineError::Config(format!("request {req} is gone")))?;
+            let sampling = state.params.sampling;
+            let first = index == 0 && state.outputs[0].text.generated.is_empty();
+            let row = logits.row(row);
+            let token = sample(
+                row,
+                &sampling,
+                &mut state.outputs[index].rng,
+                &mut self.scratch,
+            );
+            sampled.push((s.id, token));
+            if first {
+                for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
+                    forks.push((
+                        s.id,
+                        i,
+                        sample(row, &sampling, &mut o.rng, &mut self.scratch),
+                    ));
+                }
+            }
+        }
+        Ok((sampled, forks))
+    }
+
+    fn update(
+        &mut self,
+        sampled: &[(SeqId, u32)],
+        forks: Vec<(SeqId, usize, u32)>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        self.sched.complete_step(sampled)?;
+        self.stats.steps += 1;
+        self.stats.generated_tokens += sampled.len() as u64;
+        // Forks of n > 1 requests at their first token, before their parent can end.
+        for (parent, child_index, token) in forks {
+            self.fork(parent, child_index, token, events)?;
+        }
+        for &(seq, token) in sampled {
+            self.accept(seq, token, events)?;
+        }
+        self.drain_finished(events)
+    }
+
+    fn fork(
+        &mut self,
+        parent: SeqId,
+        index: usize,
+        token: u32,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        let (req, _) = self.seqs[&parent];
+        let max_new = self.requests[&req].params.max_new_tokens;
+        let child = self.next_seq;
+        self.next_seq += 1;
+        if let Some(state) = self.requests.get_mut(&req) {
+            state.outputs[index].seq = child;
+        }
+        self.seqs.insert(child, (req, index));
+        if max_new > 1 {
+            self.sched.fork(parent, child, token, max_new)?;
+        }
+        self.accept(child, token, events)?;
+        if max_new == 1 {
+            self.end_output(req, index, FinishReason::Length, events)?;
+        }
+        Ok(())
+    }
+
+    /// Records a sampled token with the output processor; ends the output at a stop.
+    fn accept(&mut self, seq: SeqId, token: u32, events: &mut Vec<Event>) -> Result<()> {
+        let (req, index) = self.seqs[&seq];
+        let Some(state) = self.requests.get_mut(&req) else {
+            return Ok(());
+        };
+        let o = &mut state.outputs[index].text;
+        if o.done {
+            return Ok(());
+        }
+        let is_stop_id = state.stop_ids.contains(&token);
+        let a = o.accept(&self.tokenizer, token, is_stop_id, &state.params.stop)?;
+        events.push(Event::Token {
+            request: req,
+            index,
+            token,
+            text: a.text,
+        });
+        if a.stop {
+            if self.sched.tokens(seq).is_ok() {
+                self.sched.finish(seq)?;
+            } else {
+                self.end_output(req, index, FinishReason::Stop, events)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns the scheduler's finished sequences into `Finished` events.
+    fn drain_finished(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        for (seq, reason) in self.sched.take_finished() {
+            if let Some(&(req, index)) = self.seqs.get(&seq) {
+                self.end_output(req, index, reason, events)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn end_output(
+        &mut self,
+        req: RequestId,
+        index: usize,
+        reason: FinishReason,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        let Some(state) = self.requests.get_mut(&req) else {
+            return Ok(());
+        };
+        let o = &mut state.outputs[index];
+        if o.text.done {
+            return Ok(());
+        }
+        o.text.finish(&self.tokenizer, req, index, reason, events)?;
+        self.seqs.remove(&o.seq);
+        self.forget_if_done(req);
+        Ok(())
+    }
+
+    fn forget_if_done(&mut self, req: RequestId) {
+        if self
+            .requests
+            .get(&req)
+            .is_some_and(|s| s.outputs.iter().all(|o| o.text.done))
+        {
+            if let Some(state) = self.requests.remove(&req) {
+                for o in state.outputs {
+                    self.seqs.remove(&o.seq);
+                }
+            }
+        }
+    }
+
+    /// Runs every request to its end, handing each event to `on_event`.
+    pub fn run_to_completion(&mut self, mut on_event: impl FnMut(&Event)) -> Result<()> {
+        while !self.is_idle() {
+            for e in self.step()? {
+                on_event(&e);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}

@@ -1,0 +1,170 @@
+//! A request as the engine takes it: its prompt, its parameters (checked in one place, each
+//! fault blamed on the parameter that has it), and what comes back: per-output events, and the
+//! updates an engine client sends a request's caller.
+
+use crate::sampling::Sampling;
+use paged_attention::cache::FinishReason;
+
+/// A request's id, unique in its engine (the engine client hands them out).
+pub type RequestId = u64;
+
+/// What one request asks for.
+#[derive(Clone, Debug)]
+pub struct GenerationParams {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    /// Seed of the sampler (output `i` of the request draws from `seed + i`); `None`: a fresh one.
+    pub seed: Option<u64>,
+    /// Text that ends an output; it is not part of the text returned.
+    pub stop: Vec<String>,
+    /// Ids that end an output; `None`: the model's end-of-sequence ids.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Generate `max_new_tokens` even past an end-of-sequence id.
+    pub ignore_eos: bool,
+    /// Outputs of the request (parallel samples sharing the prompt's blocks).
+    pub n: usize,
+}
+
+impl Default for GenerationParams {
+    fn default() -> GenerationParams {
+        GenerationParams {
+            max_new_tokens: 64,
+            sampling: Sampling::default(),
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: None,
+            ignore_eos: false,
+            n: 1,
+        }
+    }
+}
+
+impl GenerationParams {
+    /// The parameters' own ranges (what does not depend on the model).
+    pub fn validate(&self) -> Result<(), RequestError> {
+        if self.n == 0 {
+            return Err(RequestError::param("n", "`n` must be at least 1"));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(RequestError::param(
+                "max_tokens",
+                "max_new_tokens must be at least 1",
+            ));
+        }
+        let s = &self.sampling;
+        if !(s.temperature >= 0.0 && s.temperature.is_finite()) {
+            return Err(RequestError::param(
+                "temperature",
+                format!("temperature must be a number >= 0, got {}", s.temperature),
+            ));
+        }
+        // Checked as the sampler holds it (f32): a positive f64 that rounds to 0 is refused here.
+        if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+            return Err(RequestError::param(
+                "top_p",
+                format!(
+                    "top_p must be in (0, 1] (as a 32-bit float), got {}",
+                    s.top_p
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a request was refused, and which of its parameters is at fault (`None`: the prompt).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestError {
+    pub param: Option<&'static str>,
+    pub message: String,
+}
+
+impl RequestError {
+    pub fn param(param: &'static str, message: impl Into<String>) -> RequestError {
+        RequestError {
+            param: Some(param),
+            message: message.into(),
+        }
+    }
+    pub fn prompt(message: impl Into<String>) -> RequestError {
+        RequestError {
+            param: None,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// One chat message (`role`: system, user, assistant, ...).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// A prompt before tokenizing.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Plain text (the tokenizer's special tokens added, as GenAI does).
+    Text(String),
+    /// A conversation, through the chat template.
+    Chat(Vec<ChatMessage>),
+    /// Token ids as they are.
+    Ids(Vec<u32>),
+}
+
+/// What a step produced, per output of a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// New text for output `index` of `request` (empty while a character or a possible stop
+    /// string is incomplete), and the token sampled.
+    Token {
+        request: RequestId,
+        index: usize,
+        token: u32,
+        text: String,
+    },
+    /// Output `index` of `request` ended; its generated ids (the stop token included, text after
+    /// a stop string cut) and full text.
+    Finished {
+        request: RequestId,
+        index: usize,
+        reason: FinishReason,
+        token_ids: Vec<u32>,
+        text: String,
+    },
+}
+
+impl Event {
+    pub fn request(&self) -> RequestId {
+        match self {
+            Event::Token { request, .. } | Event::Finished { request, .. } => *request,
+        }
+    }
+}
+
+/// What an engine client sends the caller of a request, in this order: `Accepted` or
+/// `Refused`, then the request's events, the last of them a `Finished` per output (or `Failed`
+/// when the engine itself failed).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Update {
+    Accepted {
+        request: RequestId,
+        prompt_tokens: usize,
+    },
+    Refused {
+        request: RequestId,
+        error: RequestError,
+    },
+    Event(Event),
+    /// The engine failed a step holding this request (an OpenVINO error, say); it is ended.
+    Failed {
+        request: RequestId,
+        message: String,
+    },
+}

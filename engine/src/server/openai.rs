@@ -1,0 +1,315 @@
+//! OpenAI's API: its error JSON (on every error status), and its completion and chat requests
+//! read into a prompt and generation parameters, each fault blamed on its field.
+
+use crate::request::{ChatMessage, GenerationParams, Prompt, RequestError};
+use crate::sampling::Sampling;
+use axum::body::Body;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// OpenAI's error JSON with `status`; `param` names the request field at fault.
+pub(crate) fn error(
+    status: StatusCode,
+    message: impl Into<String>,
+    param: Option<&str>,
+) -> Response {
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let code = match status {
+        StatusCode::NOT_FOUND if param == Some("model") => json!("model_not_found"),
+        StatusCode::UNAUTHORIZED => json!("invalid_api_key"),
+        _ => Value::Null,
+    };
+    let body =
+        json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}});
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+pub(crate) fn bad(message: impl Into<String>, param: Option<&str>) -> Response {
+    error(StatusCode::BAD_REQUEST, message, param)
+}
+
+/// A refusal of the engine's, as a 400 blaming its field (the prompt's is `prompt_field`).
+pub(crate) fn refused(e: &RequestError, prompt_field: &str) -> Response {
+    bad(e.message.clone(), Some(e.param.unwrap_or(prompt_field)))
+}
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    /// The request field that holds the prompt.
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Kind::Completion => "prompt",
+            Kind::Chat => "messages",
+        }
+    }
+}
+
+/// A request, read.
+pub(crate) struct Parsed {
+    pub prompt: Prompt,
+    pub params: GenerationParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// The body as a JSON object: at most `max_bytes`, all of it within `timeout`.
+pub(crate) async fn read_json(
+    body: Body,
+    max_bytes: usize,
+    timeout: Duration,
+) -> Result<Value, Response> {
+    let bytes = match tokio::time::timeout(timeout, axum::body::to_bytes(body, max_bytes)).await {
+        Err(_) => {
+            return Err(error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the request body did not arrive within {timeout:?}"),
+                None,
+            ))
+        }
+        Ok(Err(_)) => {
+            return Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is over {max_bytes} bytes (or was cut short)"),
+                None,
+            ))
+        }
+        Ok(Ok(b)) => b,
+    };
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| bad(format!("the body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(bad("the body must be a JSON object", None));
+    }
+    Ok(v)
+}
+
+fn field<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
+    v.get(name).filter(|x| !x.is_null())
+}
+
+/// Reads a request of `kind` for the served model `model_name` with context `context`.
+pub(crate) fn parse(
+    v: &Value,
+    kind: Kind,
+    model_name: &str,
+    context: Option<usize>,
+) -> Result<Parsed, Response> {
+    let model = field(v, "model").ok_or_else(|| bad("`model` is required", Some("model")))?;
+    let model = model
+        .as_str()
+        .ok_or_else(|| bad("`model` must be a string", Some("model")))?;
+    if model != model_name {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            format!("the model `{model}` does not exist; this server serves `{model_name}`"),
+            Some("model"),
+        ));
+    }
+    let (prompt, max_keys, default_max): (Prompt, &[&str], usize) = match kind {
+        Kind::Completion => (Prompt::Text(completion_prompt(v)?), &["max_tokens"], 16),
+        // No max_tokens: up to the context, as OpenAI does.
+        Kind::Chat => (
+            Prompt::Chat(chat_messages(v)?),
+            &["max_tokens", "max_completion_tokens"],
+            context.unwrap_or(4096),
+        ),
+    };
+    let mut p = parse_params(v, max_keys, default_max, context)?;
+    p.prompt = prompt;
+    Ok(p)
+}
+
+fn completion_prompt(v: &Value) -> Result<String, Response> {
+    match field(v, "prompt") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(a[0].as_str().unwrap_or_default().to_owned())
+        }
+        Some(_) => Err(bad(
+            "`prompt` must be a string (or a list of one string)",
+            Some("prompt"),
+        )),
+        None => Err(bad("`prompt` is required", Some("prompt"))),
+    }
+}
+
+fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, Response> {
+    let msgs = field(v, "messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            bad(
+                "`messages` must be a list of {role, content}",
+                Some("messages"),
+            )
+        })?;
+    let mut out = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let role = m.get("role").and_then(Value::as_str);
+        let content = match m.get("content") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // Content parts: the text ones, joined.
+            Some(Value::Array(parts)) => Some(
+                parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join(""),
+            ),
+            _ => None,
+        };
+        match (role, content) {
+            (Some(r), Some(c)) => out.push(ChatMessage {
+                role: r.to_owned(),
+                content: c,
+            }),
+            _ => {
+                return Err(bad(
+                    "every message needs a string `role` and `content`",
+                    Some("messages"),
+                ))
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(bad("`messages` is empty", Some("messages")));
+    }
+    Ok(out)
+}
+
+/// The fields both endpoints share, checked; the prompt is filled in by the caller.
+fn parse_params(
+    v: &Value,
+    max_tokens_keys: &[&str],
+    default_max: usize,
+    context: Option<usize>,
+) -> Result<Parsed, Response> {
+    let mut max_new = default_max;
+    for key in max_tokens_keys {
+        if let Some(m) = field(v, key) {
+            let n = m
+                .as_i64()
+                .filter(|_| m.is_i64() || m.is_u64())
+                .ok_or_else(|| bad(format!("`{key}` must be an integer"), Some(key)))?;
+            if n < 1 {
+                return Err(bad(
+                    format!("`{key}` must be at least 1, got {n}"),
+                    Some(key),
+                ));
+            }
+            if let Some(ctx) = context {
+                if n as u64 >= ctx as u64 {
+                    return Err(bad(format!("`{key}` is {n}; the model's context is {ctx} tokens (prompt and completion)"), Some(key)));
+                }
+            }
+            max_new = n as usize;
+        }
+    }
+    let num = |key: &str, default: f64, lo: f64, hi: f64| -> Result<f64, Response> {
+        match field(v, key) {
+            None => Ok(default),
+            Some(x) => {
+                let f = x
+                    .as_f64()
+                    .ok_or_else(|| bad(format!("`{key}` must be a number"), Some(key)))?;
+                if !(lo..=hi).contains(&f) {
+                    return Err(bad(
+                        format!("`{key}` must be in [{lo}, {hi}], got {f}"),
+                        Some(key),
+                    ));
+                }
+                Ok(f)
+            }
+        }
+    };
+    let temperature = num("temperature", 1.0, 0.0, 2.0)?;
+    let top_p = num("top_p", 1.0, 0.0, 1.0)?;
+    let top_k = match field(v, "top_k") {
+        None => 0,
+        Some(x) => match x.as_i64() {
+            Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => k as usize,
+            _ => return Err(bad("`top_k` must be an integer >= -1", Some("top_k"))),
+        },
+    };
+    let seed = match field(v, "seed") {
+        None => None,
+        Some(x) => Some(
+            x.as_i64()
+                .map(|s| s as u64)
+                .or_else(|| x.as_u64())
+                .ok_or_else(|| bad("`seed` must be an integer", Some("seed")))?,
+        ),
+    };
+    let n = match field(v, "n") {
+        None => 1,
+        Some(x) => match x.as_u64() {
+            Some(n) if (1..=16).contains(&n) => n as usize,
+            _ => return Err(bad("`n` must be an integer from 1 to 16", Some("n"))),
+        },
+    };
+    let stop = match field(v, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= 16 && a.iter().all(Value::is_string) => a
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_owned))
+            .collect(),
+        Some(_) => {
+            return Err(bad(
+                "`stop` must be a string or a list of up to 16 strings",
+                Some("stop"),
+            ))
+        }
+    };
+    let stream = match field(v, "stream") {
+        None => false,
+        Some(x) => x
+            .as_bool()
+            .ok_or_else(|| bad("`stream` must be a boolean", Some("stream")))?,
+    };
+    let include_usage = field(v, "stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let ignore_eos = field(v, "ignore_eos")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let params = GenerationParams {
+        max_new_tokens: max_new,
+        sampling: Sampling {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+        },
+        seed,
+        stop,
+        stop_token_ids: None,
+        ignore_eos,
+        n,
+    };
+    // The engine's own checks, on the values as it holds them (a top_p that rounds to 0 in f32).
+    params.validate().map_err(|e| refused(&e, "prompt"))?;
+    Ok(Parsed {
+        prompt: Prompt::Ids(Vec::new()),
+        params,
+        stream,
+        include_usage,
+    })
+}
