@@ -190,14 +190,8 @@ impl Default for SimConfig {
     }
 }
 
-/// The cache element types the simulator reports memory for.
-pub const CACHE_TYPES: [ElemType; 5] = [
-    ElemType::F32,
-    ElemType::F16,
-    ElemType::BF16,
-    ElemType::U8,
-    ElemType::U4,
-];
+/// The cache element types the simulator reports memory for: the library's one list.
+pub use paged_attention::dtype::CACHE_TYPES;
 
 /// Bytes of one block of `block_size` tokens, key and value caches of all `kv_heads` heads and
 /// `layers` layers; u8 and u4 in OpenVINO's default layouts (keys by channel, one value group),

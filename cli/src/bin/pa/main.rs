@@ -17,7 +17,7 @@ use paged_attention::dtype::ElemType;
 use paged_attention_cli::case::{find_cases, Actual, Case, OvEnv, Verdict, COMPARED};
 use paged_attention_cli::ir::{CacheLocation, Model};
 use paged_attention_cli::npy::{read_npy, write_npy};
-use paged_attention_cli::simulate::{simulate, LengthDist, SimConfig, SimReport, CACHE_TYPES};
+use paged_attention_cli::simulate::{simulate, LengthDist, SimConfig, SimReport};
 
 #[derive(Parser)]
 #[command(
@@ -172,7 +172,7 @@ struct SimulateArgs {
     #[arg(long, default_value_t = 256, value_parser = positive)]
     max_seqs: usize,
     /// Cache element type (memory figures; with --kv-memory-mib also the block count)
-    #[arg(long, default_value = "f16", value_parser = cache_type)]
+    #[arg(long, default_value = "f16", value_parser = ElemType::parse_cache_type)]
     cache_type: ElemType,
     #[arg(long, default_value_t = 8, value_parser = positive)]
     kv_heads: usize,
@@ -203,16 +203,6 @@ fn positive_real(s: &str) -> Result<f64, String> {
         .ok()
         .filter(|&x| x.is_finite() && x > 0.0)
         .ok_or_else(|| format!("needs a positive number, got `{s}`"))
-}
-
-fn cache_type(s: &str) -> Result<ElemType, String> {
-    CACHE_TYPES
-        .into_iter()
-        .find(|t| t.name() == s)
-        .ok_or_else(|| {
-            let names: Vec<&str> = CACHE_TYPES.iter().map(|t| t.name()).collect();
-            format!("`{s}` is not one of {}", names.join(", "))
-        })
 }
 
 fn main() -> ExitCode {
