@@ -1,6 +1,7 @@
-//! Step 3 for prefill items on AMX-BF16 tiles (a bf16 query, or any query with a bf16 cache):
-//! the item of `prefill` (one KV head, one query tile, all visible keys) with its two
-//! products, QK and PV, on tiles.
+//! Step 3 for prefill items on bf16 products: AMX-BF16 tiles (bf16 math, or any query with a
+//! bf16 cache), or `vdpbf16ps` on CPUs with AVX512-BF16 and no AMX (bf16 math only): the item
+//! of `prefill` (one KV head, one query tile, all visible keys) with its two products, QK and
+//! PV, on either ([`Products`]; both read the same packed panels and compute the same sums).
 //!
 //! Everything else is `prefill`'s: the item geometry, masks and ALiBi (`mask_tile_strided`),
 //! the stash of score logits, the online-softmax step (`TileMicro::softmax_t`, f32) and the
@@ -18,9 +19,8 @@
 //!   comes here with a bf16 cache, where this beats the FMA loops). Products of bf16 are exact
 //!   and summed in f32, smallest first, so the logits and outputs keep f32 accuracy (2e-6 of
 //!   float64 in `tests/amx.rs`, with a sharp softmax).
-//! - bf16 math (a bf16 query, or an f32/f16 query with a bf16 cache when the caller chose
-//!   `FastOptions::bf16_query`: that query is rounded to bf16 first, one part, so the products
-//!   are those of a bf16 query with the rounded values): the query is exact; a bf16 cache is
+//! - bf16 math (a bf16 query, or any query under `Precision::Bf16`: that query is rounded to
+//!   bf16 first, one part, so the products are those of a bf16 query with the rounded values): the query is exact; a bf16 cache is
 //!   exact; an f16 or f32 cache
 //!   has each key cut into two parts (exact for f16, 2^-17 relative for f32), because a key
 //!   rounded to bf16 moves a logit by up to `scale*sqrt(D)*|q|*2^-9`, which a sharp softmax
@@ -34,7 +34,8 @@
 //! Operands are packed once per call ([`prepack`], when the copies fit the same budget as
 //! `prefill::prewiden`), else per span from the cache.
 
-use super::micro::x86::amx::{Amx, Tiles};
+use super::micro::x86::amx::Tiles;
+use super::micro::x86::bf16::{Bf16, Bf16Tier};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::pool::Buf;
@@ -150,11 +151,11 @@ fn terms(na: usize, nb: usize) -> Vec<(usize, usize)> {
 }
 
 /// Cuts `row` (destroyed) into `n` bf16 parts, part `i` at `parts[i*stride..][..row.len()]`.
-fn cut(amx: Amx, row: &mut [f32], n: usize, parts: &mut [u16], stride: usize) {
+fn cut(bf: Bf16, row: &mut [f32], n: usize, parts: &mut [u16], stride: usize) {
     for i in 0..n {
-        amx.round(row, &mut parts[i * stride..]);
+        bf.round(row, &mut parts[i * stride..]);
         if i + 1 < n {
-            amx.residual(row);
+            bf.residual(row);
         }
     }
 }
@@ -163,7 +164,7 @@ fn cut(amx: Amx, row: &mut [f32], n: usize, parts: &mut [u16], stride: usize) {
 /// `2*T*H*D` elements each (as `prewiden`), else `None` and items pack span by span.
 pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
     m: M,
-    amx: Amx,
+    bf: Bf16,
     ctx: &Ctx<'_, Q, C>,
 ) -> Option<Packed> {
     let plan = ctx.plan;
@@ -185,7 +186,7 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
             PACK.with(|p| {
                 pack_keys(
                     m,
-                    amx,
+                    bf,
                     ctx,
                     s,
                     kvh,
@@ -232,7 +233,7 @@ thread_local! {
 #[allow(clippy::too_many_arguments)]
 fn pack_keys<M: TileMicro, Q: Float, C: Float>(
     m: M,
-    amx: Amx,
+    bf: Bf16,
     ctx: &Ctx<'_, Q, C>,
     s: usize,
     kvh: usize,
@@ -262,7 +263,7 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
             let stage = &mut rows[(a - c0) * d..(b - c0) * d];
             m.widen(&ctx.kc[off..off + len], stage);
             for (jj, row) in stage.chunks_exact_mut(d).enumerate() {
-                cut(amx, row, parts.k, &mut kp[(a - j0 + jj) * kw..][..kw], dp);
+                cut(bf, row, parts.k, &mut kp[(a - j0 + jj) * kw..][..kw], dp);
             }
             m.widen(&ctx.vc[off..off + len], stage);
         }
@@ -271,9 +272,50 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
         m.transpose(rows, n, d, cols, n8);
         for x in 0..d {
             let col = &mut cols[x * n8..x * n8 + n];
-            cut(amx, col, parts.v, &mut vt[x * ld + c0 - j0..], dp * ld);
+            cut(bf, col, parts.v, &mut vt[x * ld + c0 - j0..], dp * ld);
         }
         c0 = c1;
+    }
+}
+
+/// Where an item's products run: AMX tiles (their configuration loaded while this lives), or
+/// `vdpbf16ps` on CPUs without AMX. Both compute the same sums (`Bf16::qk_t`, `Tiles::qk_t`).
+enum Products {
+    Tiles(Tiles),
+    Dot(Bf16),
+}
+
+impl Products {
+    #[allow(clippy::too_many_arguments)]
+    fn qk_t(
+        &self,
+        t: &[(&[u16], &[u32])],
+        ldk: usize,
+        dp: usize,
+        n32: usize,
+        r32: usize,
+        st: &mut [f32],
+    ) {
+        match self {
+            Products::Tiles(tl) => tl.qk_t(t, ldk, dp, n32, r32, st),
+            Products::Dot(bf) => bf.qk_t(t, ldk, dp, n32, r32, st),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pv_t(
+        &self,
+        t: &[(&[u16], &[u32])],
+        ldv: usize,
+        dp: usize,
+        n32: usize,
+        r32: usize,
+        acc: &mut [f32],
+    ) {
+        match self {
+            Products::Tiles(tl) => tl.pv_t(t, ldv, dp, n32, r32, acc),
+            Products::Dot(bf) => bf.pv_t(t, ldv, dp, n32, r32, acc),
+        }
     }
 }
 
@@ -353,7 +395,7 @@ fn masked_non_finite<Q, C: Float>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     m: M,
-    amx: Amx,
+    tier: Bf16Tier,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
     pw: &SharedMut<'_, f32>,
@@ -361,11 +403,14 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
     sw: Option<&SharedMut<'_, f32>>,
     packed: Option<&Packed>,
 ) {
-    let tl = amx.tiles();
+    let tl = match tier.amx {
+        Some(a) => Products::Tiles(a.tiles()),
+        None => Products::Dot(tier.bf),
+    };
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
-            run_head(m, amx, &tl, ctx, it, kvh, pw, out, sw, packed, sc);
+            run_head(m, tier.bf, &tl, ctx, it, kvh, pw, out, sw, packed, sc);
         }
     });
     #[cfg(feature = "test-hooks")]
@@ -375,8 +420,8 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
 #[allow(clippy::too_many_arguments)]
 fn run_head<M: TileMicro, Q: Float, C: Float>(
     m: M,
-    amx: Amx,
-    tl: &Tiles,
+    bf: Bf16,
+    tl: &Products,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
     kvh: usize,
@@ -436,7 +481,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     };
     for r0 in (0..rows).step_by(16) {
         let group: Vec<&[f32]> = (r0..rows.min(r0 + 16)).map(row).collect();
-        amx.pair_cols(&group, d, parts.q, qt, r32, qplane, r0);
+        bf.pair_cols(&group, d, parts.q, qt, r32, qplane, r0);
     }
 
     let acc_t = aligned(acc_t, dp * r32);
@@ -500,7 +545,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
             kp.fill(0);
             vt.fill(0);
-            pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
+            pack_keys(m, bf, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
         }
         let ks: &[u16] = match pre {
             Some((k, _)) => &k[j0 * kw..],
@@ -524,14 +569,14 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         }
         m.softmax_t(st, r32, rows, n, mb, lb, cb);
         if cb.iter().any(|&c| c != 1.0) {
-            amx.mul_rows(acc_t, cb);
+            bf.mul_rows(acc_t, cb);
         }
         if pre.is_none() {
             let vt = aligned(vt, parts.v * dp * SPAN);
             let vparts = (parts.v, dp);
             masked_non_finite(ctx, &ir, j0, (lo, hi), j1, st, r32, vt, SPAN, vparts, acc_t);
         }
-        amx.pair_rows(st, r32, n, n32, parts.p, pt, plane);
+        bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
         let (vs, ldv): (&[u16], usize) = match pre {
             Some((_, v)) => (&v[j0..], ldp),
             None => (aligned(vt, parts.v * dp * SPAN), SPAN),
