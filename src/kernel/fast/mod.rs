@@ -502,13 +502,16 @@ impl<M: Kernels> TypedOp for Fast<M> {
         let mut b = b;
         quantized::write(opts.runner, plan, layout, &mut b);
         let caches = (&*b.key_cache, &*b.value_cache);
+        // Prefill items run on bf16 products under bf16 math only (D-wide K and V panels).
+        let bf16 = bf16_math::<Q>(opts);
+        let tier = bf16_tier_for::<Q, u8>(opts).filter(|_| bf16 && plan.dv == plan.d);
         pipeline(
             m,
             opts,
             plan,
             (b.query, caches, b.block_indices),
             (b.output, b.scores),
-            (*layout, |_| None, false),
+            (*layout, |_| tier, bf16),
         )
     }
 }
