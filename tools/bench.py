@@ -1,6 +1,6 @@
 """Benchmark, as users deploy: our op inside OpenVINO (the extension, default configuration:
 CPU pinning on, the first call into our library made by `infer()`), OpenVINO's built-in
-PagedAttentionExtension, and our bare C ABI (`pa_execute`, secondary), in one process on identical
+PagedAttentionExtension, and our bare C ABI (`pa_execute_ex`, secondary), in one process on identical
 inputs (the same buffers), at each thread count asked for.
 
     .venv/bin/python tools/bench.py [--threads 2,all] [--hint f32] [--reps 15]
@@ -21,8 +21,11 @@ alike); the table gives min and median ms, the ratio OpenVINO built-in / ours in
 (min/min), ours inside OpenVINO against the bare C ABI call, KV GB/s (cache bytes the attention
 must read, at the min time) and GFLOP/s (4*D flops per visible (query head, key) pair) with our
 share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run
-(rows whose prefill items run on AMX tiles, a bf16 cache on the amx tier: also the share of the
-AMX-BF16 tile peak it measures).
+(prefill and mixed rows whose prefill items run on bf16 products: also the share of the peak that
+applies, the AMX-BF16 tile peak on the amx tier, else the bf16 dot-product (`vdpbf16ps`) peak).
+Our op computes in the precision of the hint (bf16 for a bf16 hint, or for no hint on a CPU whose
+default is bf16; else f32): its `inference_precision` attribute inside OpenVINO, the `precision`
+argument of pa_execute_ex.
 Outputs of the paths are compared (max abs difference) as a sanity check. A thread-scaling table
 (parallel efficiency t1 / (n * tn)) follows when more than one thread count is measured.
 --chart FILE (.svg or .png, matplotlib) draws min ms of ours inside OpenVINO and of OpenVINO's
