@@ -18,7 +18,9 @@
 mod common;
 
 use common::call::Call;
-use common::ref64::{reference, with_seqs, Case, Expected, Features, Geometry, ScoreWindow};
+use common::ref64::{
+    bf16_values, reference, with_seqs, Case, Expected, Features, Geometry, ScoreWindow,
+};
 use paged_attention::kernel::fast::{execute_with, FastOptions, Precision, ScoresMode, SimdLevel};
 use paged_attention::ElemType::{self, BF16, F16, F32};
 use std::sync::Mutex;
@@ -350,18 +352,6 @@ fn f32_and_f16_queries_with_a_bf16_cache_run_on_tiles_with_f32_accuracy() {
 /// One unit in the last place of `x` as f16 (an f16 output is the f32 result rounded once).
 fn ulp16(x: f64) -> f64 {
     2f64.powf(x.abs().max(6.1e-5).log2().floor() - 10.0)
-}
-
-/// `v` (finite f32 values) rounded to bf16, nearest even, kept as f64. By the bits, through
-/// f32: `half`'s `bf16::from_f64` rounds some values just past a midpoint down
-/// (-2.7265632152557373 gave -2.71875, not -2.734375), which the bitwise check below caught.
-fn bf16_values(v: &[f64]) -> Vec<f64> {
-    v.iter()
-        .map(|&x| {
-            let b = (x as f32).to_bits();
-            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000) as f64
-        })
-        .collect()
 }
 
 /// `call` at `simd` in `precision`.

@@ -8,7 +8,7 @@
 mod common;
 
 use common::call::{idx, Data, Owned, Runner, RUNNERS};
-use common::ref64::{gen_case, reference, Case, Features, Geometry, SeqKind};
+use common::ref64::{bf16_values, gen_case, reference, Case, Features, Geometry, SeqKind};
 use common::u8::{dequantized_case, layout_for, layout_for_bits, u8_call, LAYOUTS};
 use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
 use paged_attention::op::{infer_shapes, PartialInput, PartialShape, DYN};
@@ -629,16 +629,6 @@ fn u8_calls_are_bit_identical_on_one_and_two_threads() {
         }
     }
     assert!(checked >= 20, "{checked} runs");
-}
-
-/// `v` (finite values) rounded to bf16, nearest even, by the bits of their f32.
-fn bf16_values(v: &[f64]) -> Vec<f64> {
-    v.iter()
-        .map(|&x| {
-            let b = (x as f32).to_bits();
-            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000) as f64
-        })
-        .collect()
 }
 
 /// The bf16 precision on u8 and u4 caches (the prefill items' dequantized keys and values

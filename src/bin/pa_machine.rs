@@ -86,18 +86,7 @@ fn fma_peak(threads: usize) -> f64 {
 fn dot_peak(threads: usize) -> Option<f64> {
     use paged_attention::kernel::fast::bf16_dot_products as products;
     let rounds = 10_000_000usize;
-    if !products(1) {
-        return None;
-    }
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        (0..threads).into_par_iter().for_each(|_| {
-            products(rounds);
-        });
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Some(threads as f64 * rounds as f64 * 16.0 * 64.0 / best / 1e9)
+    products(1).then(|| best_gflops(threads, rounds as f64 * 16.0 * 64.0, || products(rounds)))
 }
 
 /// GFLOP/s of AMX-BF16 tile products on every thread (four independent products per round on
@@ -105,18 +94,20 @@ fn dot_peak(threads: usize) -> Option<f64> {
 fn amx_peak(threads: usize) -> Option<f64> {
     use paged_attention::kernel::fast::amx_bf16_tile_products as products;
     let rounds = 200_000usize;
-    if !products(1) {
-        return None;
-    }
+    products(1).then(|| best_gflops(threads, rounds as f64 * 4.0 * 16384.0, || products(rounds)))
+}
+
+/// GFLOP/s of `run` (`flops` each) on every thread of the pool at once, best of 5.
+fn best_gflops(threads: usize, flops: f64, run: impl Fn() -> bool + Sync) -> f64 {
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = Instant::now();
         (0..threads).into_par_iter().for_each(|_| {
-            products(rounds);
+            run();
         });
         best = best.min(t.elapsed().as_secs_f64());
     }
-    Some(threads as f64 * rounds as f64 * 4.0 * 16384.0 / best / 1e9)
+    threads as f64 * flops / best / 1e9
 }
 
 fn avx512() -> bool {

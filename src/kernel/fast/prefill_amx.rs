@@ -39,12 +39,13 @@ use super::micro::x86::bf16::{Bf16, Bf16Tier};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::pool::Buf;
-use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRows};
+use super::prefill::{
+    add_direct_scores, aligned, per_head_regions, stash_logits, write_rows, ItemRows,
+};
 use super::source::{Ctx, Out, Source};
 use super::tile::{mask_tile_strided, prefetch_part};
 use crate::dtype::Float;
-use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible, visible_span};
-use crate::kernel::softmax::OnlineSoftmax;
+use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -643,20 +644,6 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
     if let Some(at) = direct {
         // SAFETY: the partial scores of (KV head, query tile) belong to this item.
         let part = unsafe { o.direct.part(at, sp.ctx()) };
-        part.fill(0.0);
-        for r in r_sc..rows {
-            // Row r's final statistics, as `write_rows` ends it (with its sink).
-            let mut st = OnlineSoftmax {
-                max: mb[r],
-                sum: lb[r],
-            };
-            st.finish(plan.sink(kvh * g + r % g));
-            // The keys the row sees only: a NaN row must not reach a masked key.
-            let (a, b) = visible_span(plan, ir.pos0 + r / g, ir.lo, ir.hi);
-            if a < b {
-                let kept = &kept[(r - r_sc) * nkeys + a - ir.lo..][..b - a];
-                m.add_exp_scaled(&mut part[a..b], kept, st.max, st.norm());
-            }
-        }
+        add_direct_scores(m, plan, (&ir, kvh), (kept, r_sc), (mb, lb), part);
     }
 }

@@ -394,35 +394,10 @@ fn os_grants_tile_data() -> bool {
 
 #[cfg(test)]
 mod tests {
-    //! The tile products against their scalar twin (`scalar_amx`) on edge shapes.
+    //! The tile products against their scalar twin (`scalar_amx`) on edge shapes, through the
+    //! checks the `vdpbf16ps` products share (`bf16::tests`).
     use super::*;
-    use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16};
-
-    struct Rng(u64);
-    impl Rng {
-        fn f(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        fn v(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.f()).collect()
-        }
-    }
-
-    fn abs(x: &[f32]) -> Vec<f32> {
-        x.iter().map(|v| v.abs()).collect()
-    }
-
-    /// The hardware sums the exact bf16 products in its own order (not documented, and not
-    /// the twin's: about one sum in ten differs in the last bits). Any f32 summation of `n`
-    /// terms is within `n * 2^-24 * sum|terms|` of the exact sum, so the two are within twice
-    /// that (with 2^-23 to cover a final rounding of `mag` itself). A wrong element, pair or
-    /// layout errs by a whole term, far above this.
-    fn order_bound(n: usize, mag: f32) -> f32 {
-        2.0 * n as f32 * f32::EPSILON * mag
-    }
+    use crate::kernel::fast::micro::x86::bf16::tests::{check_pv, check_qk};
 
     fn amx() -> Option<Amx> {
         let a = Amx::detect();
@@ -440,129 +415,21 @@ mod tests {
         assert_eq!(crate::kernel::fast::amx_bf16_tile_products(0), ran);
     }
 
-    /// Q rows x keys, through the same packing the prefill items use, summed `reps` times (a
-    /// sum of that many equal terms, the block staying in tiles across them).
-    fn amx_qk(
-        a: Amx,
-        q: &[f32],
-        rows: usize,
-        k: &[f32],
-        n: usize,
-        d: usize,
-        reps: usize,
-    ) -> Vec<f32> {
-        let (dp, r32, n32) = (
-            d.div_ceil(32) * 32,
-            rows.div_ceil(32) * 32,
-            n.div_ceil(32) * 32,
-        );
-        // Keys at a stride wider than dp, as in a panel of key parts.
-        let ldk = dp + 32;
-        let mut kp = vec![0u16; n32 * ldk];
-        for j in 0..n {
-            a.bf16().round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
-        }
-        let mut qt = vec![0u32; dp / 2 * r32];
-        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
-        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
-            a.bf16()
-                .pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
-        }
-        let mut st = vec![f32::NAN; n32 * r32];
-        let terms = vec![(&kp[..], &qt[..]); reps];
-        a.tiles().qk_t(&terms, ldk, dp, n32, r32, &mut st);
-        st
-    }
-
     #[test]
     fn qk_tiles_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = amx() else { return };
-        let mut rng = Rng(11);
-        for d in [16usize, 64, 80, 96, 128, 256, 1, 7, 33, 100] {
-            for rows in [1usize, 15, 16, 17, 33, 64] {
-                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
-                    let q = rng.v(rows * d).iter().map(|x| x * 3.0).collect::<Vec<_>>();
-                    let k = rng.v(n * d);
-                    let r32 = rows.div_ceil(32) * 32;
-                    // Odd n: a sum of two terms.
-                    let reps = 1 + n % 2;
-                    let got = amx_qk(a, &q, rows, &k, n, d, reps);
-                    let mut want = vec![0f32; n * r32];
-                    qk_t_bf16(&q, rows, &k, n, d, &mut want, r32);
-                    let mut mag = vec![0f32; n * r32];
-                    qk_t_bf16(&abs(&q), rows, &abs(&k), n, d, &mut mag, r32);
-                    for j in 0..n {
-                        for r in 0..rows {
-                            let i = j * r32 + r;
-                            let (w, m) = (want[i] * reps as f32, mag[i] * reps as f32);
-                            let tol = order_bound(reps * d, m);
-                            assert!(
-                                (got[i] - w).abs() <= tol,
-                                "D={d} rows={rows} n={n}: st[{j}][{r}] = {:e}, twin {:e}",
-                                got[i],
-                                w
-                            );
-                        }
-                    }
-                }
-            }
-        }
+        let tl = a.tiles();
+        check_qk(a.bf16(), 11, &|t, ld, dp, n32, r32, out| {
+            tl.qk_t(t, ld, dp, n32, r32, out)
+        });
     }
 
     #[test]
     fn pv_tiles_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = amx() else { return };
-        let mut rng = Rng(12);
-        for d in [16usize, 64, 80, 96, 128, 256, 1, 7, 33, 100] {
-            for rows in [1usize, 15, 16, 17, 33, 64] {
-                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
-                    let (dp, r32, n32) = (
-                        d.div_ceil(32) * 32,
-                        rows.div_ceil(32) * 32,
-                        n.div_ceil(32) * 32,
-                    );
-                    // Transposed weights in [0, 1] (softmax weights), values in [-1, 1].
-                    let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
-                    let v = rng.v(n * d);
-                    let acc0 = rng.v(dp * r32);
-                    // Values transposed and rounded, keys padded with garbage the zero
-                    // weights must cancel (finite, as real cache rows are).
-                    let ldv = n32 + 5;
-                    let mut vt = vec![0x3F80u16; dp * ldv];
-                    let mut col = vec![0f32; n];
-                    for x in 0..dp {
-                        for j in 0..n {
-                            col[j] = if x < d { v[j * d + x] } else { 0.0 };
-                        }
-                        a.bf16().round(&col, &mut vt[x * ldv..]);
-                    }
-                    let mut pt = vec![0u32; n32 / 2 * r32];
-                    a.bf16()
-                        .pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
-                    // Odd n: a sum of two terms (the block stays in tiles across them).
-                    let reps = 1 + n % 2;
-                    let terms = vec![(&vt[..], &pt[..]); reps];
-                    let mut got = acc0.clone();
-                    a.tiles().pv_t(&terms, ldv, dp, n32, r32, &mut got);
-                    let (mut want, mut mag) = (acc0.clone(), abs(&acc0));
-                    for _ in 0..reps {
-                        pv_t_bf16(&p, r32, rows, &v, n, d, &mut want, r32);
-                        pv_t_bf16(&p, r32, rows, &abs(&v), n, d, &mut mag, r32);
-                    }
-                    for x in 0..d {
-                        for r in 0..rows {
-                            let i = x * r32 + r;
-                            let tol = order_bound(reps * n + 1, mag[i]);
-                            assert!(
-                                (got[i] - want[i]).abs() <= tol,
-                                "D={d} rows={rows} n={n}: acc[{x}][{r}] = {:e}, twin {:e}",
-                                got[i],
-                                want[i]
-                            );
-                        }
-                    }
-                }
-            }
-        }
+        let tl = a.tiles();
+        check_pv(a.bf16(), 12, &|t, ld, dp, n32, r32, out| {
+            tl.pv_t(t, ld, dp, n32, r32, out)
+        });
     }
 }

@@ -472,8 +472,9 @@ unsafe fn pair_cols(
 }
 
 #[cfg(test)]
-mod tests {
-    //! The packers and the `vdpbf16ps` products against their scalar twin (`scalar_amx`).
+pub(crate) mod tests {
+    //! The packers and the `vdpbf16ps` products against their scalar twin (`scalar_amx`); the
+    //! product checks serve the AMX tiles' tests too (`amx`).
     use super::*;
     use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16, round_bf16, split_bf16};
 
@@ -494,8 +495,8 @@ mod tests {
         x.iter().map(|v| v.abs()).collect()
     }
 
-    /// `vdpbf16ps` adds two exact products to the f32 lane in one step (its internal order and
-    /// rounding are not the twin's). Any f32 summation of `n` terms is within `n * 2^-24 *
+    /// `vdpbf16ps` adds two exact products to the f32 lane in one step, the tiles sum in an
+    /// undocumented order (neither is the twin's order). Any f32 summation of `n` terms is within `n * 2^-24 *
     /// sum|terms|` of the exact sum, so the two are within twice that. A wrong element, pair or
     /// layout errs by a whole term, far above this.
     fn order_bound(n: usize, mag: f32) -> f32 {
@@ -658,51 +659,43 @@ mod tests {
         }
     }
 
-    /// QK of `rows` query rows and `n` keys through the prefill items' packing, summed `reps`
-    /// times (as a sum of terms).
-    fn dot_qk(
-        a: Bf16,
-        q: &[f32],
-        rows: usize,
-        k: &[f32],
-        n: usize,
-        d: usize,
-        reps: usize,
-    ) -> Vec<f32> {
-        let (dp, r32, n32) = (
-            d.div_ceil(32) * 32,
-            rows.div_ceil(32) * 32,
-            n.div_ceil(32) * 32,
-        );
-        // Keys at a stride wider than dp, as in a panel of key parts.
-        let ldk = dp + 32;
-        let mut kp = vec![0u16; n32 * ldk];
-        for j in 0..n {
-            a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
-        }
-        let mut qt = vec![0u32; dp / 2 * r32];
-        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
-        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
-            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
-        }
-        let mut st = vec![f32::NAN; n32 * r32];
-        let terms = vec![(&kp[..], &qt[..]); reps];
-        a.qk_t(&terms, ldk, dp, n32, r32, &mut st);
-        st
-    }
+    /// A QK or PV product over terms (`Bf16::qk_t` / `Tiles::qk_t`, `pv_t` likewise): `(terms,
+    /// ld, dp, n32, r32, out)`.
+    pub(crate) type Product<'p> =
+        &'p dyn Fn(&[(&[u16], &[u32])], usize, usize, usize, usize, &mut [f32]);
 
-    #[test]
-    fn qk_dot_products_match_the_scalar_twin_on_edge_shapes() {
-        let Some(a) = bf16() else { return };
-        let mut rng = Rng(21);
-        for d in [16usize, 64, 80, 128, 256, 1, 7, 33, 100] {
-            for rows in [1usize, 15, 16, 17, 33, 64] {
-                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
+    const HEAD_SIZES: [usize; 10] = [16, 64, 80, 96, 128, 256, 1, 7, 33, 100];
+    const ROWS: [usize; 6] = [1, 15, 16, 17, 33, 64];
+    const KEYS: [usize; 10] = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48];
+
+    /// `qk` (keys rounded into a panel of stride wider than dp, query rows paired by
+    /// `pair_cols`, both as the prefill items pack them) against the twin on edge shapes, summed
+    /// over two equal terms for odd key counts.
+    pub(crate) fn check_qk(a: Bf16, seed: u64, qk: Product<'_>) {
+        let mut rng = Rng(seed);
+        for d in HEAD_SIZES {
+            for rows in ROWS {
+                for n in KEYS {
                     let q = rng.v(rows * d).iter().map(|x| x * 3.0).collect::<Vec<_>>();
                     let k = rng.v(n * d);
-                    let r32 = rows.div_ceil(32) * 32;
+                    let (dp, r32, n32) = (
+                        d.div_ceil(32) * 32,
+                        rows.div_ceil(32) * 32,
+                        n.div_ceil(32) * 32,
+                    );
+                    let ldk = dp + 32;
+                    let mut kp = vec![0u16; n32 * ldk];
+                    for j in 0..n {
+                        a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
+                    }
+                    let mut qt = vec![0u32; dp / 2 * r32];
+                    let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
+                    for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
+                        a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
+                    }
                     let reps = 1 + n % 2;
-                    let got = dot_qk(a, &q, rows, &k, n, d, reps);
+                    let mut got = vec![f32::NAN; n32 * r32];
+                    qk(&vec![(&kp[..], &qt[..]); reps], ldk, dp, n32, r32, &mut got);
                     let mut want = vec![0f32; n * r32];
                     qk_t_bf16(&q, rows, &k, n, d, &mut want, r32);
                     let mut mag = vec![0f32; n * r32];
@@ -723,13 +716,14 @@ mod tests {
         }
     }
 
-    #[test]
-    fn pv_dot_products_match_the_scalar_twin_on_edge_shapes() {
-        let Some(a) = bf16() else { return };
-        let mut rng = Rng(22);
-        for d in [16usize, 64, 80, 128, 256, 1, 7, 33, 100] {
-            for rows in [1usize, 15, 16, 17, 33, 64] {
-                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
+    /// `pv` (values transposed and rounded at an odd stride, keys padded with finite garbage
+    /// the zero weights must cancel, weights paired by `pair_rows`) against the twin on edge
+    /// shapes, added to a random accumulator, over two equal terms for odd key counts.
+    pub(crate) fn check_pv(a: Bf16, seed: u64, pv: Product<'_>) {
+        let mut rng = Rng(seed);
+        for d in HEAD_SIZES {
+            for rows in ROWS {
+                for n in KEYS {
                     let (dp, r32, n32) = (
                         d.div_ceil(32) * 32,
                         rows.div_ceil(32) * 32,
@@ -738,8 +732,6 @@ mod tests {
                     let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
                     let v = rng.v(n * d);
                     let acc0 = rng.v(dp * r32);
-                    // An odd stride (pairs read unaligned), keys padded with finite garbage
-                    // the zero weights must cancel.
                     let ldv = n32 + 5;
                     let mut vt = vec![0x3F80u16; dp * ldv];
                     let mut col = vec![0f32; n];
@@ -752,9 +744,8 @@ mod tests {
                     let mut pt = vec![0u32; n32 / 2 * r32];
                     a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
                     let reps = 1 + n % 2;
-                    let terms = vec![(&vt[..], &pt[..]); reps];
                     let mut got = acc0.clone();
-                    a.pv_t(&terms, ldv, dp, n32, r32, &mut got);
+                    pv(&vec![(&vt[..], &pt[..]); reps], ldv, dp, n32, r32, &mut got);
                     let (mut want, mut mag) = (acc0.clone(), abs(&acc0));
                     for _ in 0..reps {
                         pv_t_bf16(&p, r32, rows, &v, n, d, &mut want, r32);
@@ -774,6 +765,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn qk_dot_products_match_the_scalar_twin_on_edge_shapes() {
+        let Some(a) = bf16() else { return };
+        check_qk(a, 21, &|t, ld, dp, n32, r32, out| {
+            a.qk_t(t, ld, dp, n32, r32, out)
+        });
+    }
+
+    #[test]
+    fn pv_dot_products_match_the_scalar_twin_on_edge_shapes() {
+        let Some(a) = bf16() else { return };
+        check_pv(a, 22, &|t, ld, dp, n32, r32, out| {
+            a.pv_t(t, ld, dp, n32, r32, out)
+        });
     }
 
     /// The peak probe computes what it says: 16 accumulators, each `rounds` x 2 x 1 x 1 per lane.
