@@ -123,13 +123,7 @@ impl Tiles {
         r32: usize,
         st: &mut [f32],
     ) {
-        assert!(
-            dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32)
-        );
-        assert!(ldk >= dp && st.len() >= n32 * r32);
-        for (kp, qt) in terms {
-            assert!(kp.len() >= n32.saturating_sub(1) * ldk + dp && qt.len() >= dp / 2 * r32);
-        }
+        super::bf16::assert_qk(terms, ldk, dp, n32, r32, st);
         for rb in (0..r32).step_by(32) {
             for jb in (0..n32).step_by(32) {
                 let c = st[jb * r32 + rb..].as_mut_ptr() as *mut u8;
@@ -169,13 +163,7 @@ impl Tiles {
         r32: usize,
         acc: &mut [f32],
     ) {
-        assert!(
-            dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32)
-        );
-        assert!(ldv >= n32 && acc.len() >= dp * r32);
-        for (vt, pt) in terms {
-            assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
-        }
+        super::bf16::assert_pv(terms, ldv, dp, n32, r32, acc);
         for xb in (0..dp).step_by(32) {
             for rb in (0..r32).step_by(32) {
                 let c = acc[xb * r32 + rb..].as_mut_ptr() as *mut u8;

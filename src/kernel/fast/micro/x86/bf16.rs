@@ -65,13 +65,7 @@ impl Bf16 {
         r32: usize,
         st: &mut [f32],
     ) {
-        assert!(
-            dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32)
-        );
-        assert!(ldk >= dp && st.len() >= n32 * r32);
-        for (kp, qt) in terms {
-            assert!(kp.len() >= n32.saturating_sub(1) * ldk + dp && qt.len() >= dp / 2 * r32);
-        }
+        assert_qk(terms, ldk, dp, n32, r32, st);
         for rb in (0..r32).step_by(32) {
             for jb in (0..n32).step_by(JB) {
                 // SAFETY: `self` proves AVX512-BF16; rows jb..jb+JB <= n32 of every key panel
@@ -103,13 +97,7 @@ impl Bf16 {
         r32: usize,
         acc: &mut [f32],
     ) {
-        assert!(
-            dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32)
-        );
-        assert!(ldv >= n32 && acc.len() >= dp * r32);
-        for (vt, pt) in terms {
-            assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
-        }
+        assert_pv(terms, ldv, dp, n32, r32, acc);
         for xb in (0..dp).step_by(JB) {
             for rb in (0..r32).step_by(32) {
                 // SAFETY: `self` proves AVX512-BF16; value rows xb..xb+JB <= dp (keys
@@ -204,6 +192,42 @@ impl Bf16 {
         assert!(c.len().is_multiple_of(16) && x.len().is_multiple_of(c.len().max(1)));
         // SAFETY: `self` proves AVX-512F; whole 16-lane vectors inside both slices.
         unsafe { mul_rows(x.as_mut_ptr(), x.len(), c.as_ptr(), c.len()) }
+    }
+}
+
+/// The bounds a QK product over `terms` relies on (tiles and `vdpbf16ps` alike): whole
+/// k-steps and 32-blocks, every key panel `n32` rows of stride `ldk`, every query-pair panel
+/// `dp/2` rows of `r32`, `st` `n32` rows of `r32`.
+pub(crate) fn assert_qk(
+    terms: &[(&[u16], &[u32])],
+    ldk: usize,
+    dp: usize,
+    n32: usize,
+    r32: usize,
+    st: &[f32],
+) {
+    assert!(dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32));
+    assert!(ldk >= dp && st.len() >= n32 * r32);
+    for (kp, qt) in terms {
+        assert!(kp.len() >= n32.saturating_sub(1) * ldk + dp && qt.len() >= dp / 2 * r32);
+    }
+}
+
+/// The bounds a PV product over `terms` relies on: every value panel `dp` rows of stride
+/// `ldv` (keys `0..n32`), every weight-pair panel `n32/2` rows of `r32`, `acc` `dp` rows of
+/// `r32`.
+pub(crate) fn assert_pv(
+    terms: &[(&[u16], &[u32])],
+    ldv: usize,
+    dp: usize,
+    n32: usize,
+    r32: usize,
+    acc: &[f32],
+) {
+    assert!(dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32));
+    assert!(ldv >= n32 && acc.len() >= dp * r32);
+    for (vt, pt) in terms {
+        assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
     }
 }
 
