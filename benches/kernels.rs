@@ -6,10 +6,11 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use half::f16;
+use paged_attention::kernel::fast::{execute_with, Precision};
 use paged_attention::kernel::fast::{insert::insert, rotate::rotate};
 use paged_attention::kernel::quant::{insert_u8, KeyQuant, U8Layout};
 use paged_attention::Runner;
-use paged_attention::{execute, validate, Float, PaInputs, PaOutputs, Tensor, TensorMut};
+use paged_attention::{validate, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Duration;
 
 const H: usize = 32;
@@ -119,7 +120,9 @@ where
 {
     let mut call = Call::<C>::new(seqs);
     c.bench_function(&format!("{name}/{}", C::TYPE), |b| {
-        b.iter(|| call.run(|i, o| execute(i, o).expect("execute")))
+        // The options the C ABI gives pa_execute (PA_SIMD and PA_BF16_QUERY read at the edge).
+        let opts = paged_attention::ffi::env::fast_options(Runner::Auto, Precision::F32);
+        b.iter(|| call.run(|i, o| execute_with(opts, i, o).expect("execute")))
     });
 }
 

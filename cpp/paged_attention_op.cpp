@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <openvino/core/except.hpp>
@@ -118,8 +119,47 @@ void known_scores_length(const ov::Node& node, pa_partial_shape& scores) {
 
 }  // namespace
 
-PagedAttention::PagedAttention(const ov::OutputVector& args) : ov::op::Op(args) {
+PagedAttention::PagedAttention(const ov::OutputVector& args, std::string inference_precision)
+    : ov::op::Op(args),
+      m_inference_precision(std::move(inference_precision)) {
     constructor_validate_and_infer_types();
+}
+
+namespace {
+
+// The attribute's spellings and their C ABI codes, one table.
+constexpr std::array<std::pair<const char*, pa_precision>, 3> kPrecisions{{
+    {"", PA_PRECISION_F32},
+    {"f32", PA_PRECISION_F32},
+    {"bf16", PA_PRECISION_BF16},
+}};
+
+bool precision_code(const std::string& name, pa_precision& code) {
+    for (const auto& [n, c] : kPrecisions) {
+        if (name == n) {
+            code = c;
+            return true;
+        }
+    }
+    return false;
+}
+
+}  // namespace
+
+size_t set_inference_precision(const std::shared_ptr<ov::Model>& model, const std::string& precision) {
+    pa_precision code;
+    OPENVINO_ASSERT(precision_code(precision, code),
+                    "PagedAttention: inference_precision \"",
+                    precision,
+                    "\" is not f32, bf16 or empty");
+    size_t n = 0;
+    for (const auto& node : model->get_ops()) {
+        if (auto pa = ov::as_type_ptr<PagedAttention>(node)) {
+            pa->m_inference_precision = precision;
+            ++n;
+        }
+    }
+    return n;
 }
 
 void PagedAttention::validate_and_infer_types() {
@@ -127,6 +167,12 @@ void PagedAttention::validate_and_infer_types() {
     // under INFERENCE_PRECISION_HINT=f16 inserts Converts around it and evaluate() writes the
     // caches into converted copies. `precise_0` is ov::DisableFP16Compression's key.
     get_rt_info()["precise_0"] = true;
+    pa_precision code;
+    NODE_VALIDATION_CHECK(this,
+                          precision_code(m_inference_precision, code),
+                          "inference_precision \"",
+                          m_inference_precision,
+                          "\" is not f32, bf16 or empty (f32)");
     check_cache_inputs(*this);
 
     const size_t n = get_input_size();
@@ -166,10 +212,11 @@ void PagedAttention::validate_and_infer_types() {
 }
 
 std::shared_ptr<ov::Node> PagedAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
-    return std::make_shared<PagedAttention>(new_args);
+    return std::make_shared<PagedAttention>(new_args, m_inference_precision);
 }
 
-bool PagedAttention::visit_attributes(ov::AttributeVisitor&) {
+bool PagedAttention::visit_attributes(ov::AttributeVisitor& visitor) {
+    visitor.on_attribute("inference_precision", m_inference_precision);
     return true;
 }
 
@@ -257,7 +304,9 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         out[i] = describe(outputs[i], i, "output");
     }
     const pa_runner runner = openvino_runner();
-    st = pa_execute_ex(in.data(), in.size(), out.data(), out.size(), &runner);
+    pa_precision precision = PA_PRECISION_F32;
+    precision_code(m_inference_precision, precision);  // checked in validate_and_infer_types
+    st = pa_execute_ex(in.data(), in.size(), out.data(), out.size(), &runner, precision);
     if (st != PA_STATUS_OK) {
         OPENVINO_THROW("PagedAttention: ", last_error(st));
     }

@@ -8,7 +8,6 @@
 //! test-hooks` (which adds a counter increment per item: time the default build).
 
 use half::{bf16, f16};
-use paged_attention::kernel::fast::SimdLevel;
 use paged_attention::{execute, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
 
@@ -119,7 +118,7 @@ fn main() {
     };
     println!(
         "prefill 1x{T} H={H} Hkv={HKV} D={D} BS={BS} q={query} c={cache}: {ms:.2} ms (min of {reps}), CPU {cpu:.2} ms/call, tier {:?}, PA_NUM_THREADS={}, AMX items {}",
-        SimdLevel::from_env(),
+        paged_attention::ffi::env::simd_level(),
         std::env::var("PA_NUM_THREADS").unwrap_or_else(|_| "(default)".into()),
         match (before, amx_items()) {
             (Some(b), Some(a)) => (a - b).to_string(),

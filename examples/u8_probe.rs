@@ -36,7 +36,7 @@ fn levels() -> Vec<SimdLevel> {
             .split(',')
             .map(|l| SimdLevel::parse(l).unwrap_or_else(|| panic!("unknown level {l:?}")))
             .collect(),
-        Err(_) => vec![SimdLevel::from_env()],
+        Err(_) => vec![paged_attention::ffi::env::simd_level()],
     }
 }
 

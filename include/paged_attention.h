@@ -193,10 +193,25 @@ typedef struct pa_runner {
     size_t max_threads; /* threads parallel_for can run at once */
 } pa_runner;
 
-/* As pa_execute, with the work on `runner`'s threads (NULL: the library's own pool). The runner
- * needs to stay valid only for the duration of the call. */
+/* The inference precision of a call: the deployment's choice (OpenVINO's
+ * INFERENCE_PRECISION_HINT; docs/contract.md, "Precision").
+ * PA_PRECISION_F32:  an f32 or f16 query is f32 math (2e-6 of a float64 reference).
+ * PA_PRECISION_BF16: as OpenVINO's own op under a bf16 hint: prefill products (QK, PV) take the
+ *                    query, keys, values and softmax weights rounded to bf16 and sum in f32;
+ *                    softmax in f32; decode stays f32. Within 1e-2 of float64 attention of the
+ *                    rounded operands. On a CPU without AVX512-BF16 or AMX the call computes
+ *                    in f32 and says so once on stderr.
+ * A bf16 query is bf16 math in both. PA_BF16_QUERY=1 (=0) in the environment overrides the
+ * argument with bf16 (f32), read once per process; pa_execute computes in f32 unless it does. */
+typedef int32_t pa_precision;
+#define PA_PRECISION_F32 0
+#define PA_PRECISION_BF16 1
+
+/* As pa_execute, with the work on `runner`'s threads (NULL: the library's own pool) and in
+ * `precision` (any other value: PA_STATUS_INVALID_ARGUMENT, nothing written). The runner needs
+ * to stay valid only for the duration of the call. */
 pa_status pa_execute_ex(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs,
-                        const pa_runner *runner);
+                        const pa_runner *runner, pa_precision precision);
 
 /* Sets the number of threads of the library's own pool (0: PA_NUM_THREADS, else one per CPU of
  * the process). Takes effect at the next call; calls running keep their pool. n <= 4096
@@ -205,10 +220,6 @@ pa_status pa_set_num_threads(size_t n);
 
 /* The number of threads the library's pool has (or will have when first used). Never fails. */
 size_t pa_get_num_threads(void);
-
-/* Precision: an f32/f16 query is f32 math. PA_BF16_QUERY=1 in the environment (read once per
- * process) rounds such a query to bf16 for prefill with a bf16 cache on AMX CPUs, as OpenVINO
- * does under a bf16 hint: within 1e-2 of float64 attention of the rounded query (README). */
 
 /* As pa_execute, with the plain scalar reference kernels (slow; for testing the fast paths). */
 pa_status pa_execute_reference(const pa_tensor *inputs, size_t n_inputs, const pa_tensor *outputs, size_t n_outputs);

@@ -1,22 +1,27 @@
-//! The AMX tier: prefill items of a bf16 query with their QK and PV products on AMX-BF16
-//! tiles, through the whole op, against the float64 reference of `common/ref64.rs` fed the
-//! same rounded values (bf16 query, cache-typed caches).
+//! The bf16 tiers: prefill items under bf16 math (a bf16 query, or the bf16 precision) with
+//! their QK and PV products on AMX-BF16 tiles (`amx`) or on `vdpbf16ps` (`avx512bf16`, CPUs
+//! with AVX512-BF16 and no AMX), through the whole op, against the float64 reference of
+//! `common/ref64.rs` fed the same rounded values (bf16 query, cache-typed caches).
 //!
 //! Tolerance (the precision rule for a bf16 query): outputs within 1e-2 absolute, scores
 //! within 1e-2 relative to max(1, |score|). Caches are checked by `tests/reference.rs`, whose
 //! `execute` runs the same path.
 //!
-//! On a machine without AMX (or with `PA_SIMD` capping it) the same cases run on the next tier
-//! and the tests say so; where the CPU and OS grant AMX, a test fails unless the tiles ran
-//! (counted by the feature `test-hooks`, with which scripts/test.sh runs this binary; without
-//! it the results are still checked, but not where they were computed).
-//! Tests here hold one lock, so the process-wide AMX item counter measures one test at a time.
+//! The tests ask for the `amx` level and get the best bf16 tier the machine has; on a machine
+//! with neither the same cases run on the FMA loops and the tests say so. Where a bf16 tier
+//! exists, a test fails unless its items ran on it (counted by the feature `test-hooks`, with
+//! which scripts/test.sh runs this binary; without it the results are still checked, but not
+//! where they were computed). Each run prints the bf16 tier it exercised ("bf16 tiers
+//! exercised: ..."). Tests here hold one lock, so the process-wide item counter measures one
+//! test at a time.
 
 mod common;
 
 use common::call::Call;
-use common::ref64::{reference, with_seqs, Case, Expected, Features, Geometry, ScoreWindow};
-use paged_attention::kernel::fast::{execute_with, FastOptions, ScoresMode, SimdLevel};
+use common::ref64::{
+    bf16_values, reference, with_seqs, Case, Expected, Features, Geometry, ScoreWindow,
+};
+use paged_attention::kernel::fast::{execute_with, FastOptions, Precision, ScoresMode, SimdLevel};
 use paged_attention::ElemType::{self, BF16, F16, F32};
 use std::sync::Mutex;
 
@@ -38,6 +43,23 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 
 fn amx_present() -> bool {
     SimdLevel::detected() == SimdLevel::Amx
+}
+
+/// Whether this machine has a bf16 tier (`avx512bf16` or `amx`); prints the tier once.
+fn bf16_present() -> bool {
+    let level = SimdLevel::detected();
+    static PRINTED: std::sync::Once = std::sync::Once::new();
+    PRINTED.call_once(|| {
+        eprintln!(
+            "bf16 tiers exercised: {}",
+            if level >= SimdLevel::Avx512Bf16 {
+                level.name()
+            } else {
+                "none (no AVX512-BF16 or AMX here; the FMA loops ran)"
+            }
+        )
+    });
+    level >= SimdLevel::Avx512Bf16
 }
 
 fn run_at(call: &Call, simd: SimdLevel) -> Call {
@@ -87,14 +109,22 @@ fn within_bf16_rule(got: &Call, exp: &Expected, case: &Case) -> f64 {
     worst
 }
 
-/// Fails when the CPU and OS grant AMX but no item ran on tiles since `before` (with the
-/// feature `test-hooks`, which counts them); prints which tier the test exercised.
+/// Fails when the machine has a bf16 tier (AMX tiles, or `vdpbf16ps`) but no item ran on it
+/// since `before` (with the feature `test-hooks`, which counts them); prints which tier the
+/// test exercised.
 fn require_tiles(test: &str, before: Option<u64>) {
-    if !amx_present() {
-        eprintln!(
-            "TIER {test}: {:?} (AMX not available here: tiles not exercised)",
-            SimdLevel::detected()
-        );
+    require_items(test, before, bf16_present())
+}
+
+/// As `require_tiles` for f32 math on bf16 parts, which only AMX tiles run.
+fn require_amx_tiles(test: &str, before: Option<u64>) {
+    require_items(test, before, amx_present())
+}
+
+fn require_items(test: &str, before: Option<u64>, expected: bool) {
+    let level = SimdLevel::detected();
+    if !expected {
+        eprintln!("TIER {test}: {level:?} (FMA loops: no bf16 products for this call here)");
         return;
     }
     match (before, tile_items()) {
@@ -102,11 +132,17 @@ fn require_tiles(test: &str, before: Option<u64>) {
             let items = now - before;
             assert!(
                 items > 0,
-                "{test}: the CPU and OS grant AMX, but no prefill item ran on tiles"
+                "{test}: the CPU has {level:?}, but no prefill item ran on its bf16 products"
             );
-            eprintln!("TIER {test}: amx ({items} items on AMX-BF16 tiles)");
+            eprintln!(
+                "TIER {test}: {} ({items} items on bf16 products)",
+                level.name()
+            );
         }
-        _ => eprintln!("TIER {test}: amx (tiles not counted: built without feature test-hooks)"),
+        _ => eprintln!(
+            "TIER {test}: {} (items not counted: built without feature test-hooks)",
+            level.name()
+        ),
     }
 }
 
@@ -308,7 +344,7 @@ fn f32_and_f16_queries_with_a_bf16_cache_run_on_tiles_with_f32_accuracy() {
                     case.describe()
                 );
             }
-            require_tiles(&format!("f32 math q={qt} c={ct} d={d}"), before);
+            require_amx_tiles(&format!("f32 math q={qt} c={ct} d={d}"), before);
         }
     }
 }
@@ -318,24 +354,12 @@ fn ulp16(x: f64) -> f64 {
     2f64.powf(x.abs().max(6.1e-5).log2().floor() - 10.0)
 }
 
-/// `v` (finite f32 values) rounded to bf16, nearest even, kept as f64. By the bits, through
-/// f32: `half`'s `bf16::from_f64` rounds some values just past a midpoint down
-/// (-2.7265632152557373 gave -2.71875, not -2.734375), which the bitwise check below caught.
-fn bf16_values(v: &[f64]) -> Vec<f64> {
-    v.iter()
-        .map(|&x| {
-            let b = (x as f32).to_bits();
-            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000) as f64
-        })
-        .collect()
-}
-
-/// `call` at `simd` with the precision choice `bf16_query` on or off.
-fn run_with(call: &Call, simd: SimdLevel, bf16_query: bool) -> Call {
+/// `call` at `simd` in `precision`.
+fn run_with(call: &Call, simd: SimdLevel, precision: Precision) -> Call {
     let mut c = call.clone();
     let opts = FastOptions {
         simd,
-        bf16_query,
+        precision,
         ..FastOptions::default()
     };
     c.with_api(|inputs, mut outputs| execute_with(opts, &mut inputs?, &mut outputs))
@@ -343,29 +367,34 @@ fn run_with(call: &Call, simd: SimdLevel, bf16_query: bool) -> Call {
     c
 }
 
-/// The precision choice `FastOptions::bf16_query` (`PA_BF16_QUERY=1`): an f32 or f16 query
-/// with a bf16 cache, rounded to bf16 for the prefill items on tiles. Held to the rule of a bf16
-/// query: outputs within 1e-2 absolute and scores within 1e-2 relative to max(1, |score|) of the
-/// float64 reference fed the rounded query. With the other query-typed inputs bf16 values, the
-/// same call with the query declared bf16 (the same rounded values) must give the same outputs
-/// and scores once rounded to bf16, bit for bit (the option runs the bf16 query's path), and
-/// the default (f32 math) must give other f32 outputs (the option took effect).
+/// The bf16 precision (the deployment's choice, `pa_precision`, OpenVINO's bf16 hint): an f32
+/// or f16 query with any float cache, rounded to bf16 for the prefill items on a bf16 tier.
+/// Held to the rule of a bf16 query: outputs within 1e-2 absolute and scores within 1e-2
+/// relative to max(1, |score|) of the float64 reference fed the rounded query (and the cache's
+/// values). With a bf16 cache and the other query-typed inputs bf16 values, the same call with
+/// the query declared bf16 must give the same outputs and scores once rounded to bf16, bit for
+/// bit (the precision runs the bf16 query's path), and the f32 precision must give other
+/// outputs (the choice took effect).
 #[test]
-fn bf16_query_choice_rounds_an_f32_or_f16_query_with_a_bf16_cache() {
+fn bf16_precision_rounds_an_f32_or_f16_query_for_every_float_cache() {
     let _g = lock();
     let mut worst = 0f64;
     let mut changed = false;
-    for (k, (qt, d, window, alibi)) in [
-        (F32, 64, false, false),
-        (F32, 128, true, true),
-        (F32, 33, false, true),
-        (F16, 128, false, false),
-        (F16, 80, true, false),
+    for (k, (qt, ct, d, window, alibi)) in [
+        (F32, BF16, 64, false, false),
+        (F32, BF16, 128, true, true),
+        (F32, BF16, 33, false, true),
+        (F16, BF16, 128, false, false),
+        (F16, BF16, 80, true, false),
+        (F32, F32, 128, false, false),
+        (F32, F16, 64, true, true),
+        (F16, F16, 100, false, true),
+        (F16, F32, 256, false, false),
     ]
     .into_iter()
     .enumerate()
     {
-        let geo = Geometry::new(qt, BF16, 2, 4, d, 16);
+        let geo = Geometry::new(qt, ct, 2, 4, d, 16);
         let f = Features {
             // Exact in bf16, so the call with a bf16 query gets the same scale.
             scale: Some(Some(0.125)),
@@ -385,36 +414,36 @@ fn bf16_query_choice_rounds_an_f32_or_f16_query_with_a_bf16_cache() {
         let exp = reference(&rounded);
 
         let before = tile_items();
-        let got = run_with(&case.to_call(), SimdLevel::Amx, true);
-        require_tiles(&format!("bf16_query q={qt} d={d}"), before);
+        let got = run_with(&case.to_call(), SimdLevel::Amx, Precision::Bf16);
+        require_tiles(&format!("bf16 precision q={qt} c={ct} d={d}"), before);
         worst = worst.max(within_bf16_rule(&got, &exp, &case));
         let out = got.outputs[0].data.to_f64();
-        if !amx_present() {
+        if !bf16_present() {
             continue;
         }
         // An f16 output rounded again to bf16 is not the f32 result rounded once: the bitwise
         // check is for f32 queries.
-        if qt == F32 {
+        if qt == F32 && ct == BF16 {
             bitwise_as_bf16_query(&got, &rounded, d);
         }
-        let f32_math = run_with(&case.to_call(), SimdLevel::Amx, false);
+        let f32_math = run_with(&case.to_call(), SimdLevel::Amx, Precision::F32);
         // (A narrow window can leave every row a single key: its output is that value either
         // way, so the check is over all cases.)
         changed |= f32_math.outputs[0].data.to_f64() != out;
     }
     assert!(
-        changed || !amx_present(),
-        "bf16_query changed no output: the f32 math ran"
+        changed || !bf16_present(),
+        "the bf16 precision changed no output: the f32 math ran"
     );
-    eprintln!("WORST bf16_query output error {worst:.3e}");
+    eprintln!("WORST bf16 precision output error {worst:.3e}");
 }
 
-/// `got` (an f32 query rounded by `bf16_query`) rounded to bf16 equals, bit for bit, the
+/// `got` (an f32 query rounded by the bf16 precision) rounded to bf16 equals, bit for bit, the
 /// outputs and scores of the same call with the query declared bf16 (`rounded`'s values).
 fn bitwise_as_bf16_query(got: &Call, rounded: &Case, d: usize) {
     let mut as_bf16 = rounded.clone();
     as_bf16.qt = BF16;
-    let bq = run_with(&as_bf16.to_call(), SimdLevel::Amx, false);
+    let bq = run_with(&as_bf16.to_call(), SimdLevel::Amx, Precision::F32);
     for o in 0..2 {
         let a = bf16_values(&got.outputs[o].data.to_f64());
         let b = bq.outputs[o].data.to_f64();
@@ -427,33 +456,35 @@ fn bitwise_as_bf16_query(got: &Call, rounded: &Case, d: usize) {
     }
 }
 
-/// `FastOptions::bf16_query` changes nothing where it does not apply: f32 and f16 caches, a
-/// bf16 query, and the levels below `amx` (bit-identical outputs and scores with it on and off).
+/// The bf16 precision changes nothing where it does not apply: a bf16 query (bf16 math in
+/// either), the levels below `avx512bf16` (no bf16 products: f32, said once on stderr), and
+/// decode-only calls (decode stays f32): bit-identical outputs and scores with it and without.
 #[test]
-fn bf16_query_choice_changes_nothing_elsewhere() {
+fn bf16_precision_changes_nothing_elsewhere() {
     let _g = lock();
-    for (k, (qt, ct, simd)) in [
-        (F32, F32, SimdLevel::Amx),
-        (F32, F16, SimdLevel::Amx),
-        (F16, F16, SimdLevel::Amx),
-        (BF16, BF16, SimdLevel::Amx),
-        (F32, BF16, SimdLevel::Avx512),
-        (F32, BF16, SimdLevel::Avx2),
-        (F16, BF16, SimdLevel::Scalar),
+    for (k, (qt, ct, simd, seqs)) in [
+        (BF16, BF16, SimdLevel::Amx, &[(0, 70), (9, 30)][..]),
+        (BF16, F32, SimdLevel::Amx, &[(0, 70), (9, 30)][..]),
+        (F32, BF16, SimdLevel::Avx512, &[(0, 70), (9, 30)][..]),
+        (F32, F32, SimdLevel::Avx2, &[(0, 70), (9, 30)][..]),
+        (F16, BF16, SimdLevel::Scalar, &[(0, 70), (9, 30)][..]),
+        (F32, F32, SimdLevel::Amx, &[(70, 1), (9, 1), (200, 1)][..]),
+        (F32, BF16, SimdLevel::Amx, &[(70, 1), (9, 1)][..]),
     ]
     .into_iter()
     .enumerate()
     {
         let geo = Geometry::new(qt, ct, 2, 4, 64, 16);
         let seed = 47_100 + k as u64;
-        let case = with_seqs(&geo, &Features::default(), &[(0, 70), (9, 30)], seed);
+        let case = with_seqs(&geo, &Features::default(), seqs, seed);
         let call = case.to_call();
-        let (on, off) = (run_with(&call, simd, true), run_with(&call, simd, false));
+        let on = run_with(&call, simd, Precision::Bf16);
+        let off = run_with(&call, simd, Precision::F32);
         for o in 0..2 {
             let (a, b) = (on.outputs[o].data.to_f64(), off.outputs[o].data.to_f64());
             assert!(
                 a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "q={qt} c={ct} {simd:?}: output {o} differs with bf16_query"
+                "q={qt} c={ct} {simd:?} {seqs:?}: output {o} differs with the bf16 precision"
             );
         }
     }

@@ -236,6 +236,26 @@ fn status_codes_match_the_header_in_both_directions() {
     }
 }
 
+/// `PA_PRECISION_*` against the one table of precision codes (`ffi::op::PRECISIONS`).
+#[test]
+fn precision_codes_match_the_header() {
+    let macros = header_macros(&["PA_PRECISION_"]);
+    let c = c_values("header_precisions", &macros, &BTreeMap::new());
+    let rust: BTreeMap<String, i64> = paged_attention::ffi::op::PRECISIONS
+        .iter()
+        .map(|&(code, p)| {
+            (
+                format!("PA_PRECISION_{}", p.name().to_uppercase()),
+                code as i64,
+            )
+        })
+        .collect();
+    assert_eq!(
+        c, rust,
+        "PA_PRECISION_* of the header (left) vs the Rust table (right)"
+    );
+}
+
 #[test]
 fn input_and_output_indices_match_the_contract_table() {
     let macros = header_macros(&[

@@ -8,7 +8,7 @@
 mod common;
 
 use common::call::{idx, Data, Owned, Runner, RUNNERS};
-use common::ref64::{gen_case, reference, Case, Features, Geometry, SeqKind};
+use common::ref64::{bf16_values, gen_case, reference, Case, Features, Geometry, SeqKind};
 use common::u8::{dequantized_case, layout_for, layout_for_bits, u8_call, LAYOUTS};
 use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
 use paged_attention::op::{infer_shapes, PartialInput, PartialShape, DYN};
@@ -629,4 +629,87 @@ fn u8_calls_are_bit_identical_on_one_and_two_threads() {
         }
     }
     assert!(checked >= 20, "{checked} runs");
+}
+
+/// The bf16 precision on u8 and u4 caches (the prefill items' dequantized keys and values
+/// packed once into bf16 panels, products on the best bf16 tier here): outputs within 1e-2
+/// absolute and scores within 1e-2 relative to max(1, |score|) of float64 attention over the
+/// rounded operands (query, and the dequantized cache rows, rounded to bf16), and, on a CPU
+/// with bf16 products, not the f32 precision's outputs (the choice took effect). Prints the
+/// bf16 tier exercised.
+#[test]
+fn bf16_precision_on_u8_and_u4_caches_matches_float64_of_the_rounded_operands() {
+    use paged_attention::kernel::fast::{execute_with, FastOptions, Precision, SimdLevel};
+    let run = |call: &mut common::call::Call, precision: Precision| {
+        call.with_api(|inputs, mut outputs| {
+            let opts = FastOptions {
+                simd: SimdLevel::Amx,
+                precision,
+                ..FastOptions::default()
+            };
+            execute_with(opts, &mut inputs.unwrap(), &mut outputs).expect("u8 call runs")
+        })
+    };
+    let level = SimdLevel::Amx.effective();
+    eprintln!("bf16 tiers exercised on u8 caches: {}", level.name());
+    let (mut worst, mut changed, mut runs) = (0f64, false, 0);
+    for (k, (hkv, g, d, bits)) in [(2, 4, 64, 8), (1, 8, 128, 4), (2, 2, 40, 8), (1, 4, 64, 4)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut geo = Geometry::new(ElemType::F32, ElemType::F32, hkv, g, d, 32);
+        (geo.max_past, geo.max_new) = (100, 150);
+        for (key, value_group) in LAYOUTS {
+            if value_group > d || !d.is_multiple_of(value_group.max(1)) {
+                continue;
+            }
+            let c = gen_case(900 + k as u64, &geo, &features());
+            let l = layout_for_bits(&c, key, value_group, bits);
+            let mut call = u8_call(&c, &l);
+            run(&mut call, Precision::Bf16);
+            let mut exp_case = dequantized_case(
+                &c,
+                &l,
+                call.inputs[idx::KEY_CACHE].data.u8s(),
+                call.inputs[idx::VALUE_CACHE].data.u8s(),
+            );
+            for v in [
+                &mut exp_case.query,
+                &mut exp_case.key,
+                &mut exp_case.value,
+                &mut exp_case.key_cache,
+                &mut exp_case.value_cache,
+            ] {
+                *v = bf16_values(v);
+            }
+            let want = reference(&exp_case);
+            let out = call.outputs[0].data.to_f64();
+            for (i, (&o, &w)) in out.iter().zip(&want.output).enumerate() {
+                assert!(
+                    (o - w).abs() <= 1e-2,
+                    "{l:?}: output[{i}] = {o}, float64 {w}\n{}",
+                    c.describe()
+                );
+                worst = worst.max((o - w).abs());
+            }
+            let sc = call.outputs[1].data.to_f64();
+            for (j, (&o, &w)) in sc.iter().zip(&want.scores).enumerate() {
+                assert!(
+                    (o - w).abs() <= 1e-2 * w.abs().max(1.0),
+                    "{l:?}: scores[{j}] = {o}, float64 {w}\n{}",
+                    c.describe()
+                );
+            }
+            let mut f32_call = u8_call(&c, &l);
+            run(&mut f32_call, Precision::F32);
+            changed |= f32_call.outputs[0].data.to_f64() != out;
+            runs += 1;
+        }
+    }
+    assert!(runs >= 12, "{runs} runs");
+    assert!(
+        changed || level < SimdLevel::Avx512Bf16,
+        "the bf16 precision changed no output on {level:?}"
+    );
+    eprintln!("WORST u8/u4 bf16 precision output error {worst:.3e}");
 }

@@ -1,6 +1,6 @@
 """Benchmark, as users deploy: our op inside OpenVINO (the extension, default configuration:
 CPU pinning on, the first call into our library made by `infer()`), OpenVINO's built-in
-PagedAttentionExtension, and our bare C ABI (`pa_execute`, secondary), in one process on identical
+PagedAttentionExtension, and our bare C ABI (`pa_execute_ex`, secondary), in one process on identical
 inputs (the same buffers), at each thread count asked for.
 
     .venv/bin/python tools/bench.py [--threads 2,all] [--hint f32] [--reps 15]
@@ -21,8 +21,11 @@ alike); the table gives min and median ms, the ratio OpenVINO built-in / ours in
 (min/min), ours inside OpenVINO against the bare C ABI call, KV GB/s (cache bytes the attention
 must read, at the min time) and GFLOP/s (4*D flops per visible (query head, key) pair) with our
 share of the read bandwidth and FMA peak that target/release/pa_machine measures in the same run
-(rows whose prefill items run on AMX tiles, a bf16 cache on the amx tier: also the share of the
-AMX-BF16 tile peak it measures).
+(prefill and mixed rows whose prefill items run on bf16 products: also the share of the peak that
+applies, the AMX-BF16 tile peak on the amx tier, else the bf16 dot-product (`vdpbf16ps`) peak).
+Our op computes in the precision of the hint (bf16 for a bf16 hint, or for no hint on a CPU whose
+default is bf16; else f32): its `inference_precision` attribute inside OpenVINO, the `precision`
+argument of pa_execute_ex.
 Outputs of the paths are compared (max abs difference) as a sanity check. A thread-scaling table
 (parallel efficiency t1 / (n * tn)) follows when more than one thread count is measured.
 --chart FILE (.svg or .png, matplotlib) draws min ms of ours inside OpenVINO and of OpenVINO's
@@ -60,6 +63,7 @@ WORKLOADS = {
     "mixed": ("mixed 256 on 768 + 15 x 1024 decode", [(768, 256)] + [(1024, 1)] * 15),
 }
 ELEM = {"f32": 0, "f16": 1, "bf16": 2, "i32": 3, "u8": 4, "u4": 5}
+PRECISION = {"f32": 0, "bf16": 1}  # pa_precision (include/paged_attention.h)
 QUANT = ("u8", "u4")
 
 
@@ -121,8 +125,12 @@ def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
 class Call:
     """One workload's inputs, in buffers both implementations use."""
 
-    def __init__(self, seqs, cache: str, rng, qtype: str = "f32"):
+    def __init__(self, seqs, cache: str, rng, qtype: str = "f32", precision: str = "f32"):
         self.seqs, self.cache, self.qtype = seqs, cache, qtype
+        # Our op's inference precision (the hint both models are compiled with): the extension's
+        # attribute and pa_execute_ex's argument.
+        self.precision_name = precision
+        self.precision = PRECISION[precision]
         n = [s[1] for s in seqs]
         self.T = sum(n)
         self.B = len(seqs)
@@ -177,11 +185,11 @@ class Call:
         self._lib = lib
 
     def run_ours(self):
-        rc = self._lib.pa_execute(self._ins, len(self._ins), self._outs, 2)
+        rc = self._lib.pa_execute_ex(self._ins, len(self._ins), self._outs, 2, None, self.precision)
         if rc != 0:
             buf = ct.create_string_buffer(1024)
             self._lib.pa_last_error_message(buf, 1024)
-            raise RuntimeError(f"pa_execute: {rc}: {buf.value.decode()}")
+            raise RuntimeError(f"pa_execute_ex: {rc}: {buf.value.decode()}")
 
     # --- OpenVINO built-in
     def bind_ov(self, core, threads, hint):
@@ -218,8 +226,9 @@ class Call:
         rt = node.get_rt_info()
         rt["num_k_heads"], rt["k_head_size"], rt["num_v_heads"], rt["v_head_size"] = HKV, D, HKV, D
         model = ov.Model([ops.result(node.output(0)), ops.result(node.output(1))], params, "pa_bench")
-        cfg = {"INFERENCE_PRECISION_HINT": hint, "KV_CACHE_PRECISION": self.cache,
-               "INFERENCE_NUM_THREADS": threads}
+        cfg = {"KV_CACHE_PRECISION": self.cache, "INFERENCE_NUM_THREADS": threads}
+        if hint is not None:
+            cfg["INFERENCE_PRECISION_HINT"] = hint
         self._ov_compiled = core.compile_model(model, "CPU", cfg)
         self._ov_req = self._ov_compiled.create_infer_request()
         self._ov_tensors = []
@@ -250,13 +259,16 @@ class Call:
         node = b.op("pa", "PagedAttention", "ie_internal_opset", srcs,
                     [Port(i, et, dims) for i, (_, et, dims, _) in enumerate(ins)],
                     [Port(len(ins), qt, [-1, H * D]), Port(len(ins) + 1, qt, [-1])])
+        node.data = {"inference_precision": self.precision_name}
         b.result("output", (node, len(ins)))
         b.result("scores", (node, len(ins) + 1))
         xml = Path(tmpdir) / f"pa_{id(self)}.xml"
         xml.write_text(b.xml())
         xml.with_suffix(".bin").write_bytes(bytes(b.bin))
         model = core.read_model(str(xml))
-        cfg = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": threads}
+        cfg = {"INFERENCE_NUM_THREADS": threads}
+        if hint is not None:
+            cfg["INFERENCE_PRECISION_HINT"] = hint
         self._ext_compiled = core.compile_model(model, "CPU", cfg)
         self._ext_req = self._ext_compiled.create_infer_request()
         self._ext_tensors = []
@@ -301,8 +313,11 @@ def main():
                          "for our op (the built-in op gets the same values as f32 under the bf16 hint)")
     ap.add_argument("--threads", default="2,all", help="thread counts, 'all' = the CPUs of this process")
     ap.add_argument("--hint", default="cache",
-                    help="INFERENCE_PRECISION_HINT for both OpenVINO models: f32, f16, bf16, or 'cache' = "
-                         "the cache's type (how an f16 or bf16 deployment runs)")
+                    help="INFERENCE_PRECISION_HINT for both OpenVINO models: f32, f16, bf16, 'default' = "
+                         "none set (OpenVINO's default config: bf16 on CPUs with AVX512-BF16 or AMX), or "
+                         "'cache' = the cache's type (how an f16 or bf16 deployment runs). Our op computes "
+                         "in the hint's precision (bf16, else f32), given as its inference_precision "
+                         "attribute and pa_execute_ex's argument")
     ap.add_argument("--ab", metavar="LIB",
                     help="also time another build's C library (B) after this checkout's (A) in every "
                          "repetition and print the median paired ratio B/A (see above)")
@@ -322,23 +337,30 @@ def main():
 
     import openvino as ov
     lib = ct.CDLL(str(LIB))
-    lib.pa_execute.restype = ct.c_int32
+    lib.pa_execute_ex.restype = ct.c_int32
     lib.pa_set_num_threads.argtypes = [ct.c_size_t]
     lib_b = None
     if args.ab:
         lib_b = ct.CDLL(str(Path(args.ab).resolve()))
-        lib_b.pa_execute.restype = ct.c_int32
         lib_b.pa_set_num_threads.argtypes = [ct.c_size_t]
+        if not hasattr(lib_b, "pa_execute_ex"):
+            raise SystemExit(f"--ab {args.ab}: no pa_execute_ex")
+        lib_b.pa_execute_ex.restype = ct.c_int32
     core = ov.Core()
+    default_hint = str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))
+    default_hint = {"<Type: 'bfloat16'>": "bf16", "<Type: 'float32'>": "f32",
+                    "<Type: 'float16'>": "f16"}.get(default_hint, default_hint)
     has_ext = EXT.is_file()
     import tempfile
     tmpdir = tempfile.mkdtemp(prefix="pa_bench_")
     if has_ext:
         core.add_extension(str(EXT))
-    print(f"# OpenVINO {ov.__version__.split('-')[0]}, INFERENCE_PRECISION_HINT={args.hint} for both ops, "
+    print(f"# OpenVINO {ov.__version__.split('-')[0]}, INFERENCE_PRECISION_HINT={args.hint} for both ops "
+          f"(this CPU's default: {default_hint}), "
           f"{ncpu} CPUs; our extension: {'yes' if has_ext else 'n/a (no ' + str(EXT) + ': cargo build --release -p paged_attention_openvino)'}")
     hdr = ("| workload | cache | threads | ours in OV ms min / med | OV built-in ms min / med | ratio OV/ours "
-           "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) | GFLOP/s in OV (% FMA peak[, AMX peak]) "
+           "| ours C ABI ms min (in OV vs C ABI) | GB/s in OV (% read BW) "
+           "| GFLOP/s in OV (% FMA peak[, % bf16 dot or AMX peak]) "
            "| OV GB/s | max abs diff |")
     rows = []
     first = True
@@ -349,7 +371,9 @@ def main():
         # pa_machine reads as the library does) does not lower the level below it.
         runs = machine.get("runs", machine["simd"])
         amx_peak = machine.get("amx_bf16_gflops") if runs == "Amx" else None
+        dot_peak = machine.get("dot_bf16_gflops") if runs in ("Avx512Bf16", "Amx") else None
         amx_txt = f", AMX-BF16 tile peak {amx_peak:.0f} GFLOP/s" if amx_peak else ""
+        amx_txt += f", bf16 dot-product peak {dot_peak:.0f} GFLOP/s" if dot_peak else ""
         print(f"\n## {nthr} threads; machine: read {machine['read_gbs']:.1f} GB/s, "
               f"FMA peak {machine['fma_gflops']:.0f} GFLOP/s ({machine['simd']}"
               f"{'' if runs == machine['simd'] else f', our calls at {runs}'}){amx_txt}")
@@ -360,9 +384,11 @@ def main():
             label, seqs = WORKLOADS[key]
             for ctype in args.types.split(","):
                 cache, qtype = ("bf16", "bf16") if ctype == "bf16q" else (ctype, "f32")
-                call = Call(seqs, cache, rng, qtype)
-                call.bind_ours(lib)
                 hint = (cache if cache not in QUANT else "f32") if args.hint == "cache" else args.hint
+                hint = None if hint == "default" else hint
+                precision = "bf16" if (hint or default_hint) == "bf16" else "f32"
+                call = Call(seqs, cache, rng, qtype, precision)
+                call.bind_ours(lib)
                 try:
                     call.bind_ov(core, nthr, hint)
                     ov_err = None
@@ -420,17 +446,22 @@ def main():
                 vmin = min(ovt) if ovt else None
                 t = emin if emin is not None else omin
                 gbs, gfl = call.kv_bytes / t / 1e6, call.flops / t / 1e6
-                row = dict(workload=label, key=key, cache=ctype, threads=nthr, hint=hint, ours_min=omin,
+                row = dict(workload=label, key=key, cache=ctype, threads=nthr, hint=hint or f"default ({default_hint})",
+                           precision=precision, ours_min=omin,
                            ours_med=statistics.median(ours), ov_min=vmin,
                            ov_med=statistics.median(ovt) if ovt else None, ext_min=emin,
                            ext_med=statistics.median(ext) if ext else None,
                            ratio=(vmin / emin) if (vmin and emin) else None, gbs=gbs,
                            bw_pct=100 * gbs / machine["read_gbs"], gflops=gfl,
                            fma_pct=100 * gfl / machine["fma_gflops"], diff=diff, machine=machine)
-                # Prefill items of a bf16 cache run on AMX tiles on the amx tier (mixed: its 256
-                # prefill tokens hold 94% of the visible pairs): their limit is the tiles' peak.
-                on_tiles = amx_peak and cache == "bf16" and key in ("prefill", "mixed")
-                row["amx_pct"] = 100 * gfl / amx_peak if on_tiles else None
+                # Prefill items under bf16 math (the bf16 precision or a bf16 query) run on bf16
+                # products (mixed: its 256 prefill tokens hold 94% of the visible pairs): their limit
+                # is the AMX tiles' peak on the amx tier, else the bf16 dot-product peak. On the amx
+                # tier a bf16 cache also runs its f32 math on tiles.
+                bf16_math = precision == "bf16" or qtype == "bf16"
+                on_bf16 = key in ("prefill", "mixed") and (bf16_math or (amx_peak and cache == "bf16"))
+                row["amx_pct"] = 100 * gfl / amx_peak if (on_bf16 and amx_peak) else None
+                row["dot_pct"] = 100 * gfl / dot_peak if (on_bf16 and dot_peak and not amx_peak) else None
                 if ab:
                     row.update(ab_min=min(ab), ab_med=statistics.median(ab), ab_ratio=ratios)
                 rows.append(row)
@@ -474,8 +505,11 @@ def main():
 
 
 def amx_share(row):
-    """", x.x% AMX" for a row whose prefill items ran on AMX tiles, else ""."""
-    return f", {row['amx_pct']:.1f}% AMX" if row.get("amx_pct") is not None else ""
+    """", x.x% AMX" for a row whose prefill items ran on AMX tiles, ", x.x% bf16 dot" for one
+    whose items ran on `vdpbf16ps`, else ""."""
+    if row.get("amx_pct") is not None:
+        return f", {row['amx_pct']:.1f}% AMX"
+    return f", {row['dot_pct']:.1f}% bf16 dot" if row.get("dot_pct") is not None else ""
 
 
 def write_chart(rows, path):

@@ -4,8 +4,10 @@
 //! - this file: the panic-catching boundary, the per-thread last error, tensor conversion.
 //! - `op`: the op's functions (version, shape inference, validate, execute).
 //! - `cache`: the block manager and scheduler (`include/paged_attention_cache.h`).
+//! - `env`: the environment variables (`PA_SIMD`, `PA_BF16_QUERY`), read at these edges only.
 
 pub mod cache;
+pub mod env;
 pub mod op;
 
 use crate::dtype::ElemType;

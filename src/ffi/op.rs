@@ -1,8 +1,11 @@
 //! `extern "C"` functions of the op: version, shape inference, validate, execute.
 
-use super::{boundary, c_array, check_no_overlap, describe, PaPartialShape, PaTensor, MAX_RANK};
+use super::{
+    boundary, c_array, check_no_overlap, describe, env, PaPartialShape, PaTensor, MAX_RANK,
+};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Status};
+use crate::kernel::fast::{self, Precision};
 use crate::op::contract::{
     INPUTS, KEY_CACHE, MAX_INPUTS, MIN_INPUTS, NUM_OUTPUTS, OUTPUT_NAMES, VALUE_CACHE,
 };
@@ -261,8 +264,13 @@ pub unsafe extern "C" fn pa_execute(
     outputs: *const PaTensor,
     n_outputs: usize,
 ) -> i32 {
+    let opts = env::fast_options(Runner::Auto, Precision::F32);
     // SAFETY: forwarded contract.
-    unsafe { execute_with(inputs, n_inputs, outputs, n_outputs, crate::execute) }
+    unsafe {
+        execute_with(inputs, n_inputs, outputs, n_outputs, |i, o| {
+            fast::execute_with(opts, i, o)
+        })
+    }
 }
 
 /// The C `pa_runner`: a host's parallel-for.
@@ -292,6 +300,21 @@ fn host_runner(r: &PaRunner) -> Result<Runner, PaError> {
     }))
 }
 
+/// The C `pa_precision` codes (`PA_PRECISION_<NAME>`), one table.
+pub const PRECISIONS: [(i32, Precision); 2] = [(0, Precision::F32), (1, Precision::Bf16)];
+
+fn precision_of(code: i32) -> Result<Precision, PaError> {
+    PRECISIONS
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map(|&(_, p)| p)
+        .ok_or_else(|| PaError::InvalidArgument {
+            detail: format!(
+                "precision {code} is not a pa_precision (PA_PRECISION_F32 = 0, PA_PRECISION_BF16 = 1)"
+            ),
+        })
+}
+
 /// # Safety
 /// See the header: as `pa_execute`; `runner` is NULL or points to a valid `pa_runner`.
 #[no_mangle]
@@ -301,7 +324,12 @@ pub unsafe extern "C" fn pa_execute_ex(
     outputs: *const PaTensor,
     n_outputs: usize,
     runner: *const PaRunner,
+    precision: i32,
 ) -> i32 {
+    let precision = match precision_of(precision) {
+        Ok(p) => p,
+        Err(e) => return boundary(|| Err(e)),
+    };
     // SAFETY: the header's contract for `runner` (NULL or valid for the call).
     let runner = match unsafe { runner.as_ref() } {
         None => Ok(Runner::Auto),
@@ -311,10 +339,11 @@ pub unsafe extern "C" fn pa_execute_ex(
         Ok(r) => r,
         Err(e) => return boundary(|| Err(e)),
     };
+    let opts = env::fast_options(runner, precision);
     // SAFETY: forwarded contract.
     unsafe {
         execute_with(inputs, n_inputs, outputs, n_outputs, |i, o| {
-            crate::execute_on(runner, i, o)
+            fast::execute_with(opts, i, o)
         })
     }
 }

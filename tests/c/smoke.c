@@ -99,17 +99,21 @@ int main(void) {
     runner.parallel_for = reverse_for;
     runner.ctx = NULL;
     runner.max_threads = 4;
-    st = pa_execute_ex(in, 9, outs, 2, &runner);
+    st = pa_execute_ex(in, 9, outs, 2, &runner, PA_PRECISION_F32);
     if (st != PA_STATUS_OK || g_tasks == 0 || memcmp(first, out, sizeof out) != 0) {
         printf("pa_execute_ex: %s, %zu tasks\n", pa_status_name(st), g_tasks);
         return 1;
     }
     runner.max_threads = 0;
-    if (pa_execute_ex(in, 9, outs, 2, &runner) != PA_STATUS_INVALID_ARGUMENT) { printf("max_threads 0 accepted\n"); return 1; }
+    if (pa_execute_ex(in, 9, outs, 2, &runner, PA_PRECISION_F32) != PA_STATUS_INVALID_ARGUMENT) { printf("max_threads 0 accepted\n"); return 1; }
     runner.parallel_for = NULL;
     runner.max_threads = 2;
-    if (pa_execute_ex(in, 9, outs, 2, &runner) != PA_STATUS_NULL_POINTER) { printf("NULL parallel_for accepted\n"); return 1; }
-    if (pa_execute_ex(in, 9, outs, 2, NULL) != PA_STATUS_OK) { printf("NULL runner (library pool) failed\n"); return 1; }
+    if (pa_execute_ex(in, 9, outs, 2, &runner, PA_PRECISION_F32) != PA_STATUS_NULL_POINTER) { printf("NULL parallel_for accepted\n"); return 1; }
+    if (pa_execute_ex(in, 9, outs, 2, NULL, PA_PRECISION_F32) != PA_STATUS_OK) { printf("NULL runner (library pool) failed\n"); return 1; }
+    /* a precision that is no pa_precision is refused, the bf16 one accepted (a decode-only call:
+       f32 math in either) */
+    if (pa_execute_ex(in, 9, outs, 2, NULL, 7) != PA_STATUS_INVALID_ARGUMENT) { printf("precision 7 accepted\n"); return 1; }
+    if (pa_execute_ex(in, 9, outs, 2, NULL, PA_PRECISION_BF16) != PA_STATUS_OK) { printf("bf16 precision failed\n"); return 1; }
     if (pa_set_num_threads(3) != PA_STATUS_OK || pa_get_num_threads() != 3) { printf("pa_set_num_threads(3)\n"); return 1; }
     if (pa_set_num_threads(100000) != PA_STATUS_INVALID_ARGUMENT) { printf("100000 threads accepted\n"); return 1; }
 #ifdef PA_TEST_HOOKS

@@ -811,3 +811,15 @@ pub fn with_seqs(geo: &Geometry, f: &Features, seqs: &[(usize, usize)], seed: u6
     }
     case
 }
+
+/// `v` (finite f32 values) rounded to bf16, nearest even, kept as f64. By the bits, through
+/// f32: `half`'s `bf16::from_f64` rounds some values just past a midpoint down
+/// (-2.7265632152557373 gave -2.71875, not -2.734375), which a bitwise check in tests/amx.rs caught.
+pub fn bf16_values(v: &[f64]) -> Vec<f64> {
+    v.iter()
+        .map(|&x| {
+            let b = (x as f32).to_bits();
+            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000) as f64
+        })
+        .collect()
+}

@@ -407,3 +407,49 @@ def test_work_runs_on_openvino_threads_with_identical_results(core, tmp_path, th
         runs[n] = [out, scores, cur[3], cur[4]]
     for a, b in zip(runs[1], runs[threads]):
         assert a.tobytes() == b.tobytes(), f"{threads} threads differ from 1 thread"
+
+
+def bf16_round(a):
+    """f32 values rounded to bf16 (nearest even), as f32."""
+    b = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return b.view(np.float32)
+
+
+def cpu_has_bf16_products():
+    flags = Path("/proc/cpuinfo").read_text()
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+@pytest.mark.parametrize("precision", [None, "f32", "bf16"])
+def test_inference_precision_attribute_chooses_the_math(core, tmp_path, precision):
+    """The op's `inference_precision` attribute (docs/contract.md, "Precision") reaches the
+    kernel under OpenVINO's default config: absent or f32, a prefill is f32 math (2e-6 of
+    float64); bf16, on a CPU with bf16 products, it is within 1e-2 of float64 attention of the
+    query rounded to bf16, and not the f32 result (the choice took effect)."""
+    rng = np.random.default_rng(38)
+    inputs = make_case(rng, H=8, Hkv=2, D=64, past=(0, 20), new=(130, 70), scale=0.05)
+    model = read_ext_model(core, tmp_path, inputs)
+    ops = [op for op in model.get_ops() if op.get_type_name() == "PagedAttention"]
+    assert len(ops) == 1 and ops[0].get_attributes() == {"inference_precision": ""}
+    if precision is not None:
+        ops[0].set_attribute("inference_precision", precision)
+    run = Runner(core.compile_model(model, "CPU", {}))
+    before = [np.array(a, copy=True) for a in inputs]
+    out, scores = run(inputs)
+    exact = reference(before)
+    if precision != "bf16":
+        assert_close("output", out, exact[0])
+        assert_close("scores", scores, exact[1])
+        return
+    rounded = [np.array(a, copy=True) for a in before]
+    rounded[0] = bf16_round(rounded[0])
+    exp = reference(rounded)
+    err = float(np.max(np.abs(out - exp[0])))
+    serr = max_err(scores, exp[1])
+    assert err <= 1e-2 and serr <= 1e-2, f"bf16: output error {err:.3g}, scores {serr:.3g}"
+    moved = max_err(out, exact[0])
+    if cpu_has_bf16_products():
+        assert moved > TOL, "bf16 precision gave the f32 result: the attribute did not reach the kernel"
+    else:
+        assert moved <= TOL, "no bf16 products here: the call must fall back to f32"

@@ -1,7 +1,8 @@
 //! Measures this machine's limits for the benchmark table (`tools/bench.py` runs it):
 //! read bandwidth with a streaming-read kernel, the f32 FMA peak with a register-blocked FMA
-//! loop and, on CPUs with AMX, the bf16 tile peak with tile products that stay in registers, all
-//! on the rayon pool (`RAYON_NUM_THREADS`). Prints one JSON line.
+//! loop, on CPUs with AVX512-BF16 the bf16 dot-product peak (`vdpbf16ps` on registers) and, on
+//! CPUs with AMX, the bf16 tile peak with tile products that stay in registers, all on the rayon
+//! pool (`RAYON_NUM_THREADS`). Prints one JSON line.
 
 use clap::Parser;
 use paged_attention::kernel::fast::SimdLevel;
@@ -9,9 +10,10 @@ use rayon::prelude::*;
 use std::time::Instant;
 
 /// Measures this machine's read bandwidth (a parallel sum over 1 GiB, best of 5) and f32 FMA
-/// peak (and the AMX-BF16 tile peak where the CPU has AMX, else null) on the rayon pool
-/// (RAYON_NUM_THREADS threads); prints one JSON line:
-/// {"threads", "read_gbs", "fma_gflops", "amx_bf16_gflops", "simd", "runs"}: "simd" is the
+/// peak (and the bf16 dot-product peak where the CPU has AVX512-BF16, the AMX-BF16 tile peak
+/// where it has AMX, else null) on the rayon pool (RAYON_NUM_THREADS threads); prints one JSON
+/// line: {"threads", "read_gbs", "fma_gflops", "dot_bf16_gflops", "amx_bf16_gflops", "simd",
+/// "runs"}: "simd" is the
 /// best level the CPU has, "runs" the one the library's calls run at in this environment
 /// (`PA_SIMD` can lower it). Takes a few seconds and 1 GiB of memory.
 #[derive(Parser)]
@@ -24,11 +26,12 @@ fn main() {
     let threads = rayon::current_num_threads();
     let bw = read_bandwidth();
     let fma = fma_peak(threads);
-    let amx = amx_peak(threads).map_or("null".to_string(), |g| format!("{g:.1}"));
+    let json = |g: Option<f64>| g.map_or("null".to_string(), |g| format!("{g:.1}"));
+    let (dot, amx) = (json(dot_peak(threads)), json(amx_peak(threads)));
     println!(
-        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"amx_bf16_gflops\": {amx}, \"simd\": \"{:?}\", \"runs\": \"{:?}\"}}",
+        "{{\"threads\": {threads}, \"read_gbs\": {bw:.2}, \"fma_gflops\": {fma:.1}, \"dot_bf16_gflops\": {dot}, \"amx_bf16_gflops\": {amx}, \"simd\": \"{:?}\", \"runs\": \"{:?}\"}}",
         SimdLevel::detected(),
-        SimdLevel::from_env()
+        paged_attention::ffi::env::simd_level()
     );
 }
 
@@ -78,23 +81,33 @@ fn fma_peak(threads: usize) -> f64 {
     threads as f64 * iters as f64 * flops_per_iter / best / 1e9
 }
 
+/// GFLOP/s of `vdpbf16ps` on every thread (16 independent accumulators of 16 lanes x 2
+/// multiply-adds per round, 64 flops an instruction), best of 5; None without AVX512-BF16.
+fn dot_peak(threads: usize) -> Option<f64> {
+    use paged_attention::kernel::fast::bf16_dot_products as products;
+    let rounds = 10_000_000usize;
+    products(1).then(|| best_gflops(threads, rounds as f64 * 16.0 * 64.0, || products(rounds)))
+}
+
 /// GFLOP/s of AMX-BF16 tile products on every thread (four independent products per round on
 /// tiles in registers), best of 5; None without AMX.
 fn amx_peak(threads: usize) -> Option<f64> {
     use paged_attention::kernel::fast::amx_bf16_tile_products as products;
     let rounds = 200_000usize;
-    if !products(1) {
-        return None;
-    }
+    products(1).then(|| best_gflops(threads, rounds as f64 * 4.0 * 16384.0, || products(rounds)))
+}
+
+/// GFLOP/s of `run` (`flops` each) on every thread of the pool at once, best of 5.
+fn best_gflops(threads: usize, flops: f64, run: impl Fn() -> bool + Sync) -> f64 {
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = Instant::now();
         (0..threads).into_par_iter().for_each(|_| {
-            products(rounds);
+            run();
         });
         best = best.min(t.elapsed().as_secs_f64());
     }
-    Some(threads as f64 * rounds as f64 * 4.0 * 16384.0 / best / 1e9)
+    threads as f64 * flops / best / 1e9
 }
 
 fn avx512() -> bool {

@@ -29,22 +29,24 @@ impl<C: Float> Source for C {
     /// `prefill::prewiden`).
     fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, C>) -> Result<Option<Prepared>> {
         #[cfg(target_arch = "x86_64")]
-        if let Some(amx) = ctx.amx {
-            return Ok(super::prefill_amx::prepack(m, amx, ctx).map(Prepared::Tiles));
+        if let Some(tier) = ctx.bf16_tier {
+            let rows = super::prefill_amx::FloatRows { m, ctx };
+            return Ok(super::prefill_amx::prepack(m, tier.bf, ctx, &rows).map(Prepared::Tiles));
         }
         Ok(super::prefill::prewiden(m, ctx).map(Prepared::Wide))
     }
 
-    /// On AMX tiles when `ctx.amx` is set, else on the f32 tiles of `prefill`.
+    /// On bf16 products (AMX tiles or `vdpbf16ps`) when `ctx.bf16_tier` is set, else on the f32 tiles of `prefill`.
     fn prefill_item<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, C>, it: &Item, o: &Out<'_, Q, C>) {
-        let (pw, out, sw, prep) = (&o.pw, &o.out, o.sw.as_ref(), o.prep.as_ref());
+        let prep = o.prep.as_ref();
         #[cfg(target_arch = "x86_64")]
-        if let Some(amx) = ctx.amx {
+        if let Some(tier) = ctx.bf16_tier {
             let packed = match prep {
                 Some(Prepared::Tiles(p)) => Some(p),
                 _ => None,
             };
-            return super::prefill_amx::run_item(m, amx, ctx, it, pw, out, sw, packed);
+            let rows = super::prefill_amx::FloatRows { m, ctx };
+            return super::prefill_amx::run_item(m, tier, ctx, it, o, (packed, &rows));
         }
         let wide = match prep {
             Some(Prepared::Wide(w)) => Some(w),

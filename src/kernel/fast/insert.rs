@@ -42,7 +42,7 @@ pub fn insert<Q: Float, C: Float>(
     }
     let pair = (src, cache);
     on_level(
-        SimdLevel::from_env(),
+        SimdLevel::detected(),
         One {
             runner,
             plan,

@@ -27,8 +27,9 @@
 //!   would exceed its budget, by recomputing those logits tile by tile), or from the partial
 //!   scores the items of a source that asks for it (`Tuning::direct_scores`) summed themselves.
 //! - `pool`: reused buffers for the partial softmaxes and stashed logits of a call.
-//! - `prefill_amx`: prefill items of a bf16 query with their QK and PV products on AMX-BF16
-//!   tiles (same masks, softmax step and output writing as `prefill`).
+//! - `prefill_amx`: prefill items under bf16 math (or f32 math with a bf16 cache on AMX) with
+//!   their QK and PV products on bf16 products: AMX-BF16 tiles, or `vdpbf16ps` without AMX
+//!   (same masks, softmax step and output writing as `prefill`).
 //! - `quantized`: u8 caches in OpenVINO's layouts as a source: insertion (one task per KV
 //!   head), decode tiles that read the bytes through the `U8Micro` loops (dequantized in
 //!   registers), prefill tiles dequantized once per call or one block at a time into f32 tiles
@@ -42,26 +43,26 @@
 //! and dispatched by `kernel::bind` (`Fast` is the fast family's `TypedOp`), as for the
 //! reference.
 //!
-//! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `amx` (the `avx512` loops, plus
-//! AMX-BF16 tiles for the QK and PV products of prefill items of a bf16 query or a bf16 cache), else `avx512`
-//! (AVX-512 F + BW + VL + DQ, 16-wide with masked tails), else `avx2` (AVX2 + FMA + F16C,
-//! 8-wide), else `scalar`. `PA_SIMD=scalar|avx2|avx512|amx` forces a level for a process; a
-//! level the CPU lacks gives the best one it has (the levels are nested: every AMX CPU has
-//! AVX-512, every AVX-512 CPU has AVX2). [`execute_with`] picks a level per call (tests), with
-//! the same fallback ([`SimdLevel::effective`]).
+//! SIMD levels, chosen at run time ([`SimdLevel::detected`]): `amx` (the `avx512bf16` level
+//! with AMX-BF16 tiles for the QK and PV products of prefill items under bf16 math or with a
+//! bf16 cache), else `avx512bf16` (the `avx512` loops with `vdpbf16ps` for those products under
+//! bf16 math), else `avx512` (AVX-512 F + BW + VL + DQ, 16-wide with masked tails), else `avx2`
+//! (AVX2 + FMA + F16C, 8-wide), else `scalar`. The caller picks a level per call
+//! ([`FastOptions::simd`]; the C ABI reads `PA_SIMD` at its edge, `ffi::env`); a level the CPU
+//! lacks gives the best one it has (the levels are nested: every AMX CPU has AVX512-BF16, every
+//! AVX512-BF16 CPU has AVX-512, every AVX-512 CPU has AVX2; [`SimdLevel::effective`]).
 //!
-//! Precision: an f32 or f16 query is f32 math on every level. On the `amx` level, prefill
-//! items of such a query with a bf16 cache run on tiles with every operand cut into bf16 parts
-//! that sum to it (f32 query: three, f16: two, weights: three; a bf16 cache is exact), which
-//! keeps f32 accuracy (see `prefill_amx`). Only a bf16 query (the model or the host's precision
-//! hint asked for bf16) lets the `amx` level round its operands to bf16: f32/f16 value rows
-//! and the softmax weights are rounded to nearest even, f32/f16 keys are split into two bf16,
-//! products are exact and summed in f32, softmax stays f32, and the result stays within 1e-2
-//! of a float64 reference fed the same (bf16 query, cache-typed) values, as OpenVINO's own op
-//! under a bf16 hint. One explicit choice extends that to an f32 or f16 query with a bf16
-//! cache ([`FastOptions::bf16_query`], `PA_BF16_QUERY=1`): its prefill items on tiles round the
-//! query to bf16 first (what OpenVINO's op does under a bf16 hint), then run as for a bf16
-//! query, within 1e-2 of a float64 reference fed the rounded query; off by default.
+//! Precision ([`Precision`], the caller's choice, see `docs/contract.md`): in `F32` an f32 or
+//! f16 query is f32 math on every level. On the `amx` level, prefill items of such a query with
+//! a bf16 cache run on tiles with every operand cut into bf16 parts that sum to it (f32 query:
+//! three, f16: two, weights: three; a bf16 cache is exact), which keeps f32 accuracy (see
+//! `prefill_amx`). bf16 math (a bf16 query in either precision, or any query in `Bf16`) lets
+//! the `avx512bf16` and `amx` levels round the operands of prefill items to bf16: the query
+//! (rounded to nearest even when it is not bf16), f32/f16 value rows and the softmax weights
+//! are rounded, f32/f16 keys are split into two bf16, products are exact and summed in f32,
+//! softmax stays f32, and the result stays within 1e-2 of a float64 reference fed the rounded
+//! query and the cache's values, as OpenVINO's own op under a bf16 hint. Decode items stay f32
+//! math. Below `avx512bf16` `Bf16` computes in f32 ([`Precision::effective`]).
 //!
 //! Falls back to the reference kernels only when `D`, `H` or `Hkv` is 0 (nothing to tile).
 
@@ -93,9 +94,10 @@ use crate::threads::Runner;
 use micro::scalar::Scalar;
 #[cfg(target_arch = "x86_64")]
 use micro::x86::{avx2::Avx2, avx512::Avx512};
-use micro::{Amx, Kernels};
+#[cfg(target_arch = "x86_64")]
+use micro::Bf16;
+use micro::{Amx, Bf16Tier, Kernels};
 use std::any::TypeId;
-use std::sync::OnceLock;
 
 /// Instruction set the fast kernels use, ordered by capability: a CPU that has a level has
 /// every lower one, so falling back means taking the lower of two levels.
@@ -107,6 +109,9 @@ pub enum SimdLevel {
     Avx2,
     /// AVX-512 F + BW + VL + DQ (with AVX2, FMA and F16C).
     Avx512,
+    /// The AVX-512 loops, plus `vdpbf16ps` (AVX512-BF16) for the products of prefill items
+    /// under bf16 math (a bf16 query, or the bf16 precision).
+    Avx512Bf16,
     /// The AVX-512 loops, plus AMX-BF16 tiles for the products of prefill items of a bf16
     /// query (Linux grants the process tile data when this level is detected).
     Amx,
@@ -114,10 +119,11 @@ pub enum SimdLevel {
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 4] = [
+    pub const ALL: [SimdLevel; 5] = [
         SimdLevel::Scalar,
         SimdLevel::Avx2,
         SimdLevel::Avx512,
+        SimdLevel::Avx512Bf16,
         SimdLevel::Amx,
     ];
 
@@ -129,6 +135,8 @@ impl SimdLevel {
             if Avx512::detect().is_some() {
                 return if Amx::detect().is_some() {
                     SimdLevel::Amx
+                } else if Bf16::detect().is_some() {
+                    SimdLevel::Avx512Bf16
                 } else {
                     SimdLevel::Avx512
                 };
@@ -152,6 +160,7 @@ impl SimdLevel {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
+            SimdLevel::Avx512Bf16 => "avx512bf16",
             SimdLevel::Amx => "amx",
         }
     }
@@ -159,19 +168,6 @@ impl SimdLevel {
     /// The level spelled `name` (as [`SimdLevel::name`] gives it).
     pub fn parse(name: &str) -> Option<SimdLevel> {
         SimdLevel::ALL.into_iter().find(|l| l.name() == name)
-    }
-
-    /// The detected level, or the one `PA_SIMD=scalar|avx2|avx512|amx` asks for (read once per
-    /// process) when the CPU has it; asking for a level the CPU lacks (`PA_SIMD=avx512` without
-    /// AVX-512) gives the best one it has, and an unknown name the detected one.
-    pub fn from_env() -> SimdLevel {
-        static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
-        *LEVEL.get_or_init(|| {
-            std::env::var("PA_SIMD")
-                .ok()
-                .and_then(|v| SimdLevel::parse(&v))
-                .map_or_else(SimdLevel::detected, SimdLevel::effective)
-        })
     }
 }
 
@@ -183,6 +179,19 @@ pub fn amx_items_run() -> u64 {
     return prefill_amx::ITEMS.load(std::sync::atomic::Ordering::Relaxed);
     #[cfg(not(target_arch = "x86_64"))]
     0
+}
+
+/// Runs `rounds` x 16 `vdpbf16ps` (16 lanes x 2 multiply-adds, 64 flops each) on the calling
+/// thread on registers, for measuring the bf16 dot-product peak (`pa_machine`); false, having
+/// run nothing, on a CPU without AVX512-BF16.
+pub fn bf16_dot_products(rounds: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(b) = Bf16::detect() {
+        std::hint::black_box(b.dot_products(rounds));
+        return true;
+    }
+    let _ = rounds;
+    false
 }
 
 /// Runs `rounds` x 4 AMX-BF16 tile products (16 x 16 x 32 multiply-adds, 16384 flops each) on
@@ -198,18 +207,44 @@ pub fn amx_bf16_tile_products(rounds: usize) -> bool {
     false
 }
 
-/// The AMX token when prefill items of this call may use tiles: the `Amx` level, a CPU/OS that
-/// grants AMX, and a bf16 query (bf16 math on tiles) or a bf16 cache (an f32 or f16 query gets
-/// f32 math on tiles, its operands cut into bf16 parts, see `prefill_amx`). An f32 or f16
-/// cache with an f32 or f16 query stays on the AVX-512 loops: cut into two or three parts, its
-/// products cost more tile work than the FMA loops take (measured, README "Performance").
-fn amx_for<Q: 'static, C: 'static>(opts: FastOptions) -> Option<Amx> {
-    if opts.simd.effective() < SimdLevel::Amx || !(is_bf16::<Q>() || is_bf16::<C>()) {
+/// Where the prefill items of this call run their QK and PV products on bf16 products:
+/// - AMX tiles at the `amx` level (CPU and OS granting AMX) for bf16 math (a bf16 query or the
+///   bf16 precision) or a bf16 cache (an f32 or f16 query then gets f32 math on tiles, its
+///   operands cut into bf16 parts, see `prefill_amx`);
+/// - `vdpbf16ps` at the `avx512bf16` level (or `amx` without tiles) for bf16 math only: cut
+///   into parts, f32 math costs more dot products than the FMA loops take.
+///
+/// `None` otherwise: the f32 FMA loops. An f32 or f16 cache with f32 math stays on them on
+/// every level (measured, README "Performance").
+fn bf16_tier_for<Q: 'static, C: 'static>(opts: FastOptions) -> Option<Bf16Tier> {
+    let level = opts.simd.effective();
+    let bf16 = bf16_math::<Q>(opts);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let bf = bf16_dot_for(level)?;
+        let amx = (level >= SimdLevel::Amx && (bf16 || is_bf16::<C>()))
+            .then(Amx::detect)
+            .flatten();
+        (amx.is_some() || bf16).then_some(Bf16Tier { bf, amx })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (level, bf16);
+        None
+    }
+}
+
+/// The AVX512-BF16 token when `level` may use bf16 products (`avx512bf16` or above).
+#[cfg(target_arch = "x86_64")]
+fn bf16_dot_for(level: SimdLevel) -> Option<Bf16> {
+    if level.effective() < SimdLevel::Avx512Bf16 {
         return None;
     }
-    #[cfg(target_arch = "x86_64")]
-    return Amx::detect();
-    #[cfg(not(target_arch = "x86_64"))]
+    Bf16::detect()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn bf16_dot_for(_level: SimdLevel) -> Option<Bf16Tier> {
     None
 }
 
@@ -252,44 +287,78 @@ pub enum ScoresMode {
     Recompute,
 }
 
-/// Options of one fast call.
+/// The inference precision a call computes in: the deployment's choice (OpenVINO's
+/// `INFERENCE_PRECISION_HINT`, the C ABI's `pa_precision`), never read from the environment
+/// here (see `docs/contract.md`, "Precision").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// f32 math for an f32 or f16 query (2e-6 of a float64 reference); a bf16 query is bf16
+    /// math in every precision.
+    #[default]
+    F32,
+    /// OpenVINO's bf16 inference precision: the QK and PV products of prefill items take their
+    /// operands rounded to bf16 (nearest even) and sum in f32, softmax in f32, as OpenVINO's own
+    /// op under a bf16 hint. Decode items keep f32 math. Runs on CPUs with AVX512-BF16 (the
+    /// `avx512` level with `vdpbf16ps`) or AMX; elsewhere the call falls back to `F32`
+    /// ([`Precision::effective`]).
+    Bf16,
+}
+
+impl Precision {
+    /// The C ABI's and the op attribute's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// The precision spelled `name`.
+    pub fn parse(name: &str) -> Option<Precision> {
+        [Precision::F32, Precision::Bf16]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
+
+    /// The precision a call asking for `self` at `level` computes in: `Bf16` needs bf16
+    /// products (AVX512-BF16 at the `avx512` level or above); without them the nearest exact
+    /// precision, `F32`.
+    pub fn effective(self, level: SimdLevel) -> Precision {
+        match self {
+            Precision::Bf16 if bf16_dot_for(level).is_some() => Precision::Bf16,
+            _ => Precision::F32,
+        }
+    }
+}
+
+/// Options of one fast call: what the caller (C ABI, extension, tests) chose. The kernel reads
+/// no environment variable; `PA_SIMD` and `PA_BF16_QUERY` are read at the C ABI's edge
+/// (`ffi::env`).
 #[derive(Clone, Copy, Debug)]
 pub struct FastOptions {
     pub simd: SimdLevel,
     pub scores: ScoresMode,
     /// Where the parallel regions run (results do not depend on it).
     pub runner: Runner,
-    /// Precision choice for an f32 or f16 query with a bf16 cache: prefill items on the `amx`
-    /// level take the query rounded to bf16 (nearest even) and run the bf16 math of a bf16
-    /// query (one tile product per pair instead of three; within 1e-2 of a float64 reference
-    /// fed the rounded query, as OpenVINO's own op under a bf16 hint). Off (the default, unless
-    /// `PA_BF16_QUERY=1`, see [`bf16_query_from_env`]): f32 math. No effect on other caches,
-    /// on decode items, or below the `amx` level.
-    pub bf16_query: bool,
+    /// The inference precision ([`Precision`]).
+    pub precision: Precision,
 }
 
 impl Default for FastOptions {
     fn default() -> Self {
         FastOptions {
-            simd: SimdLevel::from_env(),
+            simd: SimdLevel::detected(),
             scores: ScoresMode::Auto,
             runner: Runner::Auto,
-            bf16_query: bf16_query_from_env(),
+            precision: Precision::F32,
         }
     }
 }
 
-/// Whether `PA_BF16_QUERY=1` (read once per process) asks every call for
-/// [`FastOptions::bf16_query`]; any other value or none leaves it off.
-pub fn bf16_query_from_env() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PA_BF16_QUERY").is_ok_and(|v| v == "1"))
-}
-
-/// Whether prefill items on AMX tiles run bf16 math (operands rounded to bf16, see the module
-/// doc): a bf16 query, or an f32/f16 query with a bf16 cache when `opts.bf16_query` asks.
-fn bf16_math<Q: 'static, C: 'static>(opts: FastOptions) -> bool {
-    is_bf16::<Q>() || (opts.bf16_query && is_bf16::<C>())
+/// Whether prefill items run bf16 math (operands rounded to bf16, see the module doc): a bf16
+/// query, or the bf16 precision where the CPU has bf16 products.
+fn bf16_math<Q: 'static>(opts: FastOptions) -> bool {
+    is_bf16::<Q>() || opts.precision.effective(opts.simd) == Precision::Bf16
 }
 
 /// Validates and executes with the fast kernels at the given options (used by tests to hold
@@ -364,7 +433,9 @@ pub(crate) fn on_level<O: OnMicro>(level: SimdLevel, op: O) -> O::Out {
     #[cfg(target_arch = "x86_64")]
     {
         let level = level.effective();
-        if let (SimdLevel::Avx512 | SimdLevel::Amx, Some(m)) = (level, Avx512::detect()) {
+        if let (SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx, Some(m)) =
+            (level, Avx512::detect())
+        {
             return op.on(m);
         }
         if let (SimdLevel::Avx2, Some(m)) = (level, Avx2::detect()) {
@@ -406,17 +477,24 @@ impl<M: Kernels> TypedOp for Fast<M> {
             ],
             b.block_indices,
         );
-        let (amx, bf16) = (amx_for::<Q, C>(opts), bf16_math::<Q, C>(opts));
+        let (tier, bf16) = (bf16_tier_for::<Q, C>(opts), bf16_math::<Q>(opts));
         let (caches, bi) = ((&*b.key_cache, &*b.value_cache), b.block_indices);
-        // AMX tiles pack K and V alike (D wide): a value head of another size runs on the f32
-        // tiles.
-        let amx = |part: &partition::Partition| {
-            amx.filter(|_| {
+        // The bf16 products pack K and V alike (D wide): a value head of another size runs on
+        // the f32 tiles.
+        let tier = |part: &partition::Partition| {
+            tier.filter(|_| {
                 plan.dv == plan.d && (bf16 || prefill_rows_finite(plan, part, caches, bi))
             })
         };
         let inputs = (b.query, caches, b.block_indices);
-        pipeline(m, opts, plan, inputs, (b.output, b.scores), ((), amx, bf16))
+        pipeline(
+            m,
+            opts,
+            plan,
+            inputs,
+            (b.output, b.scores),
+            ((), tier, bf16),
+        )
     }
 
     fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
@@ -424,20 +502,23 @@ impl<M: Kernels> TypedOp for Fast<M> {
         let mut b = b;
         quantized::write(opts.runner, plan, layout, &mut b);
         let caches = (&*b.key_cache, &*b.value_cache);
+        // Prefill items run on bf16 products under bf16 math only (D-wide K and V panels).
+        let bf16 = bf16_math::<Q>(opts);
+        let tier = bf16_tier_for::<Q, u8>(opts).filter(|_| bf16 && plan.dv == plan.d);
         pipeline(
             m,
             opts,
             plan,
             (b.query, caches, b.block_indices),
             (b.output, b.scores),
-            (*layout, |_| None, false),
+            (*layout, |_| tier, bf16),
         )
     }
 }
 
 /// Steps 3 and 4 of a call whose caches hold their new rows: the partition of cache type `C`,
 /// its items and merge (`attention`), then the scores (from the stashed logits, or recomputed).
-/// `amx(part)`: whether prefill items run on AMX tiles.
+/// `tier(part)`: whether prefill items run on bf16 products (AMX tiles or `vdpbf16ps`).
 #[allow(clippy::type_complexity)]
 fn pipeline<M: Kernels, Q: Float, C: source::Source>(
     m: M,
@@ -445,9 +526,9 @@ fn pipeline<M: Kernels, Q: Float, C: source::Source>(
     plan: &Plan,
     (query, (kc, vc), block_indices): (&[Q], (&[C], &[C]), &[i32]),
     (output, scores): (&mut [Q], &mut [Q]),
-    (layout, amx, bf16_math): (
+    (layout, tier, bf16_math): (
         C::Layout,
-        impl FnOnce(&partition::Partition) -> Option<Amx>,
+        impl FnOnce(&partition::Partition) -> Option<Bf16Tier>,
         bool,
     ),
 ) -> Result<()> {
@@ -461,7 +542,7 @@ fn pipeline<M: Kernels, Q: Float, C: source::Source>(
         vc,
         block_indices,
         runner: opts.runner,
-        amx: amx(&part),
+        bf16_tier: tier(&part),
         bf16_math,
         layout,
     };

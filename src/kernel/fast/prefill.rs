@@ -489,20 +489,35 @@ fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
     if let Some(at) = direct {
         // SAFETY: the partial scores of (KV head, query tile) belong to this item.
         let part = unsafe { o.direct.part(at, sp.ctx()) };
-        part.fill(0.0);
-        for r in r_sc..ir.rows {
-            // Row r's final statistics, as `write_rows` ends it (with its sink).
-            let mut st = OnlineSoftmax {
-                max: mb[r],
-                sum: lb[r],
-            };
-            st.finish(plan.sink(kvh * g + r % g));
-            // The keys the row sees only: a NaN row must not reach a masked key.
-            let (a, b) = visible_span(plan, ir.pos0 + r / g, ir.lo, ir.hi);
-            if a < b {
-                let kept = &kept[(r - r_sc) * keys + a - ir.lo..][..b - a];
-                m.add_exp_scaled(&mut part[a..b], kept, st.max, st.norm());
-            }
+        add_direct_scores(m, plan, (&ir, kvh), (kept, r_sc), (mb, lb), part);
+    }
+}
+
+/// The direct partial scores of an item's score rows `r_sc..rows` (`SeqLayout::direct`):
+/// `part` (the item's slice, one value per key of the sequence) becomes the sum over those rows
+/// of their final softmax weights, from their logits `kept` (row-major over keys `lo..hi`) and
+/// their statistics `mb`, `lb` as `write_rows` ends them (with the sink).
+pub(super) fn add_direct_scores<M: TileMicro>(
+    m: M,
+    plan: &Plan,
+    (ir, kvh): (&ItemRows, usize),
+    (kept, r_sc): (&[f32], usize),
+    (mb, lb): (&[f32], &[f32]),
+    part: &mut [f32],
+) {
+    let (g, keys) = (plan.g, ir.hi - ir.lo);
+    part.fill(0.0);
+    for r in r_sc..ir.rows {
+        let mut st = OnlineSoftmax {
+            max: mb[r],
+            sum: lb[r],
+        };
+        st.finish(plan.sink(kvh * g + r % g));
+        // The keys the row sees only: a NaN row must not reach a masked key.
+        let (a, b) = visible_span(plan, ir.pos0 + r / g, ir.lo, ir.hi);
+        if a < b {
+            let kept = &kept[(r - r_sc) * keys + a - ir.lo..][..b - a];
+            m.add_exp_scaled(&mut part[a..b], kept, st.max, st.norm());
         }
     }
 }

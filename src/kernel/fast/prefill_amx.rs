@@ -1,6 +1,7 @@
-//! Step 3 for prefill items on AMX-BF16 tiles (a bf16 query, or any query with a bf16 cache):
-//! the item of `prefill` (one KV head, one query tile, all visible keys) with its two
-//! products, QK and PV, on tiles.
+//! Step 3 for prefill items on bf16 products: AMX-BF16 tiles (bf16 math, or any query with a
+//! bf16 cache), or `vdpbf16ps` on CPUs with AVX512-BF16 and no AMX (bf16 math only): the item
+//! of `prefill` (one KV head, one query tile, all visible keys) with its two products, QK and
+//! PV, on either ([`Products`]; both read the same packed panels and compute the same sums).
 //!
 //! Everything else is `prefill`'s: the item geometry, masks and ALiBi (`mask_tile_strided`),
 //! the stash of score logits, the online-softmax step (`TileMicro::softmax_t`, f32) and the
@@ -18,9 +19,8 @@
 //!   comes here with a bf16 cache, where this beats the FMA loops). Products of bf16 are exact
 //!   and summed in f32, smallest first, so the logits and outputs keep f32 accuracy (2e-6 of
 //!   float64 in `tests/amx.rs`, with a sharp softmax).
-//! - bf16 math (a bf16 query, or an f32/f16 query with a bf16 cache when the caller chose
-//!   `FastOptions::bf16_query`: that query is rounded to bf16 first, one part, so the products
-//!   are those of a bf16 query with the rounded values): the query is exact; a bf16 cache is
+//! - bf16 math (a bf16 query, or any query under `Precision::Bf16`: that query is rounded to
+//!   bf16 first, one part, so the products are those of a bf16 query with the rounded values): the query is exact; a bf16 cache is
 //!   exact; an f16 or f32 cache
 //!   has each key cut into two parts (exact for f16, 2^-17 relative for f32), because a key
 //!   rounded to bf16 moves a logit by up to `scale*sqrt(D)*|q|*2^-9`, which a sharp softmax
@@ -34,13 +34,15 @@
 //! Operands are packed once per call ([`prepack`], when the copies fit the same budget as
 //! `prefill::prewiden`), else per span from the cache.
 
-use super::micro::x86::amx::{Amx, Tiles};
+use super::micro::x86::amx::Tiles;
+use super::micro::x86::bf16::{Bf16, Bf16Tier};
 use super::micro::TileMicro;
 use super::partition::Item;
 use super::pool::Buf;
-use super::prefill::{aligned, per_head_regions, stash_logits, write_rows, ItemRows};
-use super::shared::SharedMut;
-use super::source::Ctx;
+use super::prefill::{
+    add_direct_scores, aligned, per_head_regions, stash_logits, write_rows, ItemRows,
+};
+use super::source::{Ctx, Out, Source};
 use super::tile::{mask_tile_strided, prefetch_part};
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
@@ -72,9 +74,11 @@ fn dp_of(d: usize) -> usize {
 }
 
 /// bf16 parts of a value of type `T` that sum to it: 1 for bf16, 2 for f16 (exact), 3 for
-/// f32 (within 2^-26 relative).
+/// f32 (within 2^-26 relative). Quantized caches (`u8`, u4 in its u8 form) come here under
+/// bf16 math only, and their dequantized values are rounded to bf16 whole: the rounding
+/// (2^-9 of the value) is about half a quantization step of u8 and far below one of u4.
 fn parts_of<T: 'static>() -> usize {
-    if TypeId::of::<T>() == TypeId::of::<half::bf16>() {
+    if TypeId::of::<T>() == TypeId::of::<half::bf16>() || TypeId::of::<T>() == TypeId::of::<u8>() {
         1
     } else if TypeId::of::<T>() == TypeId::of::<half::f16>() {
         2
@@ -96,7 +100,7 @@ impl Parts {
     /// The parts of an item of query type `Q` and cache type `C`; `bf16_math` (`Ctx::bf16_math`:
     /// a bf16 query, or an f32/f16 query the caller asked to round) takes the query whole as
     /// bf16 (rounded to nearest even when it is not bf16).
-    fn of<Q: Float, C: Float>(bf16_math: bool) -> Parts {
+    fn of<Q: Float, C: Source>(bf16_math: bool) -> Parts {
         if bf16_math {
             // bf16 math: keys keep two parts (see the module doc), values and weights one.
             Parts {
@@ -150,21 +154,53 @@ fn terms(na: usize, nb: usize) -> Vec<(usize, usize)> {
 }
 
 /// Cuts `row` (destroyed) into `n` bf16 parts, part `i` at `parts[i*stride..][..row.len()]`.
-fn cut(amx: Amx, row: &mut [f32], n: usize, parts: &mut [u16], stride: usize) {
+fn cut(bf: Bf16, row: &mut [f32], n: usize, parts: &mut [u16], stride: usize) {
     for i in 0..n {
-        amx.round(row, &mut parts[i * stride..]);
+        bf.round(row, &mut parts[i * stride..]);
         if i + 1 < n {
-            amx.residual(row);
+            bf.residual(row);
         }
+    }
+}
+
+/// Where the packers read f32 K and V rows: `keys(s, kvh, a, b, out)` writes keys `a..b`
+/// (inside one block) of KV head `kvh` of sequence `s` into `out` (`(b - a) * D`), `values`
+/// likewise. Float caches widen their rows ([`FloatRows`]); quantized caches dequantize them.
+pub(crate) trait PanelRows: Sync {
+    fn keys(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]);
+    fn values(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]);
+}
+
+/// The rows of a float cache, widened from the cache.
+pub(crate) struct FloatRows<'c, 'a, M, Q, C: Source> {
+    pub(crate) m: M,
+    pub(crate) ctx: &'c Ctx<'a, Q, C>,
+}
+
+impl<M: TileMicro, Q: Sync, C: Float> FloatRows<'_, '_, M, Q, C> {
+    fn rows(&self, cache: &[C], s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]) {
+        let plan = self.ctx.plan;
+        let off = seq_row(plan, self.ctx.block_indices, &plan.seqs[s], kvh, a);
+        self.m.widen(&cache[off..off + (b - a) * plan.d], out);
+    }
+}
+
+impl<M: TileMicro, Q: Sync, C: Float> PanelRows for FloatRows<'_, '_, M, Q, C> {
+    fn keys(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]) {
+        self.rows(self.ctx.kc, s, kvh, a, b, out)
+    }
+    fn values(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]) {
+        self.rows(self.ctx.vc, s, kvh, a, b, out)
     }
 }
 
 /// Packs the K and V rows of every prefill sequence once per call when the copies stay within
 /// `2*T*H*D` elements each (as `prewiden`), else `None` and items pack span by span.
-pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
+pub(crate) fn prepack<M: TileMicro, Q: Float, C: Source>(
     m: M,
-    amx: Amx,
+    bf: Bf16,
     ctx: &Ctx<'_, Q, C>,
+    src: &impl PanelRows,
 ) -> Option<Packed> {
     let plan = ctx.plan;
     let parts = Parts::of::<Q, C>(ctx.bf16_math);
@@ -185,8 +221,9 @@ pub(crate) fn prepack<M: TileMicro, Q: Float, C: Float>(
             PACK.with(|p| {
                 pack_keys(
                     m,
-                    amx,
+                    bf,
                     ctx,
+                    src,
                     s,
                     kvh,
                     0,
@@ -230,10 +267,11 @@ thread_local! {
 /// columns of `kp` and rows `D..dp` of each part of `vt` are left as they are (zero in the
 /// callers' buffers).
 #[allow(clippy::too_many_arguments)]
-fn pack_keys<M: TileMicro, Q: Float, C: Float>(
+fn pack_keys<M: TileMicro, Q: Float, C: Source>(
     m: M,
-    amx: Amx,
+    bf: Bf16,
     ctx: &Ctx<'_, Q, C>,
+    src: &impl PanelRows,
     s: usize,
     kvh: usize,
     j0: usize,
@@ -247,7 +285,6 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
     let (d, bs) = (plan.d, plan.bs);
     let parts = Parts::of::<Q, C>(ctx.bf16_math);
     let (dp, kw) = (dp_of(d), parts.kw(d));
-    let sp = &plan.seqs[s];
     // Values go through an f32 transpose 64 keys at a time (whole 8-row blocks for it).
     const CH: usize = 64;
     let rows = aligned(&mut sc.rows, CH * d);
@@ -257,23 +294,62 @@ fn pack_keys<M: TileMicro, Q: Float, C: Float>(
         let c1 = (c0 + CH).min(j1);
         let n = c1 - c0;
         for (a, b) in tiles(c0, c1, bs) {
-            let off = seq_row(plan, ctx.block_indices, sp, kvh, a);
-            let len = (b - a) * d;
             let stage = &mut rows[(a - c0) * d..(b - c0) * d];
-            m.widen(&ctx.kc[off..off + len], stage);
+            src.keys(s, kvh, a, b, stage);
             for (jj, row) in stage.chunks_exact_mut(d).enumerate() {
-                cut(amx, row, parts.k, &mut kp[(a - j0 + jj) * kw..][..kw], dp);
+                cut(bf, row, parts.k, &mut kp[(a - j0 + jj) * kw..][..kw], dp);
             }
-            m.widen(&ctx.vc[off..off + len], stage);
+            src.values(s, kvh, a, b, stage);
         }
         let n8 = n.div_ceil(8) * 8;
         rows[n * d..n8 * d].fill(0.0);
         m.transpose(rows, n, d, cols, n8);
         for x in 0..d {
             let col = &mut cols[x * n8..x * n8 + n];
-            cut(amx, col, parts.v, &mut vt[x * ld + c0 - j0..], dp * ld);
+            cut(bf, col, parts.v, &mut vt[x * ld + c0 - j0..], dp * ld);
         }
         c0 = c1;
+    }
+}
+
+/// Where an item's products run: AMX tiles (their configuration loaded while this lives), or
+/// `vdpbf16ps` on CPUs without AMX. Both compute the same sums (`Bf16::qk_t`, `Tiles::qk_t`).
+enum Products {
+    Tiles(Tiles),
+    Dot(Bf16),
+}
+
+impl Products {
+    #[allow(clippy::too_many_arguments)]
+    fn qk_t(
+        &self,
+        t: &[(&[u16], &[u32])],
+        ldk: usize,
+        dp: usize,
+        n32: usize,
+        r32: usize,
+        st: &mut [f32],
+    ) {
+        match self {
+            Products::Tiles(tl) => tl.qk_t(t, ldk, dp, n32, r32, st),
+            Products::Dot(bf) => bf.qk_t(t, ldk, dp, n32, r32, st),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pv_t(
+        &self,
+        t: &[(&[u16], &[u32])],
+        ldv: usize,
+        dp: usize,
+        n32: usize,
+        r32: usize,
+        acc: &mut [f32],
+    ) {
+        match self {
+            Products::Tiles(tl) => tl.pv_t(t, ldv, dp, n32, r32, acc),
+            Products::Dot(bf) => bf.pv_t(t, ldv, dp, n32, r32, acc),
+        }
     }
 }
 
@@ -292,6 +368,7 @@ struct Scratch {
     kp: Vec<u16>,
     vt: Vec<u16>,
     pack: PackScratch,
+    kept: Vec<f32>,
 }
 
 /// Whether a bf16 (bits) is finite.
@@ -310,7 +387,7 @@ fn all_bf16_finite(s: &[u16]) -> bool {
 /// for every row, and its weighted value is added to `acc_t` (`[d][r32]`) here, for the rows
 /// that see it (f32 products, in place of the bf16 tile's).
 #[allow(clippy::too_many_arguments)]
-fn masked_non_finite<Q, C: Float>(
+fn masked_non_finite<Q, C: Source>(
     ctx: &Ctx<'_, Q, C>,
     ir: &ItemRows,
     j0: usize,
@@ -351,21 +428,22 @@ fn masked_non_finite<Q, C: Float>(
 
 /// [`prefill::run_item`](super::prefill::run_item) on tiles.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
+pub(crate) fn run_item<M: TileMicro, Q: Float, C: Source>(
     m: M,
-    amx: Amx,
+    tier: Bf16Tier,
     ctx: &Ctx<'_, Q, C>,
     it: &Item,
-    pw: &SharedMut<'_, f32>,
-    out: &SharedMut<'_, Q>,
-    sw: Option<&SharedMut<'_, f32>>,
-    packed: Option<&Packed>,
+    o: &Out<'_, Q, C>,
+    (packed, src): (Option<&Packed>, &impl PanelRows),
 ) {
-    let tl = amx.tiles();
+    let tl = match tier.amx {
+        Some(a) => Products::Tiles(a.tiles()),
+        None => Products::Dot(tier.bf),
+    };
     SCRATCH.with(|s| {
         let sc = &mut *s.borrow_mut();
         for kvh in it.kvh0 as usize..it.kvh1 as usize {
-            run_head(m, amx, &tl, ctx, it, kvh, pw, out, sw, packed, sc);
+            run_head(m, tier.bf, &tl, ctx, (it, kvh), o, (packed, src), sc);
         }
     });
     #[cfg(feature = "test-hooks")]
@@ -373,19 +451,17 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Float>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_head<M: TileMicro, Q: Float, C: Float>(
+fn run_head<M: TileMicro, Q: Float, C: Source>(
     m: M,
-    amx: Amx,
-    tl: &Tiles,
+    bf: Bf16,
+    tl: &Products,
     ctx: &Ctx<'_, Q, C>,
-    it: &Item,
-    kvh: usize,
-    pw: &SharedMut<'_, f32>,
-    out: &SharedMut<'_, Q>,
-    sw: Option<&SharedMut<'_, f32>>,
-    packed: Option<&Packed>,
+    (it, kvh): (&Item, usize),
+    o: &Out<'_, Q, C>,
+    (packed, src): (Option<&Packed>, &impl PanelRows),
     sc: &mut Scratch,
 ) {
+    let (pw, out, sw) = (&o.pw, &o.out, o.sw.as_ref());
     let plan = ctx.plan;
     let (h, d, g) = (plan.h, plan.d, plan.g);
     let parts = Parts::of::<Q, C>(ctx.bf16_math);
@@ -406,7 +482,19 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
         kp,
         vt,
         pack,
+        kept,
     } = sc;
+    // Direct scores (a source that asks for them, `Tuning::direct_scores`): the score rows (a
+    // suffix: rows are token-major) keep their logits row-major over the item's keys, as in
+    // `prefill::run_head`.
+    let lay = &ctx.part.seqs[ir.si];
+    let direct = lay.direct_part(kvh, (it.qt as usize, sp.n.div_ceil(lay.qtok)), sp.ctx());
+    let first_scored = (sp.n - sp.score_tokens).clamp(ir.t0, ir.t0 + ir.nt);
+    let (r_sc, nkeys) = ((first_scored - ir.t0) * g, ir.hi - ir.lo);
+    if direct.is_some() {
+        kept.clear();
+        kept.resize((rows - r_sc) * nkeys, f32::NEG_INFINITY);
+    }
 
     // Query pairs, one plane of [dp/2][r32] per query part. Not scaled: the scale multiplies
     // the f32 logits.
@@ -436,7 +524,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     };
     for r0 in (0..rows).step_by(16) {
         let group: Vec<&[f32]> = (r0..rows.min(r0 + 16)).map(row).collect();
-        amx.pair_cols(&group, d, parts.q, qt, r32, qplane, r0);
+        bf.pair_cols(&group, d, parts.q, qt, r32, qplane, r0);
     }
 
     let acc_t = aligned(acc_t, dp * r32);
@@ -500,7 +588,7 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             // Zero padding (keys n..n32 meet zero weights; 0 * garbage could be NaN).
             kp.fill(0);
             vt.fill(0);
-            pack_keys(m, amx, ctx, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
+            pack_keys(m, bf, ctx, src, ir.si, kvh, j0, j1, kp, vt, SPAN, pack);
         }
         let ks: &[u16] = match pre {
             Some((k, _)) => &k[j0 * kw..],
@@ -519,19 +607,26 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
             let s = &mut st[off * r32..];
             mask_tile_strided(plan, s, (1, r32), rows, piece, kvh, ir.pos0, j0 + off);
         }
-        if let Some(sw) = sw {
+        if direct.is_some() {
+            for r in r_sc..rows {
+                let dst = &mut kept[(r - r_sc) * nkeys + j0 - ir.lo..][..n];
+                for (jj, o) in dst.iter_mut().enumerate() {
+                    *o = st[jj * r32 + r];
+                }
+            }
+        } else if let Some(sw) = sw {
             stash_logits(ctx, &ir, kvh, st, r32, j0, n, sw);
         }
         m.softmax_t(st, r32, rows, n, mb, lb, cb);
         if cb.iter().any(|&c| c != 1.0) {
-            amx.mul_rows(acc_t, cb);
+            bf.mul_rows(acc_t, cb);
         }
         if pre.is_none() {
             let vt = aligned(vt, parts.v * dp * SPAN);
             let vparts = (parts.v, dp);
             masked_non_finite(ctx, &ir, j0, (lo, hi), j1, st, r32, vt, SPAN, vparts, acc_t);
         }
-        amx.pair_rows(st, r32, n, n32, parts.p, pt, plane);
+        bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
         let (vs, ldv): (&[u16], usize) = match pre {
             Some((_, v)) => (&v[j0..], ldp),
             None => (aligned(vt, parts.v * dp * SPAN), SPAN),
@@ -546,4 +641,9 @@ fn run_head<M: TileMicro, Q: Float, C: Float>(
     let acc = aligned(acc, r32 * dp);
     m.transpose(acc_t, dp, r32, acc, dp);
     write_rows(ctx, &ir, kvh, acc, dp, mb, lb, pw, out);
+    if let Some(at) = direct {
+        // SAFETY: the partial scores of (KV head, query tile) belong to this item.
+        let part = unsafe { o.direct.part(at, sp.ctx()) };
+        add_direct_scores(m, plan, (&ir, kvh), (kept, r_sc), (mb, lb), part);
+    }
 }

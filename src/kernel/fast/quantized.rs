@@ -755,11 +755,62 @@ impl<M: U8Micro> TileSource for U8Tiles<'_, M> {
     }
 }
 
+/// The rows of a quantized cache for the bf16 packers (`prefill_amx`): from the rows the
+/// call dequantized once when there are, else dequantized block by block.
+#[cfg(target_arch = "x86_64")]
+struct U8Rows<'c, M> {
+    m: M,
+    plan: &'c Plan,
+    v: View<'c>,
+    wide: Option<&'c Widened>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<M: U8Micro> super::prefill_amx::PanelRows for U8Rows<'_, M> {
+    fn keys(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]) {
+        let (plan, d) = (self.plan, self.plan.d);
+        let sp = &plan.seqs[s];
+        let n = (sp.ctx() * d, sp.ctx() * plan.dv);
+        if let Some((k, _)) = self.wide.and_then(|w| w.rows_kv(s, kvh, n)) {
+            out[..(b - a) * d].copy_from_slice(&k[a * d..b * d]);
+            return;
+        }
+        let (mut sc, mut zp) = (vec![0f32; d], vec![0f32; d]);
+        let block = block_of(self.v.block_indices, sp.block_begin, plan.bs, a);
+        let slots = (a % plan.bs, b - a);
+        dequant_keys(
+            self.m,
+            plan,
+            &self.v,
+            (block, kvh),
+            slots,
+            (&mut sc, &mut zp),
+            out,
+        );
+    }
+    fn values(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]) {
+        let (plan, dv) = (self.plan, self.plan.dv);
+        let sp = &plan.seqs[s];
+        let n = (sp.ctx() * plan.d, sp.ctx() * dv);
+        if let Some((_, v)) = self.wide.and_then(|w| w.rows_kv(s, kvh, n)) {
+            out[..(b - a) * dv].copy_from_slice(&v[a * dv..b * dv]);
+            return;
+        }
+        let block = block_of(self.v.block_indices, sp.block_begin, plan.bs, a);
+        let rows = value_rows(plan, &self.v.l, self.v.vc, (block, kvh), a, b);
+        let l = &self.v.l;
+        dequant_token_rows(self.m, rows, l.value_row(), dv, l.value_group, out);
+    }
+}
+
 /// What a call on quantized caches prepares for its prefill items: u4 blocks unpacked to u8
-/// once, and the rows dequantized once (when within budget).
+/// once, and the rows dequantized once (when within budget): into f32 rows, or, when the
+/// items run on bf16 products (`Ctx::bf16_tier`), into their packed bf16 panels.
 pub(crate) struct Prep {
     unpacked: Option<Unpacked>,
     wide: Option<Widened>,
+    #[cfg(target_arch = "x86_64")]
+    packed: Option<super::prefill_amx::Packed>,
 }
 
 impl Source for u8 {
@@ -809,7 +860,29 @@ impl Source for u8 {
             .as_ref()
             .map_or_else(|| View::of(ctx), View::unpacked);
         let wide = dequant_prefill_rows(m, (plan, ctx.runner), &v, prefill);
-        Ok(Some(Prep { unpacked, wide }))
+        #[cfg(target_arch = "x86_64")]
+        if let Some(tier) = ctx.bf16_tier {
+            // The panels from the f32 rows (or block by block past their budget); the f32 rows
+            // are not read again.
+            let rows = U8Rows {
+                m,
+                plan,
+                v,
+                wide: wide.as_ref(),
+            };
+            let packed = super::prefill_amx::prepack(m, tier.bf, ctx, &rows);
+            return Ok(Some(Prep {
+                unpacked,
+                wide: if packed.is_some() { None } else { wide },
+                packed,
+            }));
+        }
+        Ok(Some(Prep {
+            unpacked,
+            wide,
+            #[cfg(target_arch = "x86_64")]
+            packed: None,
+        }))
     }
 
     fn prefill_item<M: Kernels, Q: Float>(
@@ -827,6 +900,12 @@ impl Source for u8 {
             None => View::of(ctx),
         };
         let wide = prep.and_then(|p| p.wide.as_ref());
+        #[cfg(target_arch = "x86_64")]
+        if let Some(tier) = ctx.bf16_tier {
+            let packed = prep.and_then(|p| p.packed.as_ref());
+            let rows = U8Rows { m, plan, v, wide };
+            return super::prefill_amx::run_item(m, tier, ctx, it, o, (packed, &rows));
+        }
         prefill::run_item_on(m, ctx, it, o, |kvh| U8Tiles {
             m,
             plan,

@@ -6,7 +6,7 @@
 //! `float`; quantized caches (u8, and u4: nibbles read in place by decode, through their u8
 //! form by prefill) are `quantized`.
 
-use super::micro::{Amx, Kernels};
+use super::micro::{Bf16Tier, Kernels};
 use super::partition::{Item, Partition, Tuning};
 use super::shared::SharedMut;
 use crate::dtype::Float;
@@ -77,10 +77,11 @@ pub(crate) struct Ctx<'a, Q, C: Source> {
     pub block_indices: &'a [i32],
     /// Where the parallel regions run.
     pub runner: crate::threads::Runner,
-    /// Set when prefill items run their products on AMX tiles (a bf16 query or a bf16 cache).
-    pub amx: Option<Amx>,
-    /// Whether those tiles run bf16 math (a bf16 query, or `FastOptions::bf16_query` with a
-    /// bf16 cache) rather than f32 math on bf16 parts.
+    /// Set when prefill items run their products on bf16 products (AMX tiles, or `vdpbf16ps`
+    /// without AMX; see `bf16_tier_for` in `mod.rs`).
+    pub bf16_tier: Option<Bf16Tier>,
+    /// Whether those products run bf16 math (a bf16 query, or the bf16 precision) rather than
+    /// f32 math on bf16 parts (AMX only).
     pub bf16_math: bool,
     /// How the cache type lays out its rows (quantized caches: OpenVINO's layout).
     pub layout: C::Layout,

@@ -40,11 +40,15 @@ use crate::dtype::Float;
 use crate::kernel::softmax::OnlineSoftmax;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::amx::Amx;
+pub(crate) use x86::{amx::Amx, bf16::Bf16, bf16::Bf16Tier};
 /// No AMX off x86_64: the token has no values.
 #[cfg(not(target_arch = "x86_64"))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Amx {}
+/// No AVX512-BF16 off x86_64: the token has no values.
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Bf16Tier {}
 
 /// The inner loops of a tile. Implementors are zero-sized tokens; holding one proves the CPU
 /// supports the instructions it uses.

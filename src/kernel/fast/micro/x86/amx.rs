@@ -3,7 +3,7 @@
 //! operands, and one 32x32 tile micro-kernel both products run on.
 //!
 //! Precision: the tiles multiply bf16 operands exactly and sum in f32; how operands become
-//! bf16 (rounded once, or cut into parts with [`Amx::residual`] for f32 accuracy) is the
+//! bf16 (rounded once, or cut into parts with [`Bf16::residual`](super::bf16::Bf16::residual) for f32 accuracy) is the
 //! caller's rule (`prefill_amx`).
 //!
 //! Layouts (all zero-padded, `dp` = D rounded up to 32, `r32` = rows rounded up to 32, a "pair
@@ -20,6 +20,8 @@
 //! contents survive between `asm!` blocks of one [`Tiles`] guard, which is what the kernel
 //! relies on.
 
+#[cfg(test)]
+use super::bf16::Bf16;
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
@@ -83,81 +85,10 @@ impl Amx {
         };
     }
 
-    /// `dst[i]` = bf16 bits of `src[i]`, rounded to nearest even (f32 subnormals become
-    /// zero, as `vcvtneps2bf16` does; `scalar_amx::round_bf16` is the twin).
-    pub(crate) fn round(self, src: &[f32], dst: &mut [u16]) {
-        assert!(dst.len() >= src.len());
-        // SAFETY: `self` proves AVX-512F/BW/BF16; `src.len()` elements of both are in bounds.
-        unsafe { round(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
-    }
-
-    /// `x[i] -= round(x[i])`: what is left of `x` after its bf16 part, so that rounding `x`,
-    /// then its residual, and so on, cuts it into bf16 parts whose sum is `x` (two parts are
-    /// exact for f16 and within 2^-17 relative for f32, three within 2^-26 for f32). An
-    /// infinite part leaves a residual of 0, not NaN (`scalar_amx::split_bf16` is the twin).
-    pub(crate) fn residual(self, x: &mut [f32]) {
-        // SAFETY: `self` proves AVX-512F/BW/BF16; `x.len()` elements are in bounds.
-        unsafe { residual(x.as_mut_ptr(), x.len()) }
-    }
-
-    /// Weight pairs `pt[b*plane + j2*ldt + r]` = (p[2*j2][r], p[2*j2+1][r]) cut into `parts`
-    /// bf16 parts (part `b` the rounding of what parts `0..b` leave, as [`Amx::round`] and
-    /// [`Amx::residual`] cut a value), from the transposed weights `st[j*ldt + r]`, for
-    /// `j2 < n32/2` (keys `n..n32` are 0) and `r < ldt`. One pass over the weights: the
-    /// residuals stay in registers. `ldt` is a multiple of 16, `n32` of 32 (a whole PV k-step).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn pair_rows(
-        self,
-        st: &[f32],
-        ldt: usize,
-        n: usize,
-        n32: usize,
-        parts: usize,
-        pt: &mut [u32],
-        plane: usize,
-    ) {
-        assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32 && parts >= 1);
-        assert!(st.len() >= n * ldt && plane >= n32 / 2 * ldt);
-        assert!(pt.len() >= (parts - 1) * plane + n32 / 2 * ldt);
-        // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access.
-        unsafe { pair_rows(st.as_ptr(), ldt, n, n32, parts, pt.as_mut_ptr(), plane) }
-    }
-
-    /// Rows `r0..r0 + 16` of the query pairs of QK, cut into `parts` bf16 parts (as
-    /// [`Amx::pair_rows`] cuts weights): `qt[b*plane + x2*ld + r0 + i]` = part `b` of
-    /// (q_i[2*x2], q_i[2*x2+1]) for `x2 < d.div_ceil(2)` (an odd `d` pairs the last element
-    /// with 0), `q_i` = `rows[i]` (`d` long; rows past `rows.len()` are zeros). One pass over
-    /// the rows, transposed in registers into whole 16-row pair lines.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn pair_cols(
-        self,
-        rows: &[&[f32]],
-        d: usize,
-        parts: usize,
-        qt: &mut [u32],
-        ld: usize,
-        plane: usize,
-        r0: usize,
-    ) {
-        let n2 = d.div_ceil(2);
-        assert!(rows.len() <= 16 && rows.iter().all(|q| q.len() >= d));
-        assert!(parts >= 1 && r0 + 16 <= ld && plane >= n2 * ld);
-        assert!(n2 == 0 || qt.len() >= (parts - 1) * plane + (n2 - 1) * ld + r0 + 16);
-        let mut p = [std::ptr::null::<f32>(); 16];
-        for (p, q) in p.iter_mut().zip(rows) {
-            *p = q.as_ptr();
-        }
-        // SAFETY: `self` proves AVX-512F/BW/BF16; the asserts bound every access (the first
-        // `rows.len()` pointers address `d` elements each, the rest are not read).
-        unsafe { pair_cols(&p, rows.len(), d, parts, qt.as_mut_ptr(), ld, plane, r0) }
-    }
-
-    /// `x[i*c.len() + r] *= c[r]`: the rows of `x` scaled by `c` element-wise (the softmax
-    /// step's correction of a transposed accumulator).
-    pub(crate) fn mul_rows(self, x: &mut [f32], c: &[f32]) {
-        assert!(c.len().is_multiple_of(16) && x.len().is_multiple_of(c.len().max(1)));
-        // SAFETY: `self` proves AVX-512F; whole 16-lane vectors inside both slices.
-        unsafe { mul_rows(x.as_mut_ptr(), x.len(), c.as_ptr(), c.len()) }
+    /// The AVX512-BF16 token every AMX CPU also has (the packers of the tile operands).
+    #[cfg(test)]
+    pub(crate) fn bf16(self) -> Bf16 {
+        Bf16::detect().expect("an AMX CPU has AVX512-BF16 (checked by detect)")
     }
 }
 
@@ -192,13 +123,7 @@ impl Tiles {
         r32: usize,
         st: &mut [f32],
     ) {
-        assert!(
-            dp.is_multiple_of(32) && dp > 0 && n32.is_multiple_of(32) && r32.is_multiple_of(32)
-        );
-        assert!(ldk >= dp && st.len() >= n32 * r32);
-        for (kp, qt) in terms {
-            assert!(kp.len() >= n32.saturating_sub(1) * ldk + dp && qt.len() >= dp / 2 * r32);
-        }
+        super::bf16::assert_qk(terms, ldk, dp, n32, r32, st);
         for rb in (0..r32).step_by(32) {
             for jb in (0..n32).step_by(32) {
                 let c = st[jb * r32 + rb..].as_mut_ptr() as *mut u8;
@@ -238,13 +163,7 @@ impl Tiles {
         r32: usize,
         acc: &mut [f32],
     ) {
-        assert!(
-            dp.is_multiple_of(32) && n32.is_multiple_of(32) && n32 > 0 && r32.is_multiple_of(32)
-        );
-        assert!(ldv >= n32 && acc.len() >= dp * r32);
-        for (vt, pt) in terms {
-            assert!(vt.len() >= (dp - 1) * ldv + n32 && pt.len() >= n32 / 2 * r32);
-        }
+        super::bf16::assert_pv(terms, ldv, dp, n32, r32, acc);
         for xb in (0..dp).step_by(32) {
             for rb in (0..r32).step_by(32) {
                 let c = acc[xb * r32 + rb..].as_mut_ptr() as *mut u8;
@@ -461,226 +380,12 @@ fn os_grants_tile_data() -> bool {
     false
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn round(src: *const f32, dst: *mut u16, n: usize) {
-    let mut i = 0;
-    while i < n {
-        let k = (n - i).min(16);
-        let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
-        // SAFETY: elements i..i+k < n of both, masked.
-        unsafe {
-            let v = _mm512_maskz_loadu_ps(mask, src.add(i));
-            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-            _mm256_mask_storeu_epi16(dst.add(i) as *mut i16, mask, h);
-        }
-        i += k;
-    }
-}
-
-/// What is left of `v` after its bf16 rounding `h` (`v - h`, 0 where `h` is infinite): the
-/// one residual step of [`Amx::residual`], [`Amx::pair_rows`] and [`Amx::pair_cols`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn rest(v: __m512, h: __m256i) -> __m512 {
-    let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
-    let inf_part =
-        _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(hf), _mm512_set1_ps(f32::INFINITY));
-    _mm512_mask_mov_ps(_mm512_sub_ps(v, hf), inf_part, _mm512_setzero_ps())
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn residual(x: *mut f32, n: usize) {
-    let mut i = 0;
-    while i < n {
-        let k = (n - i).min(16);
-        let mask: __mmask16 = if k == 16 { !0 } else { (1u16 << k) - 1 };
-        // SAFETY: elements i..i+k < n, masked.
-        unsafe {
-            let v = _mm512_maskz_loadu_ps(mask, x.add(i));
-            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-            _mm512_mask_storeu_ps(x.add(i), mask, rest(v, h));
-        }
-        i += k;
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pair_rows(
-    st: *const f32,
-    ldt: usize,
-    n: usize,
-    n32: usize,
-    parts: usize,
-    pt: *mut u32,
-    plane: usize,
-) {
-    // Interleaves the 16 low (even key) and 16 high (odd key) bf16 of `cvtne2ps`.
-    let idx = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-        19, 3, 18, 2, 17, 1, 16, 0,
-    );
-    let z = _mm512_setzero_ps();
-    for j2 in 0..n32 / 2 {
-        let (j0, j1) = (2 * j2, 2 * j2 + 1);
-        for r in (0..ldt).step_by(16) {
-            // SAFETY: weight rows j < n (else zeros), and pair row j2 < n32/2 of parts
-            // b < parts, lanes r..r+16 <= ldt, as the caller asserted.
-            unsafe {
-                let mut e = if j0 < n {
-                    _mm512_loadu_ps(st.add(j0 * ldt + r))
-                } else {
-                    z
-                };
-                let mut o = if j1 < n {
-                    _mm512_loadu_ps(st.add(j1 * ldt + r))
-                } else {
-                    z
-                };
-                for b in 0..parts {
-                    // Rounds as `cvtneps` does (the same conversion, two registers at once).
-                    let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(o, e));
-                    let p = _mm512_permutexvar_epi16(idx, h);
-                    _mm512_storeu_si512(pt.add(b * plane + j2 * ldt + r) as *mut _, p);
-                    if b + 1 < parts {
-                        e = rest(e, _mm512_castsi512_si256(h));
-                        o = rest(o, _mm512_extracti64x4_epi64::<1>(h));
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[target_feature(enable = "avx512f")]
-unsafe fn mul_rows(x: *mut f32, n: usize, c: *const f32, w: usize) {
-    for i in (0..n).step_by(w) {
-        for r in (0..w).step_by(16) {
-            // SAFETY: i + r + 16 <= n and r + 16 <= w, as the caller asserted.
-            unsafe {
-                let v = _mm512_loadu_ps(x.add(i + r));
-                _mm512_storeu_ps(x.add(i + r), _mm512_mul_ps(v, _mm512_loadu_ps(c.add(r))));
-            }
-        }
-    }
-}
-
-/// Transposes 16 rows of 16 u32 (row `i` in `r[i]`) into 16 columns (column `j` in `r[j]`).
-#[target_feature(enable = "avx512f")]
-fn transpose16(r: &mut [__m512i; 16]) {
-    // Within 128-bit lanes: pairs of rows, then groups of four rows (column 4L + k of rows
-    // 4g..4g+4 in lane L of `c[4g + k]`).
-    let mut c = [_mm512_setzero_si512(); 16];
-    for g in 0..4 {
-        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
-        let (a0, b0) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
-        let (a1, b1) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
-        c[4 * g] = _mm512_unpacklo_epi64(a0, a1);
-        c[4 * g + 1] = _mm512_unpackhi_epi64(a0, a1);
-        c[4 * g + 2] = _mm512_unpacklo_epi64(b0, b1);
-        c[4 * g + 3] = _mm512_unpackhi_epi64(b0, b1);
-    }
-    // Across lanes: column 4L + k gathers lane L of c[k], c[4 + k], c[8 + k], c[12 + k].
-    for k in 0..4 {
-        let e0 = _mm512_shuffle_i32x4::<0x88>(c[k], c[4 + k]);
-        let e1 = _mm512_shuffle_i32x4::<0xDD>(c[k], c[4 + k]);
-        let f0 = _mm512_shuffle_i32x4::<0x88>(c[8 + k], c[12 + k]);
-        let f1 = _mm512_shuffle_i32x4::<0xDD>(c[8 + k], c[12 + k]);
-        r[k] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
-        r[4 + k] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
-        r[8 + k] = _mm512_shuffle_i32x4::<0xDD>(e0, f0);
-        r[12 + k] = _mm512_shuffle_i32x4::<0xDD>(e1, f1);
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pair_cols(
-    rows: &[*const f32; 16],
-    nr: usize,
-    d: usize,
-    parts: usize,
-    qt: *mut u32,
-    ld: usize,
-    plane: usize,
-    r0: usize,
-) {
-    let n2 = d.div_ceil(2);
-    let mask = |x: usize| -> __mmask16 {
-        let k = d.saturating_sub(x).min(16);
-        if k == 16 {
-            !0
-        } else {
-            (1u16 << k) - 1
-        }
-    };
-    let z = _mm512_setzero_ps();
-    // 32 elements (16 pairs) of every row at a time.
-    for x in (0..d).step_by(32) {
-        let (ml, mh) = (mask(x), mask(x + 16));
-        let mut lo = [z; 16];
-        let mut hi = [z; 16];
-        for i in 0..nr {
-            // SAFETY: elements x..x+32 of row i < nr, masked to d, as the caller asserted.
-            unsafe {
-                lo[i] = _mm512_maskz_loadu_ps(ml, rows[i].add(x));
-                hi[i] = _mm512_maskz_loadu_ps(mh, rows[i].add(x + 16));
-            }
-        }
-        for b in 0..parts {
-            let mut t = [_mm512_setzero_si512(); 16];
-            for i in 0..16 {
-                // Pairs of row i in order: `cvtne2ps` puts `lo`'s 16 bf16 below `hi`'s.
-                // SAFETY: the bf16 vector is 64 bytes, as __m512i.
-                t[i] = unsafe {
-                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi[i], lo[i]))
-                };
-                if b + 1 < parts {
-                    lo[i] = rest(lo[i], _mm512_castsi512_si256(t[i]));
-                    hi[i] = rest(hi[i], _mm512_extracti64x4_epi64::<1>(t[i]));
-                }
-            }
-            transpose16(&mut t);
-            for (j, &col) in t.iter().enumerate().take(n2 - x / 2) {
-                // SAFETY: pair row x/2 + j < n2 of part b < parts, columns r0..r0+16, as the
-                // caller asserted.
-                unsafe {
-                    _mm512_storeu_si512(qt.add(b * plane + (x / 2 + j) * ld + r0) as *mut _, col)
-                };
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    //! The tile products against their scalar twin (`scalar_amx`) on edge shapes.
+    //! The tile products against their scalar twin (`scalar_amx`) on edge shapes, through the
+    //! checks the `vdpbf16ps` products share (`bf16::tests`).
     use super::*;
-    use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16, round_bf16, split_bf16};
-
-    struct Rng(u64);
-    impl Rng {
-        fn f(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        fn v(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.f()).collect()
-        }
-    }
-
-    fn abs(x: &[f32]) -> Vec<f32> {
-        x.iter().map(|v| v.abs()).collect()
-    }
-
-    /// The hardware sums the exact bf16 products in its own order (not documented, and not
-    /// the twin's: about one sum in ten differs in the last bits). Any f32 summation of `n`
-    /// terms is within `n * 2^-24 * sum|terms|` of the exact sum, so the two are within twice
-    /// that (with 2^-23 to cover a final rounding of `mag` itself). A wrong element, pair or
-    /// layout errs by a whole term, far above this.
-    fn order_bound(n: usize, mag: f32) -> f32 {
-        2.0 * n as f32 * f32::EPSILON * mag
-    }
+    use crate::kernel::fast::micro::x86::bf16::tests::{check_pv, check_qk};
 
     fn amx() -> Option<Amx> {
         let a = Amx::detect();
@@ -699,274 +404,20 @@ mod tests {
     }
 
     #[test]
-    fn rounding_matches_the_scalar_twin() {
-        let Some(a) = amx() else { return };
-        let mut rng = Rng(7);
-        let mut x = rng.v(1000);
-        // Ties, subnormals, extremes, infinities.
-        x.extend([
-            f32::from_bits(0x3F80_8000),
-            f32::from_bits(0x3F81_8000),
-            f32::from_bits(0x0000_0001),
-            f32::from_bits(0x8040_0000),
-            f32::MAX,
-            f32::MIN_POSITIVE,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            -0.0,
-            1e-39,
-        ]);
-        for len in [0, 1, 15, 16, 17, x.len()] {
-            let mut got = vec![0xFFFFu16; len];
-            a.round(&x[..len], &mut got);
-            for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
-                assert_eq!(g, round_bf16(v), "element {i} = {v:e} (len {len})");
-            }
-        }
-    }
-
-    /// Rounding, then rounding the residual, cuts a value into the parts of the twin: two are
-    /// exact for f16, three within 2^-26 relative for f32; infinities keep zero residuals.
-    #[test]
-    fn split_rounding_matches_the_scalar_twin_and_is_exact_for_f16() {
-        let Some(a) = amx() else { return };
-        let mut rng = Rng(8);
-        let mut x: Vec<f32> = rng.v(999).iter().map(|v| v * 7.0).collect();
-        x.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-39, -0.0]);
-        let f16s: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
-        for src in [&x, &f16s] {
-            let mut r = src.clone();
-            let mut parts = vec![vec![0u16; src.len()]; 3];
-            for p in parts.iter_mut() {
-                a.round(&r, p);
-                a.residual(&mut r);
-            }
-            for (i, &v) in src.iter().enumerate() {
-                let got = [parts[0][i], parts[1][i], parts[2][i]];
-                assert_eq!(got, split_bf16(v), "element {i} = {v:e}");
-                let bf = |b: u16| f32::from_bits((b as u32) << 16) as f64;
-                let sum = bf(got[0]) + bf(got[1]) + bf(got[2]);
-                if v.is_finite() && v.abs() < 1e30 && (v == 0.0 || v.abs() > 1e-30) {
-                    let two = bf(got[0]) + bf(got[1]);
-                    assert!(
-                        (sum - v as f64).abs() <= v.abs() as f64 * 2f64.powi(-26),
-                        "{v:e}"
-                    );
-                    if src == &f16s {
-                        assert_eq!(two, v as f64, "f16 value {v:e} is not hi + lo");
-                    }
-                }
-            }
-        }
-    }
-
-    /// Q rows x keys, through the same packing the prefill items use, summed `reps` times (a
-    /// sum of that many equal terms, the block staying in tiles across them).
-    fn amx_qk(
-        a: Amx,
-        q: &[f32],
-        rows: usize,
-        k: &[f32],
-        n: usize,
-        d: usize,
-        reps: usize,
-    ) -> Vec<f32> {
-        let (dp, r32, n32) = (
-            d.div_ceil(32) * 32,
-            rows.div_ceil(32) * 32,
-            n.div_ceil(32) * 32,
-        );
-        // Keys at a stride wider than dp, as in a panel of key parts.
-        let ldk = dp + 32;
-        let mut kp = vec![0u16; n32 * ldk];
-        for j in 0..n {
-            a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
-        }
-        let mut qt = vec![0u32; dp / 2 * r32];
-        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
-        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
-            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
-        }
-        let mut st = vec![f32::NAN; n32 * r32];
-        let terms = vec![(&kp[..], &qt[..]); reps];
-        a.tiles().qk_t(&terms, ldk, dp, n32, r32, &mut st);
-        st
-    }
-
-    #[test]
     fn qk_tiles_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = amx() else { return };
-        let mut rng = Rng(11);
-        for d in [16usize, 64, 80, 96, 128, 256, 1, 7, 33, 100] {
-            for rows in [1usize, 15, 16, 17, 33, 64] {
-                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
-                    let q = rng.v(rows * d).iter().map(|x| x * 3.0).collect::<Vec<_>>();
-                    let k = rng.v(n * d);
-                    let r32 = rows.div_ceil(32) * 32;
-                    // Odd n: a sum of two terms.
-                    let reps = 1 + n % 2;
-                    let got = amx_qk(a, &q, rows, &k, n, d, reps);
-                    let mut want = vec![0f32; n * r32];
-                    qk_t_bf16(&q, rows, &k, n, d, &mut want, r32);
-                    let mut mag = vec![0f32; n * r32];
-                    qk_t_bf16(&abs(&q), rows, &abs(&k), n, d, &mut mag, r32);
-                    for j in 0..n {
-                        for r in 0..rows {
-                            let i = j * r32 + r;
-                            let (w, m) = (want[i] * reps as f32, mag[i] * reps as f32);
-                            let tol = order_bound(reps * d, m);
-                            assert!(
-                                (got[i] - w).abs() <= tol,
-                                "D={d} rows={rows} n={n}: st[{j}][{r}] = {:e}, twin {:e}",
-                                got[i],
-                                w
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// The fused cuts of weights (`pair_rows`) and query rows (`pair_cols`) into three parts
-    /// give exactly the twin's parts (`split_bf16`), in the pair layouts.
-    #[test]
-    fn fused_cuts_match_the_scalar_twin() {
-        let Some(a) = amx() else { return };
-        let mut rng = Rng(13);
-        let bf = |b: u32| b as u16;
-        for (n, ldt) in [(1usize, 16usize), (17, 32), (32, 64), (45, 48)] {
-            let n32 = n.div_ceil(32) * 32;
-            let mut st: Vec<f32> = rng.v(n * ldt).iter().map(|x| x.abs() * 3.0).collect();
-            st[0] = f32::INFINITY;
-            let last = st.len() - 1;
-            st[ldt.min(last)] = 1e-39;
-            let plane = n32 / 2 * ldt + 16;
-            let mut pt = vec![0xDEAD_BEEFu32; 3 * plane];
-            a.pair_rows(&st, ldt, n, n32, 3, &mut pt, plane);
-            for j in 0..n32 {
-                for r in 0..ldt {
-                    let want = if j < n {
-                        split_bf16(st[j * ldt + r])
-                    } else {
-                        [0; 3]
-                    };
-                    for (b, &w) in want.iter().enumerate() {
-                        let pair = pt[b * plane + j / 2 * ldt + r];
-                        let got = bf(if j % 2 == 0 {
-                            pair & 0xFFFF
-                        } else {
-                            pair >> 16
-                        });
-                        assert_eq!(got, w, "weight {j} row {r} part {b} (n={n}, ldt={ldt})");
-                    }
-                }
-            }
-        }
-        for d in [1usize, 7, 16, 33, 48, 128] {
-            // Groups of rows at r0: 16, a partial 5, 1; columns 48..64 never written.
-            let (ld, groups) = (64, [(0usize, 16usize), (16, 5), (32, 1)]);
-            let q: Vec<f32> = rng.v(22 * d).iter().map(|x| x * 5.0).collect();
-            let row = |c: usize| -> Option<usize> {
-                let (r0, nr) = groups.iter().find(|g| (g.0..g.0 + 16).contains(&c))?;
-                (c - r0 < *nr).then(|| {
-                    groups
-                        .iter()
-                        .take_while(|g| g.0 < *r0)
-                        .map(|g| g.1)
-                        .sum::<usize>()
-                        + c
-                        - r0
-                })
-            };
-            let n2 = d.div_ceil(2);
-            let plane = n2 * ld + 3;
-            let mut qt = vec![0xDEAD_BEEFu32; 3 * plane];
-            for (b, x2, c) in
-                (0..3).flat_map(|b| (0..n2).flat_map(move |x2| (0..48).map(move |c| (b, x2, c))))
-            {
-                qt[b * plane + x2 * ld + c] = 0x1234_5678;
-            }
-            let mut next = 0;
-            for &(r0, nr) in &groups {
-                let rows: Vec<&[f32]> = (next..next + nr).map(|r| &q[r * d..(r + 1) * d]).collect();
-                a.pair_cols(&rows, d, 3, &mut qt, ld, plane, r0);
-                next += nr;
-            }
-            for (i, &p) in qt.iter().enumerate() {
-                let (b, x2, c) = (i / plane, i % plane / ld, i % plane % ld);
-                let want = if i % plane >= n2 * ld || c >= 48 {
-                    0xDEAD_BEEF
-                } else if let Some(r) = row(c) {
-                    let part = |x: usize| {
-                        if x < d {
-                            split_bf16(q[r * d + x])[b] as u32
-                        } else {
-                            0
-                        }
-                    };
-                    part(2 * x2) | part(2 * x2 + 1) << 16
-                } else {
-                    0
-                };
-                assert_eq!(p, want, "D={d}: part {b}, pair {x2}, column {c}");
-            }
-        }
+        let tl = a.tiles();
+        check_qk(a.bf16(), 11, &|t, ld, dp, n32, r32, out| {
+            tl.qk_t(t, ld, dp, n32, r32, out)
+        });
     }
 
     #[test]
     fn pv_tiles_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = amx() else { return };
-        let mut rng = Rng(12);
-        for d in [16usize, 64, 80, 96, 128, 256, 1, 7, 33, 100] {
-            for rows in [1usize, 15, 16, 17, 33, 64] {
-                for n in [1usize, 2, 15, 16, 17, 31, 32, 33, 47, 48] {
-                    let (dp, r32, n32) = (
-                        d.div_ceil(32) * 32,
-                        rows.div_ceil(32) * 32,
-                        n.div_ceil(32) * 32,
-                    );
-                    // Transposed weights in [0, 1] (softmax weights), values in [-1, 1].
-                    let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
-                    let v = rng.v(n * d);
-                    let acc0 = rng.v(dp * r32);
-                    // Values transposed and rounded, keys padded with garbage the zero
-                    // weights must cancel (finite, as real cache rows are).
-                    let ldv = n32 + 5;
-                    let mut vt = vec![0x3F80u16; dp * ldv];
-                    let mut col = vec![0f32; n];
-                    for x in 0..dp {
-                        for j in 0..n {
-                            col[j] = if x < d { v[j * d + x] } else { 0.0 };
-                        }
-                        a.round(&col, &mut vt[x * ldv..]);
-                    }
-                    let mut pt = vec![0u32; n32 / 2 * r32];
-                    a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
-                    // Odd n: a sum of two terms (the block stays in tiles across them).
-                    let reps = 1 + n % 2;
-                    let terms = vec![(&vt[..], &pt[..]); reps];
-                    let mut got = acc0.clone();
-                    a.tiles().pv_t(&terms, ldv, dp, n32, r32, &mut got);
-                    let (mut want, mut mag) = (acc0.clone(), abs(&acc0));
-                    for _ in 0..reps {
-                        pv_t_bf16(&p, r32, rows, &v, n, d, &mut want, r32);
-                        pv_t_bf16(&p, r32, rows, &abs(&v), n, d, &mut mag, r32);
-                    }
-                    for x in 0..d {
-                        for r in 0..rows {
-                            let i = x * r32 + r;
-                            let tol = order_bound(reps * n + 1, mag[i]);
-                            assert!(
-                                (got[i] - want[i]).abs() <= tol,
-                                "D={d} rows={rows} n={n}: acc[{x}][{r}] = {:e}, twin {:e}",
-                                got[i],
-                                want[i]
-                            );
-                        }
-                    }
-                }
-            }
-        }
+        let tl = a.tiles();
+        check_pv(a.bf16(), 12, &|t, ld, dp, n32, r32, out| {
+            tl.pv_t(t, ld, dp, n32, r32, out)
+        });
     }
 }

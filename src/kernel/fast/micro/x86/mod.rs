@@ -9,8 +9,10 @@
 //!   register blocks its decode and prefill loops share.
 //! - `avx512_decode`, `avx512_tile`, `avx512_u8`: its [`DecodeMicro`], [`TileMicro`] and
 //!   `U8Micro` (u8 cache bytes) loops.
-//! - `amx`: AMX-BF16 tile configuration and the QK / PV tile products of bf16-query prefill
-//!   items (its twin is `scalar_amx` in the parent module).
+//! - `amx`: AMX-BF16 tile configuration and the QK / PV tile products of prefill items under
+//!   bf16 math (its twin is `scalar_amx` in the parent module).
+//! - `bf16`: AVX512-BF16: the bf16 packing of those products' operands (shared with `amx`) and
+//!   the same products by `vdpbf16ps` on CPUs without AMX (twin: `scalar_amx`).
 //! - `prefetch`, `bounds`: the prefetch cursor and the slice checks every tier uses.
 //! - `u8_loops`: the variant choice and row blocks the tiers' `U8Micro` products share.
 
@@ -26,6 +28,7 @@ pub(crate) mod avx512;
 mod avx512_decode;
 mod avx512_tile;
 mod avx512_u8;
+pub(crate) mod bf16;
 mod bounds;
 mod prefetch;
 mod u8_loops;
