@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <openvino/core/op_extension.hpp>
+#include <openvino/runtime/properties.hpp>
 
 #include "convert.hpp"
 #include "paged_attention_op.hpp"
@@ -74,6 +75,17 @@ void Session::compile(rust::Str device, rust::Slice<const Property> properties) 
     for (const auto& p : properties) {
         config[str(p.key)] = str(p.value);
     }
+    // Our op computes in the precision the model is compiled with (docs/contract.md,
+    // "Precision"): the hint given, else the device's default (bf16 on CPUs with AVX512-BF16 or
+    // AMX). The plugin does not tell a custom op, so the attribute carries it.
+    ov::element::Type hint;
+    const auto given = config.find(ov::hint::inference_precision.name());
+    if (given != config.end()) {
+        hint = ov::element::Type(given->second.as<std::string>());
+    } else {
+        hint = core_.get_property(str(device), ov::hint::inference_precision);
+    }
+    paged_attention::set_inference_precision(model_, hint == ov::element::bf16 ? "bf16" : "f32");
     compiled_ = core_.compile_model(model_, str(device), config);
     request_ = compiled_.create_infer_request();
 }
