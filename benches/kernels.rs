@@ -8,7 +8,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use half::f16;
 use paged_attention::kernel::fast::{execute_with, Precision};
 use paged_attention::kernel::fast::{insert::insert, rotate::rotate};
-use paged_attention::kernel::quant::{insert_u8, KeyQuant, U8Layout};
+use paged_attention::kernel::quant::{insert_u8, KeyQuant, QuantLayout};
 use paged_attention::Runner;
 use paged_attention::{validate, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Duration;
@@ -153,7 +153,7 @@ fn insert_u8_bench(c: &mut Criterion) {
     call.run(|i, _| plan = Some(validate(i).expect("validate")));
     let plan = plan.unwrap();
     // OpenVINO's default u8 layout: keys by channel, values by token (one group of D).
-    let l = U8Layout {
+    let l = QuantLayout {
         hkv: HKV,
         d: D,
         dv: D,

@@ -221,9 +221,9 @@ def u8_truth(call, H, Hkv, D, NB):
         psb.append(psb[-1] + int(past[s]))
         pbib.append(len(pbi))
     if rows_k:
-        _, kc0, vc0 = u8.run_u8(D, np.array(rows_k, np.float32), np.array(rows_v, np.float32),
+        _, kc0, vc0 = u8.run_quant(D, np.array(rows_k, np.float32), np.array(rows_v, np.float32),
                                 kc0, vc0, np.zeros(len(psb) - 1, np.int32), psb, pbi, pbib, cfg)
-    (out, scores), kc1, vc1 = u8.run_u8(D, call["key"], call["value"], kc0, vc0, past, sb, bi, bib,
+    (out, scores), kc1, vc1 = u8.run_quant(D, call["key"], call["value"], kc0, vc0, past, sb, bi, bib,
                                         cfg, query=call["query"], H=H, with_scores=True)
     # float64 attention over the caches OpenVINO left, dequantized: its attention must match
     ref = u8.attention_over_dequantized(call["query"], call["key"].shape, kc1, vc1, past, sb, bi,

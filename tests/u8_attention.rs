@@ -10,7 +10,7 @@ mod common;
 
 use common::ref64::{gen_case, reference, Case, Features, Geometry};
 use common::u8::{dequantized_case, u8_caches_with_past, LAYOUTS};
-use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::kernel::quant::{self, KeyQuant, QuantLayout};
 use paged_attention::{ElemType, Float};
 
 fn typed<Q: Float>(v: &[f64]) -> Vec<Q> {
@@ -19,7 +19,7 @@ fn typed<Q: Float>(v: &[f64]) -> Vec<Q> {
 
 /// Runs one case on u8 caches with query type Q; returns (worst output error, worst score error,
 /// worst output distance to float64 attention over the unquantized caches).
-fn run_case<Q: Float>(c: &Case, l: &U8Layout) -> (f64, f64, f64) {
+fn run_case<Q: Float>(c: &Case, l: &QuantLayout) -> (f64, f64, f64) {
     let plan = c.to_call().validate().expect("generated case validates");
     let (mut kc, mut vc) = u8_caches_with_past(c, l);
     let mut out = vec![Q::from_f32(f32::NAN); c.t() * c.h * c.d];
@@ -69,7 +69,7 @@ fn check(qt: ElemType, tol: f64, seeds: std::ops::Range<u64>) {
                 continue;
             }
             let geo = Geometry::new(qt, ElemType::F32, hkv, g, d, 32);
-            let l = U8Layout {
+            let l = QuantLayout {
                 hkv,
                 d,
                 dv: d,
@@ -115,7 +115,7 @@ fn wrong_cache_size_is_an_error() {
     let geo = Geometry::new(ElemType::F32, ElemType::F32, 2, 2, 64, 32);
     let c = gen_case(3, &geo, &features());
     let plan = c.to_call().validate().unwrap();
-    let l = U8Layout {
+    let l = QuantLayout {
         hkv: 2,
         d: 64,
         dv: 64,
@@ -158,7 +158,7 @@ fn rotation_inputs_that_do_not_fit_are_an_error() {
     };
     let c = gen_case(4, &geo, &f);
     let plan = c.to_call().validate().unwrap();
-    let l = U8Layout {
+    let l = QuantLayout {
         hkv: 2,
         d: 64,
         dv: 64,

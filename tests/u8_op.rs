@@ -10,7 +10,7 @@ mod common;
 use common::call::{idx, Data, Owned, Runner, RUNNERS};
 use common::ref64::{bf16_values, gen_case, reference, Case, Features, Geometry, SeqKind};
 use common::u8::{dequantized_case, layout_for, layout_for_bits, u8_call, LAYOUTS};
-use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::kernel::quant::{self, KeyQuant, QuantLayout};
 use paged_attention::op::{infer_shapes, PartialInput, PartialShape, DYN};
 use paged_attention::{ElemType, PaError};
 
@@ -33,7 +33,7 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 /// Runs `c` on u8 caches of `l` with `runner`; checks the caches' bytes against `insert_u8` on
 /// the same caches and the outputs against float64 attention over the dequantized caches.
 /// Returns the worst output and score errors.
-fn run_and_check(c: &Case, l: &U8Layout, runner: Runner) -> (f64, f64) {
+fn run_and_check(c: &Case, l: &QuantLayout, runner: Runner) -> (f64, f64) {
     let mut call = u8_call(c, l);
     let mut want_kc = call.inputs[idx::KEY_CACHE].data.u8s().to_vec();
     let mut want_vc = call.inputs[idx::VALUE_CACHE].data.u8s().to_vec();
@@ -255,7 +255,7 @@ fn mixed_cache_types_and_u8_inputs_are_refused() {
 
 /// The quantization step (scale) of each channel of the key at (block, head, slot) of a u8 key
 /// cache of `l`: the block's per-channel scales by channel, the row's group scales by token.
-fn key_steps(l: &U8Layout, kc: &[u8], block: usize, head: usize, slot: usize) -> Vec<f64> {
+fn key_steps(l: &QuantLayout, kc: &[u8], block: usize, head: usize, slot: usize) -> Vec<f64> {
     let dims = l.key_cache_dims(block + 1).unwrap();
     let slab = &kc[(block * l.hkv + head) * dims[2] * dims[3]..][..dims[2] * dims[3]];
     let f = |b: &[u8], i: usize| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()) as f64;
@@ -461,7 +461,7 @@ fn shape_inference_reads_u8_layouts() {
     assert!(msg.contains("5 rows") && !msg.contains("= -"), "{msg}");
 }
 
-/// Every SIMD level's u8 loops (`fast::quantized` on that level's `U8Micro`) against float64 attention
+/// Every SIMD level's u8 loops (`fast::quantized` on that level's `QuantMicro`) against float64 attention
 /// over the dequantized caches and against the scalar level, on edge geometries: head sizes that
 /// leave 16-lane tails (24, 40), more query heads per KV head than a tile has rows (10), block
 /// size 16, long contexts spanning many blocks, value heads of another size than the key's

@@ -61,7 +61,7 @@ def plugin_shapes(Hkv, D, cfg):
     return [(str(c.input(i).get_element_type()), str(c.input(i).get_partial_shape())) for i in (3, 4)]
 
 
-def run_u8(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
+def run_quant(D, key, value, kc, vc, past_lens, subsequence_begins, block_indices,
            block_indices_begins, cfg, query=None, H=None, with_scores=False):
     """One call of the built-in op on u8 caches ``kc``/``vc`` (copied, not modified), scores over
     each sequence's new tokens. Returns (output, key_cache_after, value_cache_after), or
@@ -425,7 +425,7 @@ def run_scenario(rng, name, variant, kind="normal", spread=1.0):
     cfg = u8_config(**v)
     records = []
     for c in calls:
-        _, kc2, vc2 = run_u8(D, c["key"], c["value"], kc, vc, c["past_lens"],
+        _, kc2, vc2 = run_quant(D, c["key"], c["value"], kc, vc, c["past_lens"],
                                c["subsequence_begins"], c["block_indices"],
                                c["block_indices_begins"], cfg)
         records.append(dict(call=c, kc_before=kc, vc_before=vc, kc_after=kc2, vc_after=vc2))
@@ -502,7 +502,7 @@ def main_attention():
         for c in calls:
             T = c["key"].shape[0]
             q = rng.normal(0, 1, (T, H * D)).astype(F32)
-            out, kc, vc = run_u8(D, c["key"], c["value"], kc, vc, c["past_lens"],
+            out, kc, vc = run_quant(D, c["key"], c["value"], kc, vc, c["past_lens"],
                                  c["subsequence_begins"], c["block_indices"],
                                  c["block_indices_begins"], u8_config(**v), query=q, H=H)
             past, bi = int(c["past_lens"][0]), c["block_indices"]

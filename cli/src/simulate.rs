@@ -41,7 +41,7 @@
 use paged_attention::cache::rng::SplitMix64;
 use paged_attention::cache::scheduler::{Request, Scheduler, SchedulerConfig};
 use paged_attention::dtype::ElemType;
-use paged_attention::op::u8_layout::{KeyQuant, U8Layout};
+use paged_attention::op::quant_layout::{KeyQuant, QuantLayout};
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
@@ -212,7 +212,7 @@ pub fn block_bytes(
             .checked_mul(head_size)?
             .checked_mul(2 * cache.bits() / 8)?,
         ElemType::U8 | ElemType::U4 => {
-            let l = U8Layout {
+            let l = QuantLayout {
                 hkv: kv_heads,
                 d: head_size,
                 dv: head_size,

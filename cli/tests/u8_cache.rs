@@ -7,7 +7,7 @@
 //! replays the steps through our insertion, feeding each step our own caches of the step before,
 //! and requires every byte of both caches to equal OpenVINO's.
 
-use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::kernel::quant::{self, KeyQuant, QuantLayout};
 use paged_attention::op::validate::SeqPlan;
 use paged_attention_cli::npy::{read_npy, NpyArray, NpyDtype};
 use serde_json::Value as Json;
@@ -45,7 +45,7 @@ fn num(j: &Json, key: &str) -> usize {
 
 struct Case {
     name: String,
-    layout: U8Layout,
+    layout: QuantLayout,
     nb: usize,
     steps: usize,
     dir: PathBuf,
@@ -58,7 +58,7 @@ fn cases() -> Vec<Case> {
         let text = std::fs::read_to_string(dir.join("case.json")).unwrap();
         let j: Json = serde_json::from_str(&text).unwrap();
         let by_token = matches!(j.get("key_by_token"), Some(Json::Bool(true)));
-        let layout = U8Layout {
+        let layout = QuantLayout {
             hkv: num(&j, "Hkv"),
             d: num(&j, "D"),
             dv: num(&j, "D"),
@@ -109,7 +109,7 @@ fn first_diff(ours: &[u8], theirs: &[u8]) -> Option<(usize, u8, u8)> {
 /// Replays a case's steps through `insert`; returns (case, step, cache, first differing byte).
 fn replay(
     case: &Case,
-    insert: impl Fn(&U8Layout, &[SeqPlan], &[i32], &[f32], &[f32], &mut [u8], &mut [u8]),
+    insert: impl Fn(&QuantLayout, &[SeqPlan], &[i32], &[f32], &[f32], &mut [u8], &mut [u8]),
 ) -> Vec<String> {
     let l = &case.layout;
     let kd = l.key_cache_dims(case.nb).unwrap();
@@ -150,7 +150,7 @@ fn replay(
 }
 
 fn ours(
-    l: &U8Layout,
+    l: &QuantLayout,
     plan: &[SeqPlan],
     bi: &[i32],
     key: &[f32],
@@ -179,7 +179,7 @@ fn insertion_matches_openvino_byte_for_byte() {
 /// from its first tokens (instead of re-quantizing the block) must fail the comparison.
 #[test]
 fn fixtures_reject_a_fixed_block_range() {
-    let fixed_range = |l: &U8Layout,
+    let fixed_range = |l: &QuantLayout,
                        plan: &[SeqPlan],
                        bi: &[i32],
                        key: &[f32],

@@ -479,7 +479,7 @@ pub fn copy_blocks<T: Copy>(
 }
 
 /// [`copy_blocks`] for caches whose blocks differ in size: u8 caches in OpenVINO's layout
-/// (`op::u8_layout`), whose key blocks hold `Hkv * (BS + 8) * D` bytes (by channel, scales
+/// (`op::quant_layout`), whose key blocks hold `Hkv * (BS + 8) * D` bytes (by channel, scales
 /// included) and value blocks `Hkv * BS * (D + 8 * D / G)`. Block `b` is contiguous in both, so a
 /// copy takes its quantization parameters along.
 pub fn copy_blocks_kv<T: Copy>(

@@ -1,11 +1,11 @@
 //! The validated call bound to typed slices ([`Bound`]), and the one place the plan's
 //! (query type, cache type) pair picks a monomorphised kernel ([`dispatch`]): a new cache type
 //! plugs in as one arm of [`with_cache`] (u8 caches, in OpenVINO's layout, through
-//! [`TypedOp::run_u8`]).
+//! [`TypedOp::run_quant`]).
 
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
-use crate::op::u8_layout::U8Layout;
+use crate::op::quant_layout::QuantLayout;
 use crate::op::{PaInputs, PaOutputs, Plan};
 use crate::tensor::{ElemsMut, Tensor};
 use std::borrow::Cow;
@@ -142,7 +142,7 @@ impl<'a, Q: Float, C: CacheElem> Bound<'a, Q, C> {
 pub(crate) trait TypedOp {
     fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()>;
     /// The call on u8 caches of `layout` (the plan's).
-    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()>;
+    fn run_quant<Q: Float>(self, plan: &Plan, layout: &QuantLayout, b: Bound<'_, Q, u8>) -> Result<()>;
 }
 
 /// Binds the call at the plan's (query type, cache type) and runs `op` on it.
@@ -174,7 +174,7 @@ fn with_cache<O: TypedOp, Q: Float>(
         E::F16 => op.run(plan, Bound::<Q, half::f16>::new(plan, inputs, outputs)?),
         E::BF16 => op.run(plan, Bound::<Q, half::bf16>::new(plan, inputs, outputs)?),
         E::U8 | E::U4 => match &plan.u8 {
-            Some(layout) => op.run_u8(plan, layout, Bound::<Q, u8>::new(plan, inputs, outputs)?),
+            Some(layout) => op.run_quant(plan, layout, Bound::<Q, u8>::new(plan, inputs, outputs)?),
             None => Err(missing("the quantized cache layout")),
         },
         _ => Err(no_kernel(plan.query_type, plan)),

@@ -15,9 +15,9 @@ use crate::dtype::Float;
 use crate::error::{PaError, Result};
 use crate::kernel::prefetch::prefetch_part;
 use crate::kernel::rope::{lut_row, rope_row};
-use crate::op::u8_layout::effective_group;
-pub use crate::op::u8_layout::{
-    token_row_bytes, token_row_bytes_bits, KeyQuant, U8Layout, PARAM_BYTES,
+use crate::op::quant_layout::effective_group;
+pub use crate::op::quant_layout::{
+    token_row_bytes, token_row_bytes_bits, KeyQuant, QuantLayout, PARAM_BYTES,
 };
 use crate::op::validate::SeqPlan;
 
@@ -340,7 +340,7 @@ pub(crate) struct InsertScratch {
 /// value rows (`[T, Hkv*D]`) into its block and slot. The plan's sequences and `block_indices`
 /// must have been validated against caches of `layout`'s shapes.
 pub fn insert_u8<Q: Float>(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     seqs: &[SeqPlan],
     block_indices: &[i32],
     key: &[Q],
@@ -374,7 +374,7 @@ pub fn insert_u8<Q: Float>(
 /// IEEE arithmetic gives the same bytes either way.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn insert_u8_head<Q: Float>(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     seqs: &[SeqPlan],
     block_indices: &[i32],
     new: (&[Q], &[Q]),
@@ -394,7 +394,7 @@ pub(crate) fn insert_u8_head<Q: Float>(
 
 /// What [`insert_u8_head`] inserts: layout, sequences, block table, (key, value), KV head.
 type HeadArgs<'a, Q> = (
-    &'a U8Layout,
+    &'a QuantLayout,
     &'a [SeqPlan],
     &'a [i32],
     (&'a [Q], &'a [Q]),
@@ -539,7 +539,7 @@ pub fn rotated_fills(
 /// by-token key row by row. Each rotation adds one rounding (at most half a step of the new
 /// parameters). The validated plan guarantees blocks, deltas and LUT rows are in range.
 pub(crate) fn rotate_u8_head(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     rot: &KeyRotation,
     fills: &[usize],
     head: usize,
@@ -583,7 +583,7 @@ pub(crate) fn rotate_u8_head(
 
 /// [`rotate_u8_head`] for every KV head, one after another.
 pub fn rotate_u8(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     seqs: &[SeqPlan],
     block_indices: &[i32],
     rot: &KeyRotation,
@@ -598,7 +598,7 @@ pub fn rotate_u8(
 
 /// Dequantizes the key of (block, head, slot) into `out` (D values).
 pub fn key_row(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     kc: &[u8],
     block: usize,
     head: usize,
@@ -619,7 +619,7 @@ pub fn key_row(
 
 /// Dequantizes the value of (block, head, slot) into `out` (Dv values).
 pub fn value_row(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     vc: &[u8],
     block: usize,
     head: usize,
@@ -634,7 +634,7 @@ pub fn value_row(
 /// The caches dequantized to f32 `[NB, Hkv, BS, D]` and `[NB, Hkv, BS, Dv]`, for the reference
 /// twin only: a fast kernel dequantizes the rows it reads, never the whole cache.
 pub(crate) fn dequantize_caches(
-    layout: &U8Layout,
+    layout: &QuantLayout,
     nb: usize,
     kc: &[u8],
     vc: &[u8],
@@ -670,7 +670,7 @@ mod tests {
         assert_eq!(token_row_bytes(64, 32), Some(80));
         assert_eq!(token_row_bytes(64, 12), None);
         assert_eq!(token_row_bytes(64, 128), None);
-        let l = U8Layout {
+        let l = QuantLayout {
             hkv: 2,
             d: 64,
             dv: 64,

@@ -9,7 +9,7 @@ use super::rope::{lut_row, rope_row};
 use super::softmax::{Lanes, OnlineSoftmax};
 use crate::dtype::Float;
 use crate::error::{PaError, Result};
-use crate::op::u8_layout::U8Layout;
+use crate::op::quant_layout::QuantLayout;
 use crate::op::Plan;
 use rayon::prelude::*;
 
@@ -29,7 +29,7 @@ impl TypedOp for Reference {
         Ok(())
     }
 
-    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
+    fn run_quant<Q: Float>(self, plan: &Plan, layout: &QuantLayout, b: Bound<'_, Q, u8>) -> Result<()> {
         run_reference_u8(
             plan,
             layout,
@@ -190,7 +190,7 @@ pub(crate) fn scores_ref<Q: Float, C: Float>(
 #[allow(clippy::too_many_arguments)]
 pub fn run_reference_u8<Q: Float>(
     plan: &Plan,
-    layout: &U8Layout,
+    layout: &QuantLayout,
     rotation: Option<&KeyRotation>,
     query: &[Q],
     key: &[Q],

@@ -4,12 +4,12 @@
 //!
 //! - `contract`: the 17-input table every other part reads.
 //! - `shape`: shape inference on partial shapes (also the shape rules of validation).
-//! - `u8_layout`: the shapes of u8 caches in OpenVINO's layout, and how a call's shapes name one.
+//! - `quant_layout`: the shapes of u8 caches in OpenVINO's layout, and how a call's shapes name one.
 //! - `validate`: concrete checks of values, producing a [`Plan`] the kernels run from.
 
 pub mod contract;
 pub mod shape;
-pub mod u8_layout;
+pub mod quant_layout;
 pub mod validate;
 
 pub use shape::{

@@ -6,7 +6,7 @@
 //! shapes (one contract, not two).
 
 use super::contract::*;
-use super::u8_layout::{group_of_row_bits, param_elems, KeyQuant};
+use super::quant_layout::{group_of_row_bits, param_elems, KeyQuant};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Result};
 

@@ -4,7 +4,7 @@
 
 use super::contract::*;
 use super::shape::{check, PartialInput, PartialShape};
-use super::u8_layout::U8Layout;
+use super::quant_layout::QuantLayout;
 use super::{PaInputs, PaOutputs};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Result};
@@ -64,7 +64,7 @@ pub struct Plan {
     pub cache_type: ElemType,
     /// The layout of u8 or u4 caches (`cache_type` u8 or u4, the layout's `bits`); `bs` and `d`
     /// are then the logical block size and head size, not the caches' last two dimensions.
-    pub u8: Option<U8Layout>,
+    pub u8: Option<QuantLayout>,
     /// Effective scale (the default `1/sqrt(D)` substituted for absent or 0).
     pub scale: f32,
     /// Sliding window; 0 means none.
@@ -329,7 +329,7 @@ pub fn validate(inputs: &PaInputs<'_>) -> Result<Plan> {
 
     let cache_type = k.cache_type.unwrap_or(ElemType::F32);
     let u8 = match (cache_type.is_quantized(), k.key_quant, k.value_group) {
-        (true, Some(key), Some(value_group)) => Some(U8Layout {
+        (true, Some(key), Some(value_group)) => Some(QuantLayout {
             hkv,
             d,
             dv,

@@ -4,7 +4,7 @@
 
 use super::call::{idx, Call, Data, Owned};
 use super::ref64::Case;
-use paged_attention::kernel::quant::{self, KeyQuant, U8Layout};
+use paged_attention::kernel::quant::{self, KeyQuant, QuantLayout};
 use paged_attention::op::validate::SeqPlan;
 
 /// (key mode, value group) variants: by-channel keys with one value group and with groups of 16,
@@ -18,14 +18,14 @@ pub const LAYOUTS: [(KeyQuant, usize); 4] = [
 
 /// The layout of `(key, value_group)` for the case's geometry, a group of the whole head (D
 /// for keys, Dv for values) written as 0 (one group), as the op reads it from the shapes.
-pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> U8Layout {
+pub fn layout_for(c: &Case, key: KeyQuant, value_group: usize) -> QuantLayout {
     layout_for_bits(c, key, value_group, 8)
 }
 
 /// [`layout_for`] with `bits`-bit elements (8: u8, 4: u4).
-pub fn layout_for_bits(c: &Case, key: KeyQuant, value_group: usize, bits: usize) -> U8Layout {
+pub fn layout_for_bits(c: &Case, key: KeyQuant, value_group: usize, bits: usize) -> QuantLayout {
     let one = |g: usize, w: usize| if g == w { 0 } else { g };
-    U8Layout {
+    QuantLayout {
         hkv: c.hkv,
         d: c.d,
         dv: c.dv,
@@ -43,7 +43,7 @@ pub fn layout_for_bits(c: &Case, key: KeyQuant, value_group: usize, bits: usize)
 
 /// The case as an op call whose caches are u8 (u4 when `l.bits` is 4) of layout `l`, holding
 /// the past tokens (quantized as a prefill of each sequence would).
-pub fn u8_call(c: &Case, l: &U8Layout) -> Call {
+pub fn u8_call(c: &Case, l: &QuantLayout) -> Call {
     let (kc, vc) = u8_caches_with_past(c, l);
     let data = |b: Vec<u8>| {
         if l.bits == 4 {
@@ -83,7 +83,7 @@ pub fn cached_rows(
 }
 
 /// The past tokens of `c` quantized into fresh u8 caches, as a prefill of each sequence would.
-pub fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
+pub fn u8_caches_with_past(c: &Case, l: &QuantLayout) -> (Vec<u8>, Vec<u8>) {
     let mut kc = vec![0u8; cache_bytes(l.key_cache_dims(c.nb).unwrap(), l.bits)];
     let mut vc = vec![0u8; cache_bytes(l.value_cache_dims(c.nb).unwrap(), l.bits)];
     let mut begin = 0;
@@ -113,7 +113,7 @@ pub fn u8_caches_with_past(c: &Case, l: &U8Layout) -> (Vec<u8>, Vec<u8>) {
 /// `c` with its caches replaced by the dequantized u8 caches (after the call) and its new keys and
 /// values by their dequantized rows, so the float64 reference inserts exactly what the u8 cache
 /// holds.
-pub fn dequantized_case(c: &Case, l: &U8Layout, kc: &[u8], vc: &[u8]) -> Case {
+pub fn dequantized_case(c: &Case, l: &QuantLayout, kc: &[u8], vc: &[u8]) -> Case {
     let mut out = c.clone();
     let (mut row, mut vrow) = (vec![0f32; c.d], vec![0f32; c.dv]);
     for block in 0..c.nb {

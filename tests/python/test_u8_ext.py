@@ -11,7 +11,7 @@ import pytest
 
 from ir_writer import paged_attention_ir, pa_port_dims
 from ov_u8_cache import (attention_over, attention_over_dequantized, cache_shapes,
-                         channel_block_params, dequant, dequantize_caches, read_token_row, run_u8,
+                         channel_block_params, dequant, dequantize_caches, read_token_row, run_quant,
                          u8_config)
 from test_openvino_ext import Runner, core, max_err  # noqa: F401 (core is a fixture)
 
@@ -73,7 +73,7 @@ def test_u8_caches_match_the_builtin_op_bytes_and_outputs(core, tmp_path, name):
     bi, bib = block_table()
     worst = 0.0
     for step, q, k, v, past_a, sb in schedule_calls(rng):
-        out_ov, kc_ov, vc_ov = run_u8(D, k, v, kc_ov, vc_ov, past_a, sb, bi, bib, cfg, query=q, H=H)
+        out_ov, kc_ov, vc_ov = run_quant(D, k, v, kc_ov, vc_ov, past_a, sb, bi, bib, cfg, query=q, H=H)
         out, _ = run([q, k, v, kc, vc, past_a, sb, bi, bib])
         assert np.array_equal(kc, kc_ov), f"{name} step {step}: key cache bytes differ " \
             f"({int(np.count_nonzero(kc != kc_ov))} of {kc.size})"
@@ -135,7 +135,7 @@ def test_u8_value_head_size_other_than_the_keys_against_float64(core, tmp_path, 
     layout, cfg = DV_LAYOUTS[name], u8_config(**DV_LAYOUTS[name])
     value_head_against_float64(name, cache_shapes(NB, HKV, D, Dv=DV, **layout),
                                lambda kc, vc: Runner(compile_ours(core, tmp_path, kc, vc, Dv=DV)),
-                               lambda q, *a: run_u8(D, *a, cfg, query=q, H=H),
+                               lambda q, *a: run_quant(D, *a, cfg, query=q, H=H),
                                lambda kc, vc: dequantize_caches(kc, vc, D, DV, **layout), 11)
 
 

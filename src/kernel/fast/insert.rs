@@ -3,7 +3,7 @@
 //! One task per (cache, KV head): rows of different KV heads never overlap, and inside a task tokens are
 //! written in the reference's order, so block tables that alias give the reference's result.
 
-use super::micro::{Micro, TileMicro, U8Micro};
+use super::micro::{Micro, TileMicro, QuantMicro};
 use super::shared::SharedMut;
 use super::{on_level, OnMicro, SimdLevel};
 use crate::dtype::{as_f32, Float};
@@ -29,7 +29,7 @@ pub fn insert<Q: Float, C: Float>(
     }
     impl<Q: Float, C: Float> OnMicro for One<'_, '_, Q, C> {
         type Out = ();
-        fn on<M: TileMicro + U8Micro>(self, m: M) {
+        fn on<M: TileMicro + QuantMicro>(self, m: M) {
             let (src, cache) = self.pair;
             insert_all(
                 m,

@@ -31,7 +31,7 @@
 //!   their QK and PV products on bf16 products: AMX-BF16 tiles, or `vdpbf16ps` without AMX
 //!   (same masks, softmax step and output writing as `prefill`).
 //! - `quantized`: u8 caches in OpenVINO's layouts as a source: insertion (one task per KV
-//!   head), decode tiles that read the bytes through the `U8Micro` loops (dequantized in
+//!   head), decode tiles that read the bytes through the `QuantMicro` loops (dequantized in
 //!   registers), prefill tiles dequantized once per call or one block at a time into f32 tiles
 //!   for the `TileMicro` loops. `u4`: u4 caches read through their u8 form.
 //! - `float`: f32, f16 and bf16 caches as a source (`decode`, `prefill`, `prefill_amx`).
@@ -88,7 +88,7 @@ mod source;
 use super::bind::{dispatch, Bound, TypedOp};
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::op::u8_layout::U8Layout;
+use crate::op::quant_layout::QuantLayout;
 use crate::op::{PaInputs, PaOutputs, Plan};
 use crate::threads::Runner;
 use micro::scalar::Scalar;
@@ -497,7 +497,7 @@ impl<M: Kernels> TypedOp for Fast<M> {
         )
     }
 
-    fn run_u8<Q: Float>(self, plan: &Plan, layout: &U8Layout, b: Bound<'_, Q, u8>) -> Result<()> {
+    fn run_quant<Q: Float>(self, plan: &Plan, layout: &QuantLayout, b: Bound<'_, Q, u8>) -> Result<()> {
         let Fast { m, opts } = self;
         let mut b = b;
         quantized::write(opts.runner, plan, layout, &mut b);

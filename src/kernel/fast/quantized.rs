@@ -8,11 +8,11 @@
 //!   their key blocks once per tile of up to [`ROWS`] rows per head, (block, KV head) in
 //!   storage order, in online-softmax steps of about [`STEP_KEYS`] keys, reading each key and
 //!   value element (a byte, or a u4 nibble: `micro::QRows`) once for all G heads through the
-//!   [`U8Micro`] loops (dequantized in registers), and write each row's `[max, sum, acc]` slot
+//!   [`QuantMicro`] loops (dequantized in registers), and write each row's `[max, sum, acc]` slot
 //!   and their score rows' logits, as float decode items do. Per block and head:
 //!   - keys by channel: `k = (q8 - zp[c]) * scale[c]` per channel, so `q . k = sum_c (q_c
 //!     scale_c) q8_c - sum_c q_c scale_c zp_c`: the query rows are multiplied by the block's
-//!     scales once and the second sum is one constant per row and block ([`U8Micro::fold`]);
+//!     scales once and the second sum is one constant per row and block ([`QuantMicro::fold`]);
 //!   - keys by token: per group, `scale_g * sum_c q_c (q8_c - zp_g)`;
 //!   - values (by token): `acc += (p * scale_g) * q8` per group, the accumulators held in
 //!     registers across a block's keys, and `sum p * scale_g * zp_g` kept per (row, group)
@@ -25,7 +25,7 @@
 //! The softmax step is `kernel::softmax::OnlineSoftmax`'s; masks, windows and ALiBi are the
 //! reference's (`kernel::layout`), logits capped at the f32 range as every path caps them.
 
-use super::micro::{Kernels, Micro, QRows, U8Micro};
+use super::micro::{Kernels, Micro, QRows, QuantMicro};
 use super::partition::{Item, Tuning};
 use super::prefill::{self, aligned, KvRows, TileSource, Widened};
 use super::shared::SharedMut;
@@ -37,7 +37,7 @@ use crate::error::Result;
 use crate::kernel::bind::Bound;
 use crate::kernel::layout::{block_of, tiles, visible, visible_span, window_start};
 use crate::kernel::quant::{
-    self, read_f32, CacheRows, InsertScratch, KeyQuant, U8Layout, PARAM_BYTES,
+    self, read_f32, CacheRows, InsertScratch, KeyQuant, QuantLayout, PARAM_BYTES,
 };
 use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 use crate::op::{Plan, SeqPlan};
@@ -51,7 +51,7 @@ const ROWS: usize = 8;
 /// to their u8 form (layout at 8 bits, block table renumbered).
 #[derive(Clone, Copy)]
 struct View<'a> {
-    l: U8Layout,
+    l: QuantLayout,
     kc: &'a [u8],
     vc: &'a [u8],
     block_indices: &'a [i32],
@@ -259,10 +259,10 @@ fn load_queries<Q: Float>(plan: &Plan, query: &[Q], rows: &[RowRef], q: &mut [f3
 /// capped again), as every other path makes a logit. The key products request the lines of `ahead`
 /// (the next read's bytes) as they go (by-token keys: a share per group).
 #[allow(clippy::too_many_arguments)]
-fn block_logits<M: U8Micro + Micro>(
+fn block_logits<M: QuantMicro + Micro>(
     m: M,
     plan: &Plan,
-    l: &U8Layout,
+    l: &QuantLayout,
     kc: &[u8],
     (block, slot0): (usize, usize),
     kvh: usize,
@@ -286,7 +286,7 @@ fn block_logits<M: U8Micro + Micro>(
             let data = &slab[PARAM_BYTES * d + slot0 * rb..];
             let k = QRows::new(data, rb, l.bits);
             let kzp = &sc.zeros[..n];
-            U8Micro::qk(m, &sc.qs, d, nr, k, kzp, d, s, lds, ahead);
+            QuantMicro::qk(m, &sc.qs, d, nr, k, kzp, d, s, lds, ahead);
             for (r, &c) in sc.cst[..nr].iter().enumerate() {
                 for x in &mut s[r * lds..][..n] {
                     *x -= c;
@@ -320,7 +320,7 @@ fn block_logits<M: U8Micro + Micro>(
                     sc.kzp[t] = read_f32(&rows_bytes[t * kr + g0..], 1);
                 }
                 let k = QRows::new(&rows_bytes[g0 + PARAM_BYTES..], kr, l.bits);
-                U8Micro::qk(
+                QuantMicro::qk(
                     m,
                     &q[gi * g..],
                     d,
@@ -405,10 +405,10 @@ struct Slots<'a, 'p, 's, 'd> {
 /// steps of 128 keys took 17% fewer instructions (callgrind, hot decode probe, AMD EPYC
 /// avx2). Blocks themselves are scattered, so each product call also requests the next
 /// read's bytes (the next key slab or value rows) a few lines before each of its tiles
-/// (`U8Micro::qk`/`pv`'s `pf`). Each head's arithmetic is the same whatever run it is part
+/// (`QuantMicro::qk`/`pv`'s `pf`). Each head's arithmetic is the same whatever run it is part
 /// of, so results do not depend on how heads are grouped.
 #[allow(clippy::too_many_arguments)]
-fn attend_tile<M: U8Micro + Micro, Q: Float>(
+fn attend_tile<M: QuantMicro + Micro, Q: Float>(
     m: M,
     plan: &Plan,
     (v, query): (&View<'_>, &[Q]),
@@ -496,7 +496,7 @@ fn attend_tile<M: U8Micro + Micro, Q: Float>(
                     // tile, and keys s0..s1 to this item's chunk: no other item writes there.
                     unsafe { sw.part(at + s0, n) }.copy_from_slice(s);
                 }
-                let step_ = st.update(U8Micro::max(m, s));
+                let step_ = st.update(QuantMicro::max(m, s));
                 if row.scored && direct {
                     hd.kmax[r * nsteps + step] = st.max;
                 }
@@ -593,7 +593,7 @@ thread_local! {
 
 /// Dequantizes the keys of slots `slot0..slot0 + n` of (block, KV head `kvh`) into `out`
 /// (`[n][D]`), as `kernel::quant` does (`(q - zp) * scale`, the reference's values exactly).
-fn dequant_keys<M: U8Micro>(
+fn dequant_keys<M: QuantMicro>(
     m: M,
     plan: &Plan,
     v: &View<'_>,
@@ -621,7 +621,7 @@ fn dequant_keys<M: U8Micro>(
 }
 
 /// The key slab (scales and zero points, then the keys) of (block, KV head).
-fn key_slab<'k>(plan: &Plan, l: &U8Layout, kc: &'k [u8], (block, kvh): (usize, usize)) -> &'k [u8] {
+fn key_slab<'k>(plan: &Plan, l: &QuantLayout, kc: &'k [u8], (block, kvh): (usize, usize)) -> &'k [u8] {
     let len = l.key_slab();
     &kc[(block * plan.hkv + kvh) * len..][..len]
 }
@@ -629,7 +629,7 @@ fn key_slab<'k>(plan: &Plan, l: &U8Layout, kc: &'k [u8], (block, kvh): (usize, u
 /// The value rows of keys `j0..j1` (inside one block) of (block, KV head).
 fn value_rows<'v>(
     plan: &Plan,
-    l: &U8Layout,
+    l: &QuantLayout,
     vc: &'v [u8],
     (block, kvh): (usize, usize),
     j0: usize,
@@ -645,7 +645,7 @@ fn value_rows<'v>(
 /// of a sequence dequantizes all the keys it sees again (on average half the sequence, 32
 /// times over for 1024 tokens). `None` past the same memory bound as widening (`2*T*H*D`
 /// floats each), and items then dequantize block by block.
-fn dequant_prefill_rows<M: U8Micro>(
+fn dequant_prefill_rows<M: QuantMicro>(
     m: M,
     (plan, runner): (&Plan, Runner),
     v: &View<'_>,
@@ -667,7 +667,7 @@ fn dequant_prefill_rows<M: U8Micro>(
 }
 
 /// Dequantizes `n` by-token rows of `ldr` bytes (groups of `group` channels, 0 = D) into `out`.
-fn dequant_token_rows<M: U8Micro>(
+fn dequant_token_rows<M: QuantMicro>(
     m: M,
     rows: &[u8],
     ldr: usize,
@@ -689,7 +689,7 @@ fn dequant_token_rows<M: U8Micro>(
 /// block dequantized into the loop's f32 staging tile when it is reached; both with the same
 /// arithmetic as `kernel::quant` (the reference's values exactly). The hints are the next
 /// block's key slab and this block's value rows (none for the contiguous dequantized rows).
-struct U8Tiles<'c, M> {
+struct QuantTiles<'c, M> {
     m: M,
     plan: &'c Plan,
     v: View<'c>,
@@ -701,7 +701,7 @@ struct U8Tiles<'c, M> {
     params: RefCell<(Vec<f32>, Vec<f32>)>,
 }
 
-impl<M: U8Micro> U8Tiles<'_, M> {
+impl<M: QuantMicro> QuantTiles<'_, M> {
     fn block(&self, j0: usize) -> usize {
         block_of(self.v.block_indices, self.sp.block_begin, self.plan.bs, j0)
     }
@@ -713,7 +713,7 @@ impl<M: U8Micro> U8Tiles<'_, M> {
     }
 }
 
-impl<M: U8Micro> TileSource for U8Tiles<'_, M> {
+impl<M: QuantMicro> TileSource for QuantTiles<'_, M> {
     type Pf = u8;
     fn keys<'s>(&'s self, j0: usize, j1: usize, buf: &'s mut [f32]) -> &'s [f32] {
         let (plan, d) = (self.plan, self.plan.d);
@@ -758,7 +758,7 @@ impl<M: U8Micro> TileSource for U8Tiles<'_, M> {
 /// The rows of a quantized cache for the bf16 packers (`prefill_amx`): from the rows the
 /// call dequantized once when there are, else dequantized block by block.
 #[cfg(target_arch = "x86_64")]
-struct U8Rows<'c, M> {
+struct QuantRows<'c, M> {
     m: M,
     plan: &'c Plan,
     v: View<'c>,
@@ -766,7 +766,7 @@ struct U8Rows<'c, M> {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl<M: U8Micro> super::prefill_amx::PanelRows for U8Rows<'_, M> {
+impl<M: QuantMicro> super::prefill_amx::PanelRows for QuantRows<'_, M> {
     fn keys(&self, s: usize, kvh: usize, a: usize, b: usize, out: &mut [f32]) {
         let (plan, d) = (self.plan, self.plan.d);
         let sp = &plan.seqs[s];
@@ -832,7 +832,7 @@ impl Source for u8 {
         chunk_align: STEP_KEYS,
         direct_scores: true,
     };
-    type Layout = U8Layout;
+    type Layout = QuantLayout;
     type Prep = Prep;
 
     fn prepare<M: Kernels, Q: Float>(m: M, ctx: &Ctx<'_, Q, u8>) -> Result<Option<Prep>> {
@@ -864,7 +864,7 @@ impl Source for u8 {
         if let Some(tier) = ctx.bf16_tier {
             // The panels from the f32 rows (or block by block past their budget); the f32 rows
             // are not read again.
-            let rows = U8Rows {
+            let rows = QuantRows {
                 m,
                 plan,
                 v,
@@ -903,10 +903,10 @@ impl Source for u8 {
         #[cfg(target_arch = "x86_64")]
         if let Some(tier) = ctx.bf16_tier {
             let packed = prep.and_then(|p| p.packed.as_ref());
-            let rows = U8Rows { m, plan, v, wide };
+            let rows = QuantRows { m, plan, v, wide };
             return super::prefill_amx::run_item(m, tier, ctx, it, o, (packed, &rows));
         }
-        prefill::run_item_on(m, ctx, it, o, |kvh| U8Tiles {
+        prefill::run_item_on(m, ctx, it, o, |kvh| QuantTiles {
             m,
             plan,
             v,
@@ -998,7 +998,7 @@ impl CacheRows for HeadRows<'_, '_> {
 
 /// Steps 1 and 2 on quantized caches: rotation of the cached keys, then insertion of the new
 /// rows, each KV head a task of its own (they touch only its bytes), in the reference's order.
-pub(crate) fn write<Q: Float>(runner: Runner, plan: &Plan, l: &U8Layout, b: &mut Bound<'_, Q, u8>) {
+pub(crate) fn write<Q: Float>(runner: Runner, plan: &Plan, l: &QuantLayout, b: &mut Bound<'_, Q, u8>) {
     let rot = b.rotation.as_ref().map(|r| r.keys());
     let fills = match &rot {
         Some(r) => quant::rotated_fills(plan.bs, &plan.seqs, b.block_indices, r),

@@ -12,7 +12,7 @@
 
 use super::shared::SharedMut;
 use crate::error::{PaError, Result};
-use crate::kernel::quant::{unpack_u4_slab, unpack_u4_token_rows, KeyQuant, U8Layout};
+use crate::kernel::quant::{unpack_u4_slab, unpack_u4_token_rows, KeyQuant, QuantLayout};
 use crate::op::Plan;
 use crate::threads::Runner;
 use std::sync::Mutex;
@@ -20,7 +20,7 @@ use std::sync::Mutex;
 /// The reached blocks of a call as u8 caches.
 pub(crate) struct Unpacked {
     /// The u8 layout (the u4 layout at 8 bits).
-    pub layout: U8Layout,
+    pub layout: QuantLayout,
     pub kc: Vec<u8>,
     pub vc: Vec<u8>,
     /// The call's block table with every reached entry renumbered into the unpacked caches
@@ -64,12 +64,12 @@ impl Unpacked {
 pub(crate) fn unpack(
     runner: Runner,
     plan: &Plan,
-    l: &U8Layout,
+    l: &QuantLayout,
     (kc, vc, block_indices): (&[u8], &[u8], &[i32]),
     want: impl Fn(usize) -> bool,
 ) -> Result<Unpacked> {
     debug_assert_eq!(l.bits, 4);
-    let u8l = U8Layout { bits: 8, ..*l };
+    let u8l = QuantLayout { bits: 8, ..*l };
     let mut renum = vec![-1i32; plan.nb];
     let mut reached = Vec::new();
     let mut table = vec![-1i32; block_indices.len()];

@@ -9,7 +9,7 @@
 //! - `scalar_decode`: the [`DecodeMicro`] loops of decode tiles (few rows per KV head); the SIMD
 //!   twins also keep the next tile's cache lines coming while they compute.
 //! - `scalar_tile`: the [`TileMicro`] loops of prefill tiles (transposed logits).
-//! - `scalar_u8`: the [`U8Micro`] loops over u8 cache bytes (OpenVINO's layout; the driver
+//! - `scalar_u8`: the [`QuantMicro`] loops over u8 cache bytes (OpenVINO's layout; the driver
 //!   `fast::quantized` folds scales and zero points around them); `x86/avx2_u8` and `x86/avx512_u8`
 //!   are the AVX2 and AVX-512 tiers.
 //! - `x86/amx`: AMX-BF16 tile products (QK and PV) for prefill items of a bf16
@@ -92,10 +92,10 @@ pub(crate) trait Micro: DecodeMicro + Copy + Send + Sync {
 }
 
 /// Every loop a tier has: what the pipeline runs on.
-pub(crate) trait Kernels: TileMicro + U8Micro {}
-impl<T: TileMicro + U8Micro> Kernels for T {}
+pub(crate) trait Kernels: TileMicro + QuantMicro {}
+impl<T: TileMicro + QuantMicro> Kernels for T {}
 
-/// Rows of quantized cache elements as the [`U8Micro`] products read them, in place: row `t`
+/// Rows of quantized cache elements as the [`QuantMicro`] products read them, in place: row `t`
 /// starts at byte `t * ld` of `bytes`, and its element `c` is byte `c` (`bits` 8: u8 caches)
 /// or nibble `c` (`bits` 4: u4 caches, two elements a byte, the even one in the high nibble,
 /// as `kernel::quant::q_at` reads them). u4 rows are widened in registers as they are loaded,
@@ -144,7 +144,7 @@ impl<'a> QRows<'a> {
 /// The loops over quantized cache rows ([`QRows`]: u8, or u4 nibbles). Elements are widened to
 /// f32 as they are loaded (never a whole row or cache ahead of use); the zero point here is one
 /// per call (a by-token group's), the driver folds per-channel parameters into the query rows.
-pub(crate) trait U8Micro: Copy + Send + Sync {
+pub(crate) trait QuantMicro: Copy + Send + Sync {
     /// `s[r*lds + t] = sum_c q[r*ldq + c] * (k[t, c] - zp[t])` for `r < rows`,
     /// `t < n = zp.len()`, `c < len`: the logits of `n` keys (one group of `len` channels each;
     /// `k[t, c]` is element `c` of row `t`, a byte or a u4 nibble, [`QRows`]).
@@ -165,8 +165,8 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
     );
     /// `acc[r*lda + c] += sum_t w[r*n + t] * (v[t, c] - zp[t])` for `r < rows`, `c < len`,
     /// `t < n = zp.len()`: the values of `n` keys (one group of `len` channels each; elements
-    /// as in [`U8Micro::qk`]) weighted into the rows' accumulators, which stay in registers
-    /// across the keys. `pf` as for [`U8Micro::qk`].
+    /// as in [`QuantMicro::qk`]) weighted into the rows' accumulators, which stay in registers
+    /// across the keys. `pf` as for [`QuantMicro::qk`].
     #[allow(clippy::too_many_arguments)]
     fn pv(
         self,
@@ -219,7 +219,7 @@ pub(crate) trait U8Micro: Copy + Send + Sync {
     /// `out[i] = (src[i] - zp[i]) * scale[i]`, rounded as `kernel::quant::dequant` (a
     /// subtraction, then a product: every tier gives the same bits), for `i < out.len()`.
     fn dequant(self, src: &[u8], zp: &[f32], scale: &[f32], out: &mut [f32]);
-    /// `out[i] = (src[i] - zp) * scale`, rounded as [`U8Micro::dequant`].
+    /// `out[i] = (src[i] - zp) * scale`, rounded as [`QuantMicro::dequant`].
     fn dequant_uniform(self, src: &[u8], zp: f32, scale: f32, out: &mut [f32]);
 }
 

@@ -1,12 +1,12 @@
-//! The scalar [`U8Micro`]: plain loops over u8 cache bytes and u4 nibbles ([`QRows::at`]), the
+//! The scalar [`QuantMicro`]: plain loops over u8 cache bytes and u4 nibbles ([`QRows::at`]), the
 //! twin the SIMD tiers are tested against.
 
 use super::scalar::Scalar;
-use super::{exp_sum_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
+use super::{exp_sum_bounds, pv_bounds, qk_bounds, QRows, QuantMicro};
 use crate::kernel::fast::prefetch_part;
 use crate::kernel::quant::dequant;
 
-impl U8Micro for Scalar {
+impl QuantMicro for Scalar {
     fn qk(
         self,
         q: &[f32],

@@ -1,4 +1,4 @@
-//! Every tier's [`U8Micro`] loops (the scalar twin included) against float64 on seeded random
+//! Every tier's [`QuantMicro`] loops (the scalar twin included) against float64 on seeded random
 //! bytes, at the vector edges: row counts around the 4-row blocks, key counts around the 4-key
 //! blocks, lengths that leave every tail of 8 and 16 lanes (odd ones: a u4 row's last byte
 //! half used), zero points all 0 (by-channel keys) or not; the products on u8 bytes and on u4
@@ -8,7 +8,7 @@
 //! `micro::tests`: a sum of `n` f32 products is within `(n + 2) * eps * sum |terms|`.
 
 use super::scalar::Scalar;
-use super::{QRows, U8Micro};
+use super::{QRows, QuantMicro};
 use crate::kernel::quant::{dequant, q_at};
 
 const EPS: f64 = f32::EPSILON as f64;
@@ -76,7 +76,7 @@ fn widened(b: &[u8], ld: usize, n: usize, len: usize) -> Vec<u8> {
     w
 }
 
-fn qk<M: U8Micro>(m: M, tier: &str, bits: usize) {
+fn qk<M: QuantMicro>(m: M, tier: &str, bits: usize) {
     let mut rng = Rng(0x5eed_0008 + bits as u64);
     for rows in ROWS {
         for n in KEYS {
@@ -126,7 +126,7 @@ fn qk<M: U8Micro>(m: M, tier: &str, bits: usize) {
     }
 }
 
-fn pv<M: U8Micro>(m: M, tier: &str, bits: usize) {
+fn pv<M: QuantMicro>(m: M, tier: &str, bits: usize) {
     let mut rng = Rng(0x9f3_0008 + bits as u64);
     for rows in ROWS {
         for n in KEYS {
@@ -179,7 +179,7 @@ fn pv<M: U8Micro>(m: M, tier: &str, bits: usize) {
     }
 }
 
-fn fold<M: U8Micro>(m: M, tier: &str) {
+fn fold<M: QuantMicro>(m: M, tier: &str) {
     let mut rng = Rng(0xf01d_0008);
     for rows in ROWS {
         for len in LENS {
@@ -217,7 +217,7 @@ fn fold<M: U8Micro>(m: M, tier: &str) {
     }
 }
 
-fn elementwise<M: U8Micro>(m: M, tier: &str) {
+fn elementwise<M: QuantMicro>(m: M, tier: &str) {
     let mut rng = Rng(0xe1e_0008);
     for len in LENS {
         let what = format!("{tier} len={len}");
@@ -306,7 +306,7 @@ fn elementwise<M: U8Micro>(m: M, tier: &str) {
     }
 }
 
-fn all<M: U8Micro>(m: M, tier: &str) {
+fn all<M: QuantMicro>(m: M, tier: &str) {
     for bits in [8, 4] {
         qk(m, tier, bits);
         pv(m, tier, bits);

@@ -1,4 +1,4 @@
-//! The AVX2 [`U8Micro`]: 8 elements at a time zero-extended to i32 and converted to f32
+//! The AVX2 [`QuantMicro`]: 8 elements at a time zero-extended to i32 and converted to f32
 //! (`vpmovzxbd`, `vcvtdq2ps`; u4 rows: 4 bytes split into high and low nibbles and
 //! interleaved back into element order in a register, [`load_q`]), the zero point subtracted
 //! once per 8 elements for all rows (not at
@@ -9,14 +9,14 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, QuantMicro};
 use super::avx2::{exp_sub_sum_rows, hsum4, load_partial, Avx2};
 use super::prefetch::Pf;
-use super::u8_loops::{self, PvArgs, QkArgs, U8Loops};
+use super::u8_loops::{self, PvArgs, QkArgs, QuantLoops};
 
 u8_loops::u8_loops_by!(Avx2);
 
-impl U8Micro for Avx2 {
+impl QuantMicro for Avx2 {
     fn qk(
         self,
         q: &[f32],
@@ -217,7 +217,7 @@ unsafe fn store_f32(p: *mut f32, len: usize, x: __m256) {
     }
 }
 
-/// [`U8Micro::qk`] in tiles of up to 4 rows x 3 keys, `pf` ticked before each; `SUB`: whether
+/// [`QuantMicro::qk`] in tiles of up to 4 rows x 3 keys, `pf` ticked before each; `SUB`: whether
 /// the zero points are subtracted (they are all 0 when not).
 ///
 /// # Safety
@@ -453,7 +453,7 @@ unsafe fn dequant(
     }
 }
 
-/// [`U8Micro::fold`] for `cst.len()` rows, four at a time (then the rest one by one):
+/// [`QuantMicro::fold`] for `cst.len()` rows, four at a time (then the rest one by one):
 /// `out = x * scale`, each row's `cst` in two interleaved sums (even and odd chunks of 8), so
 /// a block of four has eight FMA chains in flight and one `hsum4` for its four constants;
 /// `scale` and `zp` are loaded once per chunk for the block. (Row by row, one decode step's two
@@ -535,7 +535,7 @@ unsafe fn fold_block<const R: usize>(
     }
 }
 
-/// [`U8Micro::max`]: `vmaxps` returns its second operand when either is NaN, so a NaN never
+/// [`QuantMicro::max`]: `vmaxps` returns its second operand when either is NaN, so a NaN never
 /// replaces the running max (`f32::max`'s rule); padded lanes are `-inf`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

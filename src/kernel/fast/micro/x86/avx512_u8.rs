@@ -1,4 +1,4 @@
-//! The AVX-512 [`U8Micro`]: 16 elements at a time zero-extended to i32 and converted to f32
+//! The AVX-512 [`QuantMicro`]: 16 elements at a time zero-extended to i32 and converted to f32
 //! (`vpmovzxbd`, `vcvtdq2ps`), the zero point subtracted once per 16 elements for all rows,
 //! masked tails. u4 rows are read in place: 8 bytes (16 nibbles) split into high and low
 //! nibbles and interleaved back into element order in a register ([`load_q`]), so the products
@@ -7,14 +7,14 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, U8Micro};
+use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, QuantMicro};
 use super::avx512::{exp16, reduce16, tail, Avx512};
 use super::prefetch::Pf;
-use super::u8_loops::{self, PvArgs, QkArgs, U8Loops};
+use super::u8_loops::{self, PvArgs, QkArgs, QuantLoops};
 
 u8_loops::u8_loops_by!(Avx512);
 
-impl U8Micro for Avx512 {
+impl QuantMicro for Avx512 {
     fn qk(
         self,
         q: &[f32],
@@ -119,7 +119,7 @@ impl U8Micro for Avx512 {
     }
 }
 
-/// [`U8Micro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`.
+/// [`QuantMicro::fold`] for `cst.len()` rows: `out = x * scale`, `cst[r] = sum(out * zp)`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn fold_rows(
@@ -185,7 +185,7 @@ unsafe fn dequant(
     }
 }
 
-/// [`U8Micro::qk`] in tiles of up to 4 rows x 4 keys, `pf` ticked before each; `SUB`: whether
+/// [`QuantMicro::qk`] in tiles of up to 4 rows x 4 keys, `pf` ticked before each; `SUB`: whether
 /// the zero points are subtracted (they are all 0 when not); `U4`: whether the elements are
 /// nibbles (else bytes).
 ///

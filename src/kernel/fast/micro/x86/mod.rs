@@ -4,17 +4,17 @@
 //! - `avx2`: AVX2 + FMA + F16C [`Micro`] (8-wide), chosen only after runtime detection.
 //! - `avx2_decode`: its [`DecodeMicro`] loops (decode tiles, with software prefetch).
 //! - `avx2_tile`: its [`TileMicro`] loops (prefill tiles on transposed logits).
-//! - `avx2_u8`: its `U8Micro` loops (u8 cache bytes).
+//! - `avx2_u8`: its `QuantMicro` loops (u8 cache bytes).
 //! - `avx512`: AVX-512 F + BW + VL + DQ [`Micro`] (16-wide, masked tails) and the QK / PV
 //!   register blocks its decode and prefill loops share.
 //! - `avx512_decode`, `avx512_tile`, `avx512_u8`: its [`DecodeMicro`], [`TileMicro`] and
-//!   `U8Micro` (u8 cache bytes) loops.
+//!   `QuantMicro` (u8 cache bytes) loops.
 //! - `amx`: AMX-BF16 tile configuration and the QK / PV tile products of prefill items under
 //!   bf16 math (its twin is `scalar_amx` in the parent module).
 //! - `bf16`: AVX512-BF16: the bf16 packing of those products' operands (shared with `amx`) and
 //!   the same products by `vdpbf16ps` on CPUs without AMX (twin: `scalar_amx`).
 //! - `prefetch`, `bounds`: the prefetch cursor and the slice checks every tier uses.
-//! - `u8_loops`: the variant choice and row blocks the tiers' `U8Micro` products share.
+//! - `u8_loops`: the variant choice and row blocks the tiers' `QuantMicro` products share.
 
 // The tier files name the traits as `super::Micro` etc., as they did beside them.
 pub(crate) use super::{DecodeMicro, Micro, TileMicro};

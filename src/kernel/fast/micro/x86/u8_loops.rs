@@ -1,12 +1,12 @@
-//! What the x86 tiers' [`U8Micro`](super::super::U8Micro) products share: the choice of their
+//! What the x86 tiers' [`QuantMicro`](super::super::QuantMicro) products share: the choice of their
 //! compile-time variants (zero points subtracted or folded away, bytes or u4 nibbles) and the
-//! value products' blocks of up to 4 rows. Each tier gives its loops ([`U8Loops`]); the bounds
+//! value products' blocks of up to 4 rows. Each tier gives its loops ([`QuantLoops`]); the bounds
 //! are checked by the caller before any of this runs.
 
 use super::prefetch::Pf;
 
 /// The arguments of a tier's `qk_tiles`: `(q, ldq, rows, k, ldk, zp, len, s, lds)` as in
-/// `U8Micro::qk` (`k` the rows' bytes, `ldk` their stride).
+/// `QuantMicro::qk` (`k` the rows' bytes, `ldk` their stride).
 pub(super) type QkArgs<'a> = (
     &'a [f32],
     usize,
@@ -34,13 +34,13 @@ pub(super) type PvArgs<'a> = (
 
 /// A tier's u8 product loops at each variant: `SUB`, whether the zero points are subtracted
 /// (they are all 0 when not); `U4`, whether the elements are nibbles (else bytes).
-pub(super) trait U8Loops {
-    /// The logits of `U8Micro::qk`, `pf` ticked as the tier's tiles go.
+pub(super) trait QuantLoops {
+    /// The logits of `QuantMicro::qk`, `pf` ticked as the tier's tiles go.
     ///
     /// # Safety
     /// The CPU has the tier's features and the arguments passed `qk_bounds`.
     unsafe fn qk_tiles<const SUB: bool, const U4: bool>(args: QkArgs<'_>, pf: Pf);
-    /// `U8Micro::pv` for `R` (1 to 4) rows held in registers.
+    /// `QuantMicro::pv` for `R` (1 to 4) rows held in registers.
     ///
     /// # Safety
     /// The CPU has the tier's features, and `R` rows of the accumulators (stride `lda`, `len`
@@ -49,20 +49,20 @@ pub(super) trait U8Loops {
     unsafe fn pv_r<const SUB: bool, const U4: bool, const R: usize>(args: PvArgs<'_>, pf: &mut Pf);
 }
 
-/// Implements [`U8Loops`] for a tier by the free `qk_tiles` and `pv_r` of the module it is
-/// invoked in (which names `U8Loops`, `QkArgs`, `PvArgs` and `Pf`).
+/// Implements [`QuantLoops`] for a tier by the free `qk_tiles` and `pv_r` of the module it is
+/// invoked in (which names `QuantLoops`, `QkArgs`, `PvArgs` and `Pf`).
 macro_rules! u8_loops_by {
     ($tier:ty) => {
-        impl U8Loops for $tier {
+        impl QuantLoops for $tier {
             unsafe fn qk_tiles<const SUB: bool, const U4: bool>(args: QkArgs<'_>, pf: Pf) {
-                // SAFETY: the caller's guarantee (`U8Loops::qk_tiles`).
+                // SAFETY: the caller's guarantee (`QuantLoops::qk_tiles`).
                 unsafe { qk_tiles::<SUB, U4>(args, pf) }
             }
             unsafe fn pv_r<const SUB: bool, const U4: bool, const R: usize>(
                 args: PvArgs<'_>,
                 pf: &mut Pf,
             ) {
-                // SAFETY: the caller's guarantee (`U8Loops::pv_r`).
+                // SAFETY: the caller's guarantee (`QuantLoops::pv_r`).
                 unsafe { pv_r::<SUB, U4, R>(args, pf) }
             }
         }
@@ -73,8 +73,8 @@ pub(super) use u8_loops_by;
 /// `T::qk_tiles` at the variant of `sub` and `u4`.
 ///
 /// # Safety
-/// As [`U8Loops::qk_tiles`].
-pub(super) unsafe fn qk<T: U8Loops>(args: QkArgs<'_>, (sub, u4): (bool, bool), pf: Pf) {
+/// As [`QuantLoops::qk_tiles`].
+pub(super) unsafe fn qk<T: QuantLoops>(args: QkArgs<'_>, (sub, u4): (bool, bool), pf: Pf) {
     // SAFETY: the caller's guarantee.
     unsafe {
         match (sub, u4) {
@@ -86,12 +86,12 @@ pub(super) unsafe fn qk<T: U8Loops>(args: QkArgs<'_>, (sub, u4): (bool, bool), p
     }
 }
 
-/// `U8Micro::pv` in blocks of up to 4 rows (`T::pv_r`) at the variant of `sub` and `u4`.
+/// `QuantMicro::pv` in blocks of up to 4 rows (`T::pv_r`) at the variant of `sub` and `u4`.
 ///
 /// # Safety
 /// The CPU has the tier's features and the arguments passed `pv_bounds`.
 #[allow(clippy::type_complexity)]
-pub(super) unsafe fn pv<T: U8Loops>(
+pub(super) unsafe fn pv<T: QuantLoops>(
     (acc, lda, rows, w, v, ldv, zp, len): (
         &mut [f32],
         usize,
@@ -129,9 +129,9 @@ pub(super) unsafe fn pv<T: U8Loops>(
 /// `T::pv_r` for a block of `take` (1 to 4) rows.
 ///
 /// # Safety
-/// As [`U8Loops::pv_r`] with `R = take`.
+/// As [`QuantLoops::pv_r`] with `R = take`.
 #[inline(always)]
-unsafe fn pv_block<T: U8Loops, const SUB: bool, const U4: bool>(
+unsafe fn pv_block<T: QuantLoops, const SUB: bool, const U4: bool>(
     take: usize,
     args: PvArgs<'_>,
     pf: &mut Pf,

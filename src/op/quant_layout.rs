@@ -1,4 +1,4 @@
-//! The shapes of u8 and u4 caches in OpenVINO 2026.4.1's CPU-plugin layout ([`U8Layout`], whose
+//! The shapes of u8 and u4 caches in OpenVINO 2026.4.1's CPU-plugin layout ([`QuantLayout`], whose
 //! `bits` says which), and how a call's tensor shapes say which layout they hold
 //! (docs/contract.md, "u8 caches", "u4 caches"). The bytes' arithmetic (quantize, dequantize,
 //! insert) is `kernel::quant`'s.
@@ -22,7 +22,7 @@ pub enum KeyQuant {
 
 /// Layout of a pair of quantized caches (u8, or u4 with `bits` 4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct U8Layout {
+pub struct QuantLayout {
     /// KV heads.
     pub hkv: usize,
     /// Key head size.
@@ -95,7 +95,7 @@ pub fn group_of_row_bits(cols: usize, d: usize, bits: usize) -> Option<usize> {
     })
 }
 
-impl U8Layout {
+impl QuantLayout {
     /// Shape `[NB, Hkv, rows, cols]` of the key cache, in elements; `None` for a group that
     /// does not divide D.
     pub fn key_cache_dims(&self, nb: usize) -> Option<[usize; 4]> {
@@ -183,7 +183,7 @@ mod tests {
     fn u4_shapes_match_the_plugin_ports() {
         // as OpenVINO 2026.4.1 reports its u4 ports (tools/ov_u4_cache.py): key
         // [?, Hkv, BS + 16, D], value [?, Hkv, BS, D + 16 * D / G]
-        let l = U8Layout {
+        let l = QuantLayout {
             hkv: 2,
             d: 64,
             dv: 64,
@@ -211,14 +211,14 @@ mod tests {
                 }
             }
         }
-        assert!(!U8Layout {
+        assert!(!QuantLayout {
             d: 7,
             dv: 7,
             value_group: 0,
             ..l
         }
         .is_valid());
-        assert!(!U8Layout {
+        assert!(!QuantLayout {
             value_group: 1,
             ..l
         }
