@@ -142,7 +142,12 @@ impl<'a, Q: Float, C: CacheElem> Bound<'a, Q, C> {
 pub(crate) trait TypedOp {
     fn run<Q: Float, C: Float>(self, plan: &Plan, b: Bound<'_, Q, C>) -> Result<()>;
     /// The call on u8 caches of `layout` (the plan's).
-    fn run_quant<Q: Float>(self, plan: &Plan, layout: &QuantLayout, b: Bound<'_, Q, u8>) -> Result<()>;
+    fn run_quant<Q: Float>(
+        self,
+        plan: &Plan,
+        layout: &QuantLayout,
+        b: Bound<'_, Q, u8>,
+    ) -> Result<()>;
 }
 
 /// Binds the call at the plan's (query type, cache type) and runs `op` on it.

@@ -29,7 +29,12 @@ impl TypedOp for Reference {
         Ok(())
     }
 
-    fn run_quant<Q: Float>(self, plan: &Plan, layout: &QuantLayout, b: Bound<'_, Q, u8>) -> Result<()> {
+    fn run_quant<Q: Float>(
+        self,
+        plan: &Plan,
+        layout: &QuantLayout,
+        b: Bound<'_, Q, u8>,
+    ) -> Result<()> {
         run_reference_u8(
             plan,
             layout,

@@ -8,8 +8,8 @@
 //! - `validate`: concrete checks of values, producing a [`Plan`] the kernels run from.
 
 pub mod contract;
-pub mod shape;
 pub mod quant_layout;
+pub mod shape;
 pub mod validate;
 
 pub use shape::{

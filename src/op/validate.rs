@@ -3,8 +3,8 @@
 //! before it succeeds.
 
 use super::contract::*;
-use super::shape::{check, PartialInput, PartialShape};
 use super::quant_layout::QuantLayout;
+use super::shape::{check, PartialInput, PartialShape};
 use super::{PaInputs, PaOutputs};
 use crate::dtype::ElemType;
 use crate::error::{PaError, Result};

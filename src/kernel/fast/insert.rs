@@ -3,7 +3,7 @@
 //! One task per (cache, KV head): rows of different KV heads never overlap, and inside a task tokens are
 //! written in the reference's order, so block tables that alias give the reference's result.
 
-use super::micro::{Micro, TileMicro, QuantMicro};
+use super::micro::{Micro, QuantMicro, TileMicro};
 use super::shared::SharedMut;
 use super::{on_level, OnMicro, SimdLevel};
 use crate::dtype::{as_f32, Float};

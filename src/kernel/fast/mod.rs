@@ -497,7 +497,12 @@ impl<M: Kernels> TypedOp for Fast<M> {
         )
     }
 
-    fn run_quant<Q: Float>(self, plan: &Plan, layout: &QuantLayout, b: Bound<'_, Q, u8>) -> Result<()> {
+    fn run_quant<Q: Float>(
+        self,
+        plan: &Plan,
+        layout: &QuantLayout,
+        b: Bound<'_, Q, u8>,
+    ) -> Result<()> {
         let Fast { m, opts } = self;
         let mut b = b;
         quantized::write(opts.runner, plan, layout, &mut b);

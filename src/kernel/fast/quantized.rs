@@ -621,7 +621,12 @@ fn dequant_keys<M: QuantMicro>(
 }
 
 /// The key slab (scales and zero points, then the keys) of (block, KV head).
-fn key_slab<'k>(plan: &Plan, l: &QuantLayout, kc: &'k [u8], (block, kvh): (usize, usize)) -> &'k [u8] {
+fn key_slab<'k>(
+    plan: &Plan,
+    l: &QuantLayout,
+    kc: &'k [u8],
+    (block, kvh): (usize, usize),
+) -> &'k [u8] {
     let len = l.key_slab();
     &kc[(block * plan.hkv + kvh) * len..][..len]
 }
@@ -998,7 +1003,12 @@ impl CacheRows for HeadRows<'_, '_> {
 
 /// Steps 1 and 2 on quantized caches: rotation of the cached keys, then insertion of the new
 /// rows, each KV head a task of its own (they touch only its bytes), in the reference's order.
-pub(crate) fn write<Q: Float>(runner: Runner, plan: &Plan, l: &QuantLayout, b: &mut Bound<'_, Q, u8>) {
+pub(crate) fn write<Q: Float>(
+    runner: Runner,
+    plan: &Plan,
+    l: &QuantLayout,
+    b: &mut Bound<'_, Q, u8>,
+) {
     let rot = b.rotation.as_ref().map(|r| r.keys());
     let fills = match &rot {
         Some(r) => quant::rotated_fills(plan.bs, &plan.seqs, b.block_indices, r),

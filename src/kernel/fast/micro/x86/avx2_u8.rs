@@ -9,7 +9,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, QuantMicro};
+use super::super::{
+    all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, QuantMicro,
+};
 use super::avx2::{exp_sub_sum_rows, hsum4, load_partial, Avx2};
 use super::prefetch::Pf;
 use super::u8_loops::{self, PvArgs, QkArgs, QuantLoops};

@@ -7,7 +7,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, QuantMicro};
+use super::super::{
+    all_zero, exp_sum_bounds, fold_bounds, pv_bounds, qk_bounds, QRows, QuantMicro,
+};
 use super::avx512::{exp16, reduce16, tail, Avx512};
 use super::prefetch::Pf;
 use super::u8_loops::{self, PvArgs, QkArgs, QuantLoops};
