@@ -224,6 +224,54 @@ def test_bad_requests_get_error_json_and_the_server_goes_on(server, body, status
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+NOT_SERVED = [  # (endpoint, extra fields, the field the 400 must name)
+    ("completions", {"logprobs": 1}, "logprobs"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"min_p": 0.1}, "min_p"),
+    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"tools": [TOOL]}, "tools"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"prompt": "x"}, "prompt"),
+]
+ASKS_NOTHING = {  # OpenAI's own defaults, spelled out: served as if absent
+    "completions": {"logprobs": None, "echo": False, "best_of": 1, "suffix": "",
+                    "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "user": "u1"},
+    "chat/completions": {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
+                         "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+                         "user": "u1"},
+}
+
+
+@pytest.mark.parametrize("path,extra,param", NOT_SERVED, ids=[f"{p}-{q}" for p, _, q in NOT_SERVED])
+def test_a_parameter_not_served_is_refused_by_name(server, path, extra, param):
+    body = {"model": NAME, "max_tokens": 2, **extra}
+    body.update({"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+    if path != "completions" and param == "prompt":
+        body["prompt"] = "x"
+    r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and f"`{param}`" in err["message"], err
+
+
+@pytest.mark.parametrize("path", list(ASKS_NOTHING))
+def test_openai_defaults_spelled_out_are_served(server, path):
+    body = {"model": NAME, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body.update({"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+    plain = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    spelled = httpx.post(f"{server.url}/v1/{path}", json={**body, **ASKS_NOTHING[path]}, timeout=30)
+    assert plain.status_code == 200 and spelled.status_code == 200, spelled.text
+    key = "text" if path == "completions" else "message"
+    assert spelled.json()["choices"][0][key] == plain.json()["choices"][0][key]
+
+
 def test_api_key(model):
     s = Server(model, env={"PA_API_KEY": "sekrit-key"})
     try:

@@ -111,6 +111,7 @@ pub(crate) fn parse(
     model_name: &str,
     context: Option<usize>,
 ) -> Result<Parsed, Response> {
+    not_served(v, kind)?;
     let model = field(v, "model").ok_or_else(|| bad("`model` is required", Some("model")))?;
     let model = model
         .as_str()
@@ -134,6 +135,92 @@ pub(crate) fn parse(
     let mut p = parse_params(v, max_keys, default_max, context)?;
     p.prompt = prompt;
     Ok(p)
+}
+
+/// The request fields this server serves, on both endpoints (`user` is OpenAI's end-user id for
+/// abuse monitoring: accepted, and changes nothing) and on one of them.
+const SERVED: [&str; 12] = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "user",
+];
+const SERVED_COMPLETION: [&str; 1] = ["prompt"];
+const SERVED_CHAT: [&str; 2] = ["messages", "max_completion_tokens"];
+
+/// OpenAI fields not served yet, each with the one value that asks for nothing (so a client that
+/// spells out the default still works); any other value is refused, never ignored.
+fn asks_nothing(key: &str, x: &Value, v: &Value) -> bool {
+    let empty = |x: &Value| {
+        x.as_array().is_some_and(Vec::is_empty) || x.as_object().is_some_and(|o| o.is_empty())
+    };
+    let zero = |x: &Value| x.as_f64() == Some(0.0);
+    match key {
+        "logprobs" | "echo" => x == &Value::Bool(false),
+        "top_logprobs" | "frequency_penalty" | "presence_penalty" => zero(x),
+        "best_of" => x
+            .as_u64()
+            .is_some_and(|b| Some(b) == v.get("n").and_then(Value::as_u64).or(Some(1))),
+        "logit_bias" | "tools" | "functions" => empty(x),
+        "tool_choice" | "function_call" => x == "none",
+        "parallel_tool_calls" => {
+            x.is_boolean() && v.get("tools").is_none_or(|t| t.is_null() || empty(t))
+        }
+        "response_format" => x.get("type").and_then(Value::as_str) == Some("text"),
+        "suffix" => x == "",
+        _ => false,
+    }
+}
+
+/// Refuses, naming it, the first field this server does not serve (docs/api.md): an OpenAI
+/// parameter it does not implement yet, asked for with a value other than its default, or a
+/// field it does not know. `null` is absent.
+fn not_served(v: &Value, kind: Kind) -> Result<(), Response> {
+    let own: &[&str] = match kind {
+        Kind::Completion => &SERVED_COMPLETION,
+        Kind::Chat => &SERVED_CHAT,
+    };
+    let Some(obj) = v.as_object() else {
+        return Ok(());
+    };
+    for (key, x) in obj {
+        if x.is_null() || SERVED.contains(&key.as_str()) || own.contains(&key.as_str()) {
+            continue;
+        }
+        if asks_nothing(key, x, v) {
+            continue;
+        }
+        let what = match key.as_str() {
+            "logprobs"
+            | "top_logprobs"
+            | "echo"
+            | "best_of"
+            | "frequency_penalty"
+            | "presence_penalty"
+            | "logit_bias"
+            | "tools"
+            | "functions"
+            | "tool_choice"
+            | "function_call"
+            | "parallel_tool_calls"
+            | "response_format"
+            | "suffix" => "is not served by this server yet",
+            _ => "is not a parameter this server knows",
+        };
+        return Err(bad(
+            format!("`{key}` {what} (docs/api.md lists what is served)"),
+            Some(key),
+        ));
+    }
+    Ok(())
 }
 
 fn completion_prompt(v: &Value) -> Result<String, Response> {
