@@ -80,6 +80,10 @@ class Options:
     num_kv_blocks: int = 0  # 0: sized from the prompts
     cache_gb: float = 0.0  # SchedulerConfig.cache_size, when > 0 (instead of num_kv_blocks)
     prefix_caching: bool = False
+    # GenerationConfig's penalties (1, 0, 0: none)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     extra_properties: dict = field(default_factory=dict)
 
 
@@ -162,6 +166,9 @@ def generation_config(pipe, opts: Options):
     cfg.ignore_eos = opts.ignore_eos
     cfg.apply_chat_template = False
     cfg.echo = False
+    cfg.repetition_penalty = opts.repetition_penalty
+    cfg.presence_penalty = opts.presence_penalty
+    cfg.frequency_penalty = opts.frequency_penalty
     return cfg
 
 

@@ -48,6 +48,8 @@ struct Output {
 struct RequestState {
     params: GenerationParams,
     stop_ids: Vec<u32>,
+    /// The prompt's distinct tokens, sorted, when a penalty counts them (else empty).
+    prompt_tokens: Vec<u32>,
     outputs: Vec<Output>,
 }
 
@@ -63,6 +65,9 @@ pub struct EngineCore {
     seqs: HashMap<SeqId, (RequestId, usize)>,
     next_seq: SeqId,
     scratch: Vec<(f32, u32)>,
+    /// A logits row with the penalties applied, and the token counts they use.
+    penalized: Vec<f32>,
+    counts: Vec<(u32, u32)>,
     stats: EngineStats,
 }
 
@@ -99,6 +104,8 @@ impl EngineCore {
             seqs: HashMap::new(),
             next_seq: 0,
             scratch: Vec::new(),
+            penalized: Vec::new(),
+            counts: Vec::new(),
             stats: EngineStats::default(),
         })
     }
@@ -179,7 +186,26 @@ impl EngineCore {
                     "token id {bad} is outside the vocabulary of {vocab}"
                 )));
             }
+            if let Some((bad, _)) = params
+                .penalties
+                .logit_bias
+                .iter()
+                .find(|&&(t, _)| t as usize >= vocab)
+            {
+                return refuse(RequestError::param(
+                    "logit_bias",
+                    format!("token id {bad} is outside the vocabulary of {vocab}"),
+                ));
+            }
         }
+        let prompt_tokens = if params.penalties.uses_prompt() {
+            let mut p = prompt.clone();
+            p.sort_unstable();
+            p.dedup();
+            p
+        } else {
+            Vec::new()
+        };
         let seq = self.next_seq;
         let prompt_len = prompt.len();
         self.sched
@@ -212,6 +238,7 @@ impl EngineCore {
             RequestState {
                 params,
                 stop_ids,
+                prompt_tokens,
                 outputs,
             },
         );
@@ -320,7 +347,18 @@ impl EngineCore {
                 .ok_or_else(|| EngineError::Config(format!("request {req} is gone")))?;
             let sampling = state.params.sampling;
             let first = index == 0 && state.outputs[0].text.generated.is_empty();
-            let row = logits.row(row);
+            let mut row = logits.row(row);
+            if !state.params.penalties.is_neutral() {
+                self.penalized.clear();
+                self.penalized.extend_from_slice(row);
+                state.params.penalties.apply(
+                    &mut self.penalized,
+                    &state.prompt_tokens,
+                    &state.outputs[index].text.generated,
+                    &mut self.counts,
+                );
+                row = &self.penalized;
+            }
             let token = sample(
                 row,
                 &sampling,

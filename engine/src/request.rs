@@ -2,7 +2,7 @@
 //! fault blamed on the parameter that has it), and what comes back: per-output events, and the
 //! updates an engine client sends a request's caller.
 
-use crate::sampling::Sampling;
+use crate::sampling::{Penalties, Sampling};
 use paged_attention::cache::FinishReason;
 
 /// A request's id, unique in its engine (the engine client hands them out).
@@ -13,6 +13,8 @@ pub type RequestId = u64;
 pub struct GenerationParams {
     pub max_new_tokens: usize,
     pub sampling: Sampling,
+    /// Repetition, presence and frequency penalties and the logit bias.
+    pub penalties: Penalties,
     /// Seed of the sampler (output `i` of the request draws from `seed + i`); `None`: a fresh one.
     pub seed: Option<u64>,
     /// Text that ends an output; it is not part of the text returned.
@@ -30,6 +32,7 @@ impl Default for GenerationParams {
         GenerationParams {
             max_new_tokens: 64,
             sampling: Sampling::default(),
+            penalties: Penalties::default(),
             seed: None,
             stop: Vec::new(),
             stop_token_ids: None,
@@ -66,6 +69,37 @@ impl GenerationParams {
                     "top_p must be in (0, 1] (as a 32-bit float), got {}",
                     s.top_p
                 ),
+            ));
+        }
+        let pen = &self.penalties;
+        if !(pen.repetition > 0.0 && pen.repetition.is_finite()) {
+            return Err(RequestError::param(
+                "repetition_penalty",
+                format!(
+                    "repetition_penalty must be a number > 0, got {}",
+                    pen.repetition
+                ),
+            ));
+        }
+        for (name, x) in [
+            ("presence_penalty", pen.presence),
+            ("frequency_penalty", pen.frequency),
+        ] {
+            if !(-2.0..=2.0).contains(&x) {
+                return Err(RequestError::param(
+                    name,
+                    format!("{name} must be a number from -2 to 2, got {x}"),
+                ));
+            }
+        }
+        if let Some((t, b)) = pen
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(RequestError::param(
+                "logit_bias",
+                format!("the bias of token {t} must be a number from -100 to 100, got {b}"),
             ));
         }
         Ok(())

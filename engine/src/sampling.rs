@@ -31,6 +31,115 @@ impl Sampling {
     }
 }
 
+/// What a sequence's own tokens do to its logits before sampling, as OpenVINO GenAI applies them
+/// (neutral by default). Applied in this order: repetition, presence, frequency, then the bias.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Penalties {
+    /// Each distinct token of the prompt or of the output so far, once: a logit >= 0 is divided
+    /// by it, a negative one multiplied (1: none).
+    pub repetition: f32,
+    /// Each distinct token of the output so far (not the prompt), once: moved toward 0 by it (a
+    /// logit >= 0 lowered, a negative one raised, as GenAI does).
+    pub presence: f32,
+    /// Each token of the output so far, by its count: moved toward 0 by it times the count.
+    pub frequency: f32,
+    /// Added to the logit of a token, after the penalties: (token, bias), tokens distinct.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for Penalties {
+    fn default() -> Penalties {
+        Penalties {
+            repetition: 1.0,
+            presence: 0.0,
+            frequency: 0.0,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl Penalties {
+    /// Whether these change nothing.
+    pub fn is_neutral(&self) -> bool {
+        !self.uses_prompt()
+            && self.presence == 0.0
+            && self.frequency == 0.0
+            && self.logit_bias.is_empty()
+    }
+
+    /// Whether the prompt's tokens matter (the repetition penalty counts them).
+    pub fn uses_prompt(&self) -> bool {
+        self.repetition != 1.0
+    }
+
+    /// Applies these to `logits` of a sequence whose prompt has the distinct, sorted tokens
+    /// `prompt` and whose output so far is `generated`; `counts` is reused between calls. The
+    /// arithmetic is GenAI's: in f64 on the f32 logit, rounded back to f32. Ids outside `logits`
+    /// are skipped (the engine refuses them before).
+    pub fn apply(
+        &self,
+        logits: &mut [f32],
+        prompt: &[u32],
+        generated: &[u32],
+        counts: &mut Vec<(u32, u32)>,
+    ) {
+        counts.clear();
+        if self.uses_prompt() || self.presence != 0.0 || self.frequency != 0.0 {
+            counts.extend(generated.iter().map(|&t| (t, 1)));
+            counts.sort_unstable();
+            counts.dedup_by(|b, a| {
+                let same = a.0 == b.0;
+                if same {
+                    a.1 += 1;
+                }
+                same
+            });
+        }
+        let toward_zero = |v: &mut f32, by: f64| {
+            let x = *v as f64;
+            *v = if x >= 0.0 { x - by } else { x + by } as f32;
+        };
+        if self.uses_prompt() {
+            let r = self.repetition as f64;
+            let penalize = |v: &mut f32| {
+                let x = *v as f64;
+                *v = if x >= 0.0 { x / r } else { x * r } as f32;
+            };
+            for &t in prompt {
+                if let Some(v) = logits.get_mut(t as usize) {
+                    penalize(v);
+                }
+            }
+            for &(t, _) in counts.iter() {
+                if prompt.binary_search(&t).is_err() {
+                    if let Some(v) = logits.get_mut(t as usize) {
+                        penalize(v);
+                    }
+                }
+            }
+        }
+        if self.presence != 0.0 {
+            for &(t, _) in counts.iter() {
+                if let Some(v) = logits.get_mut(t as usize) {
+                    toward_zero(v, self.presence as f64);
+                }
+            }
+        }
+        if self.frequency != 0.0 {
+            for &(t, n) in counts.iter() {
+                if let Some(v) = logits.get_mut(t as usize) {
+                    toward_zero(v, self.frequency as f64 * n as f64);
+                }
+            }
+        }
+        for &(t, b) in &self.logit_bias {
+            if let Some(v) = logits.get_mut(t as usize) {
+                *v += b;
+            }
+        }
+    }
+}
+
 /// Index of the first largest value (NaN never wins).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -188,5 +297,53 @@ mod tests {
             top_p: 0.7,
         };
         assert!((0..200).all(|_| sample(&logits, &s, &mut rng, &mut scratch) == 0));
+    }
+
+    #[test]
+    fn repetition_divides_positive_multiplies_negative_once_per_token() {
+        // Prompt {1, 2}, output [2, 3, 3]: tokens 1, 2, 3 each penalized once.
+        let p = Penalties {
+            repetition: 2.0,
+            ..Penalties::default()
+        };
+        let mut l = [4.0, 4.0, -4.0, 3.0, 5.0];
+        p.apply(&mut l, &[1, 2], &[2, 3, 3], &mut Vec::new());
+        assert_eq!(l, [4.0, 2.0, -8.0, 1.5, 5.0]);
+        // 0 counts as positive: it stays 0.
+        let mut l = [0.0f32];
+        p.apply(&mut l, &[0], &[], &mut Vec::new());
+        assert_eq!(l, [0.0]);
+    }
+
+    #[test]
+    fn presence_and_frequency_count_the_output_only_and_move_toward_zero() {
+        let p = Penalties {
+            presence: 0.5,
+            frequency: 0.25,
+            ..Penalties::default()
+        };
+        // Prompt token 0 is not counted; 1 once, 2 three times (a negative logit is raised).
+        let mut l = [1.0, 1.0, -1.0, 1.0];
+        p.apply(&mut l, &[0], &[2, 1, 2, 2], &mut Vec::new());
+        assert_eq!(l, [1.0, 1.0 - 0.5 - 0.25, -1.0 + 0.5 + 0.75, 1.0]);
+        // The sign is read after each penalty: 0.3 - 0.5 = -0.2 goes back up by 0.25.
+        let mut l = [0.3f32];
+        p.apply(&mut l, &[], &[0], &mut Vec::new());
+        let want = ((0.3f32 as f64 - 0.5) as f32 as f64 + 0.25) as f32;
+        assert_eq!(l, [want]);
+    }
+
+    #[test]
+    fn bias_is_added_after_the_penalties_and_out_of_range_ids_are_skipped() {
+        let p = Penalties {
+            repetition: 2.0,
+            logit_bias: vec![(1, 100.0), (9, 5.0)],
+            ..Penalties::default()
+        };
+        let mut l = [3.0, 2.0];
+        p.apply(&mut l, &[1], &[7], &mut Vec::new());
+        assert_eq!(l, [3.0, 101.0]);
+        assert!(Penalties::default().is_neutral());
+        assert!(!p.is_neutral());
     }
 }

@@ -184,6 +184,37 @@ def test_chat_template_equals_genai(engine, models, prompts, tmp_path):
         assert o["token_ids"] == r["token_ids"], f"prompt {o['index']}"
 
 
+# ------------------------------------------------------------------------------ 2b. penalties
+
+@pytest.mark.parametrize("flag,field,value", [
+    ("--repetition-penalty", "repetition_penalty", 1.3),
+    ("--presence-penalty", "presence_penalty", 1.5),
+    # Negative: a repeated token whose logit is negative goes further down (GenAI moves logits
+    # toward 0 by the penalty, it does not subtract it as OpenAI describes): with the penalty
+    # subtracted, prompts 0 and 3 give other ids.
+    ("--frequency-penalty", "frequency_penalty", -2.0),
+])
+def test_penalty_equals_genai_and_changes_the_output(flag, field, value, engine, models, prompts,
+                                                    tmp_path):
+    """Greedy ids under a penalty equal GenAI's with the same GenerationConfig penalty (repetition
+    counts the prompt's and the output's tokens; presence and frequency the output's only), and
+    differ from the ids without it."""
+    name = "gqa4"
+    items = [prompts[name][0], prompts[name][3]]
+    _, plain, _ = run_engine(engine, models[name], items, *F32_FLAGS, tmp_path=tmp_path)
+    _, ours, _ = run_engine(engine, models[name], items, *F32_FLAGS, flag, str(value),
+                            tmp_path=tmp_path)
+    ref = genai_ref.run(models[name], items, genai_ref.Options(
+        max_new_tokens=NEW, cache_type="f32", precision="f32", threads=THREADS, ignore_eos=True,
+        **{field: value}))
+    assert len(ours) == len(ref) == 2
+    for p, o, r in zip(plain, ours, ref):
+        i = o["index"]
+        assert o["token_ids"] == r["token_ids"], (
+            f"{field} prompt {i}: ids differ from token {first_diff(o['token_ids'], r['token_ids'])}")
+        assert o["token_ids"] != p["token_ids"], f"{field} prompt {i}: the penalty changed nothing"
+
+
 # ------------------------------------------------------------------------------ 3. sampling
 
 def test_sampling_seeded(engine, models, prompts, tmp_path):

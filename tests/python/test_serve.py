@@ -230,11 +230,8 @@ NOT_SERVED = [  # (endpoint, extra fields, the field the 400 must name)
     ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("chat/completions", {"logprobs": True}, "logprobs"),
-    ("chat/completions", {"presence_penalty": 1.0}, "presence_penalty"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"tools": [TOOL]}, "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -259,6 +256,45 @@ def test_a_parameter_not_served_is_refused_by_name(server, path, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and f"`{param}`" in err["message"], err
+
+
+def test_penalties_equal_pa_generate_and_logit_bias_forces_a_token(model, client, tmp_path):
+    from tokenizers import Tokenizer
+
+    flags = ("--max-new-tokens", "24", "--ignore-eos")
+    for extra, cli in [({"repetition_penalty": 1.3}, ("--repetition-penalty", "1.3")),
+                       ({"frequency_penalty": -2.0, "presence_penalty": 1.5},
+                        ("--frequency-penalty", "-2", "--presence-penalty", "1.5"))]:
+        plain, want = (generate(model, PROMPTS[:2], *flags, *f, tmp_path=tmp_path) for f in ((), cli))
+        assert [w["text"] for w in want] != [p["text"] for p in plain], f"{extra} changed nothing"
+        for p, w in zip(PROMPTS, want):
+            r = client.completions.create(model=NAME, prompt=p, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True, **extra})
+            assert r.choices[0].text == w["text"], extra
+    # +100 on one token: greedy emits nothing else.
+    tk = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    token = tk.encode("garden", add_special_tokens=False).ids[0]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tk.decode([token] * 6) != plain[0]["text"][:len(r.choices[0].text)]
+
+
+PENALTY_RANGES = [({"presence_penalty": 2.5}, "presence_penalty"),
+                  ({"frequency_penalty": -3}, "frequency_penalty"),
+                  ({"repetition_penalty": 0}, "repetition_penalty"),
+                  ({"repetition_penalty": "high"}, "repetition_penalty"),
+                  ({"logit_bias": {"5": 101}}, "logit_bias"),
+                  ({"logit_bias": {"five": 1}}, "logit_bias"),
+                  ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+                  ({"logit_bias": [5]}, "logit_bias")]
+
+
+@pytest.mark.parametrize("extra,param", PENALTY_RANGES)
+def test_penalties_out_of_range_are_refused_by_name(server, extra, param):
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "x", "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize("path", list(ASKS_NOTHING))

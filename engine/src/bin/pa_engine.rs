@@ -6,7 +6,7 @@ use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
-    ModelDir, Precision, Prompt, Sampling, Update,
+    ModelDir, Penalties, Precision, Prompt, Sampling, Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -151,6 +151,16 @@ struct GenerateArgs {
     /// 0: no limit.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Divides a positive logit (multiplies a negative one) of each token of the prompt and the
+    /// output so far, once per token; 1: none.
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Moves the logit of each token of the output so far toward 0, once per token (-2 to 2).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// Moves the logit of each token of the output so far toward 0 per occurrence (-2 to 2).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
     /// Seed of the sampler (same seed, same tokens).
     #[arg(long)]
     seed: Option<u64>,
@@ -434,6 +444,12 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             temperature: a.temperature,
             top_k: a.top_k,
             top_p: a.top_p,
+        },
+        penalties: Penalties {
+            repetition: a.repetition_penalty,
+            presence: a.presence_penalty,
+            frequency: a.frequency_penalty,
+            logit_bias: Vec::new(),
         },
         seed: a.seed,
         stop: a.stop.clone(),

@@ -2,7 +2,7 @@
 //! read into a prompt and generation parameters, each fault blamed on its field.
 
 use crate::request::{ChatMessage, GenerationParams, Prompt, RequestError};
-use crate::sampling::Sampling;
+use crate::sampling::{Penalties, Sampling};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -139,7 +139,7 @@ pub(crate) fn parse(
 
 /// The request fields this server serves, on both endpoints (`user` is OpenAI's end-user id for
 /// abuse monitoring: accepted, and changes nothing) and on one of them.
-const SERVED: [&str; 12] = [
+const SERVED: [&str; 16] = [
     "model",
     "max_tokens",
     "temperature",
@@ -152,6 +152,10 @@ const SERVED: [&str; 12] = [
     "stream_options",
     "ignore_eos",
     "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
 ];
 const SERVED_COMPLETION: [&str; 1] = ["prompt"];
 const SERVED_CHAT: [&str; 2] = ["messages", "max_completion_tokens"];
@@ -165,11 +169,11 @@ fn asks_nothing(key: &str, x: &Value, v: &Value) -> bool {
     let zero = |x: &Value| x.as_f64() == Some(0.0);
     match key {
         "logprobs" | "echo" => x == &Value::Bool(false),
-        "top_logprobs" | "frequency_penalty" | "presence_penalty" => zero(x),
+        "top_logprobs" => zero(x),
         "best_of" => x
             .as_u64()
             .is_some_and(|b| Some(b) == v.get("n").and_then(Value::as_u64).or(Some(1))),
-        "logit_bias" | "tools" | "functions" => empty(x),
+        "tools" | "functions" => empty(x),
         "tool_choice" | "function_call" => x == "none",
         "parallel_tool_calls" => {
             x.is_boolean() && v.get("tools").is_none_or(|t| t.is_null() || empty(t))
@@ -203,9 +207,6 @@ fn not_served(v: &Value, kind: Kind) -> Result<(), Response> {
             | "top_logprobs"
             | "echo"
             | "best_of"
-            | "frequency_penalty"
-            | "presence_penalty"
-            | "logit_bias"
             | "tools"
             | "functions"
             | "tool_choice"
@@ -335,6 +336,35 @@ fn parse_params(
             _ => return Err(bad("`top_k` must be an integer >= -1", Some("top_k"))),
         },
     };
+    let logit_bias = match field(v, "logit_bias") {
+        None => Vec::new(),
+        Some(Value::Object(o)) => {
+            let mut bias = Vec::with_capacity(o.len());
+            for (k, b) in o {
+                let (Ok(t), Some(b)) = (k.parse::<u32>(), b.as_f64()) else {
+                    return Err(bad(
+                        format!("`logit_bias` maps token ids to numbers; got {k:?}: {b}"),
+                        Some("logit_bias"),
+                    ));
+                };
+                bias.push((t, b as f32));
+            }
+            bias
+        }
+        Some(_) => {
+            return Err(bad(
+                "`logit_bias` must be an object of token ids to numbers",
+                Some("logit_bias"),
+            ))
+        }
+    };
+    // Ranges are checked by the engine (GenerationParams::validate), naming the field.
+    let penalties = Penalties {
+        repetition: num("repetition_penalty", 1.0, f64::MIN, f64::MAX)? as f32,
+        presence: num("presence_penalty", 0.0, f64::MIN, f64::MAX)? as f32,
+        frequency: num("frequency_penalty", 0.0, f64::MIN, f64::MAX)? as f32,
+        logit_bias,
+    };
     let seed = match field(v, "seed") {
         None => None,
         Some(x) => Some(
@@ -385,6 +415,7 @@ fn parse_params(
             top_k,
             top_p: top_p as f32,
         },
+        penalties,
         seed,
         stop,
         stop_token_ids: None,
