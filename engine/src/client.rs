@@ -45,14 +45,23 @@ impl Reply for mpsc::Sender<Update> {
 }
 
 enum Cmd {
-    Add {
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: GenerationParams,
-        reply: Box<dyn Reply>,
-    },
+    /// Requests the engine adds together, before its next step.
+    Add(Vec<Add>),
     AbortAll,
     Stop,
+}
+
+struct Add {
+    id: RequestId,
+    prompt: Vec<u32>,
+    params: GenerationParams,
+    reply: Box<dyn Reply>,
+}
+
+/// A request checked and tokenized ([`EngineClient::prepare`]), ready to submit.
+pub struct Prepared {
+    prompt: Vec<u32>,
+    params: GenerationParams,
 }
 
 /// A handle on one engine thread. Dropping it stops the thread (after its current step).
@@ -133,17 +142,41 @@ impl EngineClient {
         params: GenerationParams,
         reply: impl Reply,
     ) -> std::result::Result<RequestId, RequestError> {
+        let prepared = self.prepare(prompt, params)?;
+        let ids = self.submit_prepared(vec![(prepared, Box::new(reply) as Box<dyn Reply>)])?;
+        Ok(ids[0])
+    }
+
+    /// Checks and tokenizes a request on the caller's thread, without submitting it.
+    pub fn prepare(
+        &self,
+        prompt: Prompt,
+        params: GenerationParams,
+    ) -> std::result::Result<Prepared, RequestError> {
         params.validate()?;
         let prompt = self.inputs.process(prompt)?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let cmd = Cmd::Add {
-            id,
-            prompt,
-            params,
-            reply: Box::new(reply),
-        };
-        self.send(cmd)
-            .then_some(id)
+        Ok(Prepared { prompt, params })
+    }
+
+    /// Submits prepared requests together: the engine adds all of them before its next step, so
+    /// the schedule of requests that arrive at once does not depend on how fast they were
+    /// tokenized. Returns their ids, in order.
+    pub fn submit_prepared(
+        &self,
+        requests: Vec<(Prepared, Box<dyn Reply>)>,
+    ) -> std::result::Result<Vec<RequestId>, RequestError> {
+        let adds: Vec<Add> = requests
+            .into_iter()
+            .map(|(p, reply)| Add {
+                id: self.next_id.fetch_add(1, Ordering::Relaxed),
+                prompt: p.prompt,
+                params: p.params,
+                reply,
+            })
+            .collect();
+        let ids = adds.iter().map(|a| a.id).collect();
+        self.send(Cmd::Add(adds))
+            .then_some(ids)
             .ok_or_else(|| RequestError::prompt("the engine has stopped"))
     }
 
@@ -231,12 +264,11 @@ impl Driver {
                             self.abort(id, true);
                         }
                     }
-                    Cmd::Add {
-                        id,
-                        prompt,
-                        params,
-                        reply,
-                    } => self.add(id, prompt, params, reply),
+                    Cmd::Add(adds) => {
+                        for a in adds {
+                            self.add(a.id, a.prompt, a.params, a.reply);
+                        }
+                    }
                 }
             }
             // Callers that went away: abort before the next step, freeing their blocks.

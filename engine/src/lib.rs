@@ -36,7 +36,7 @@ mod sampling;
 pub mod server;
 mod tokenizer;
 
-pub use client::{EngineClient, Loading, Reply};
+pub use client::{EngineClient, Loading, Prepared, Reply};
 pub use config::{EngineConfig, Precision};
 pub use convert::{convert_ir, Conversion};
 pub use engine_core::{EngineCore, EngineStats};

@@ -222,8 +222,9 @@ def test_converted_file_roundtrip(pair, core, tmp_path):
     stateful = tmp_path / "openvino_model.xml"
     ov.save_model(tiny_llm.build(cfg), stateful, compress_to_fp16=False)
     out = tmp_path / "cli.xml"
-    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--serving", str(stateful), str(out)],
-                       capture_output=True, text=True)
+    # f32 caches, as the in-memory path's model (the CLI's default is u8, OpenVINO's)
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--serving", "--cache-type", "f32",
+                        str(stateful), str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab, 40)]
     want = PagedModel(ours, 4).step([Seq(tokens, 0, [1, 3])])
@@ -246,8 +247,9 @@ def test_cli_serving_graph_has_scores_and_rotation_inputs(core, tmp_path):
     stateful = tmp_path / "openvino_model.xml"
     ov.save_model(tiny_llm.build(tiny_llm.VARIANTS["gqa4"]), stateful, compress_to_fp16=False)
     out = tmp_path / "serving.xml"
-    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--serving", str(stateful), str(out)],
-                       capture_output=True, text=True)
+    # f32 caches, as the in-memory path's model (the CLI's default is u8, OpenVINO's)
+    r = subprocess.run([sys.executable, str(ROOT / "tools/pa_convert.py"), "--serving", "--cache-type", "f32",
+                        str(stateful), str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     model = core.read_model(out)
     names = {i.get_any_name() for i in model.inputs}

@@ -6,7 +6,7 @@ use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
-    ModelDir, Penalties, Precision, Prompt, Sampling, Update,
+    ModelDir, Penalties, Precision, Prompt, Reply, Sampling, Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -472,6 +472,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
     let t_gen = Instant::now();
     let mut first_token: Option<Duration> = None;
     loop {
+        // The prompts due now, tokenized first and submitted together: the engine adds them
+        // before its next step, so the schedule does not depend on tokenizing speed.
+        let mut due = Vec::new();
         while next < n
             && prompts[order[next]]
                 .as_ref()
@@ -480,17 +483,25 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             let i = order[next];
             next += 1;
             let Some(p) = prompts[i].take() else { continue };
-            match client.submit(p.prompt, params.clone(), tx.clone()) {
-                Ok(id) => {
-                    runs[i].id = Some(id);
-                    runs[i].times.arrival = t_gen.elapsed();
-                    by_request.insert(id, i);
-                    pending += 1;
-                }
+            match client.prepare(p.prompt, params.clone()) {
+                Ok(prepared) => due.push((i, prepared)),
                 Err(e) => {
                     eprintln!("pa-engine: prompt {i}: request refused: {e}");
                     failed += 1;
                 }
+            }
+        }
+        if !due.is_empty() {
+            let (idx, batch): (Vec<usize>, Vec<_>) = due
+                .into_iter()
+                .map(|(i, p)| (i, (p, Box::new(tx.clone()) as Box<dyn Reply>)))
+                .unzip();
+            let ids = client.submit_prepared(batch).map_err(|e| e.to_string())?;
+            for (i, id) in idx.into_iter().zip(ids) {
+                runs[i].id = Some(id);
+                runs[i].times.arrival = t_gen.elapsed();
+                by_request.insert(id, i);
+                pending += 1;
             }
         }
         if next == n && pending == 0 {
