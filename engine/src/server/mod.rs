@@ -45,8 +45,10 @@ pub struct ServeConfig {
     pub read_timeout: Duration,
     /// After SIGINT/SIGTERM, in-flight requests may finish for this long; then they are ended.
     pub shutdown_timeout: Duration,
-    /// The name `/v1/models` lists and requests must use.
+    /// The name `/v1/models` lists and requests must use (and `/metrics`' `model_name` label).
     pub model_name: String,
+    /// How `/metrics` spells the names vLLM also has.
+    pub metric_names: crate::metrics::Naming,
 }
 
 /// After the shutdown timeout, ended requests have this long to send their last events.

@@ -209,7 +209,11 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     let text = app
         .client
         .snapshot()
-        .prometheus(app.in_flight.load(Ordering::SeqCst));
+        .prometheus(
+            &app.cfg.model_name,
+            app.cfg.metric_names,
+            app.in_flight.load(Ordering::SeqCst),
+        );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
