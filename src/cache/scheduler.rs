@@ -207,6 +207,14 @@ impl Scheduler {
     pub fn manager(&self) -> &BlockManager {
         &self.mgr
     }
+    /// See [`BlockManager::record_cache_events`].
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.mgr.record_cache_events(on);
+    }
+    /// See [`BlockManager::take_cache_events`].
+    pub fn take_cache_events(&mut self) -> Vec<crate::cache::CacheEvent> {
+        self.mgr.take_cache_events()
+    }
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
@@ -910,7 +918,10 @@ mod tests {
             (c.prefix_hits, c.prefix_hit_tokens),
             (1, st.past_lens[0] as u64)
         );
-        assert_eq!(c.prefix_query_tokens, 18, "two admissions of 9-token prompts");
+        assert_eq!(
+            c.prefix_query_tokens, 18,
+            "two admissions of 9-token prompts"
+        );
     }
 
     #[test]
