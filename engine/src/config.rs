@@ -63,6 +63,8 @@ pub struct EngineConfig {
     /// keeping `start` leading and `recent` trailing ones; kept keys that move are re-rotated
     /// by the op. The graph then also has the scores outputs and the rotation inputs.
     pub eviction: Option<EvictionPolicy>,
+    /// Publish the prefix cache's changes for routers (`pa serve --kv-events-endpoint`).
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +80,7 @@ impl Default for EngineConfig {
             threads: None,
             device: "CPU".into(),
             eviction: None,
+            kv_events: None,
         }
     }
 }

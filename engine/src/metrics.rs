@@ -94,7 +94,11 @@ impl Histogram {
 }
 
 /// Requests finished, by reason (OpenAI's words, vLLM's `finished_reason` label).
-const REASONS: [FinishReason; 3] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+const REASONS: [FinishReason; 3] = [
+    FinishReason::Stop,
+    FinishReason::Length,
+    FinishReason::Abort,
+];
 
 /// An engine's figures at the end of its last step.
 #[derive(Clone, Debug)]
@@ -116,6 +120,8 @@ pub struct Snapshot {
     /// A request's mean time per output token after its first.
     pub tpot: Histogram,
     pub e2e: Histogram,
+    /// KV-event batches numbered and dropped (`None`: not published).
+    pub kv_events: Option<(u64, u64)>,
 }
 
 impl Default for Snapshot {
@@ -135,6 +141,7 @@ impl Default for Snapshot {
             itl: Histogram::new(ITL_BUCKETS),
             tpot: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
+            kv_events: None,
         }
     }
 }
@@ -196,6 +203,16 @@ impl Snapshot {
         ];
         for (name, vllm, kind, help, v) in rows {
             w.scalar(name, vllm, kind, help, v);
+        }
+        if let Some((batches, dropped)) = self.kv_events {
+            #[rustfmt::skip]
+            let kv: [(&str, &str, u64); 2] = [
+                ("kv_events_batches_total", "KV-event batches published (or dropped).", batches),
+                ("kv_events_dropped_total", "KV-event batches dropped: the queue to the socket was full.", dropped),
+            ];
+            for (name, help, v) in kv {
+                w.scalar(name, false, "counter", help, v as f64);
+            }
         }
         if naming == Naming::Vllm {
             // The name vLLM used before kv_cache_usage_perc; older routers still read it.
@@ -370,14 +387,20 @@ pa_x_seconds_count{model_name=\"m\"} 4
     #[test]
     fn vllm_naming_spells_only_vllm_names_with_its_prefix() {
         let s = Snapshot::default().prometheus("m", Naming::Vllm, 0);
-        assert!(s.contains("\nvllm:num_requests_waiting{model_name=\"m\"} 0\n"), "{s}");
+        assert!(
+            s.contains("\nvllm:num_requests_waiting{model_name=\"m\"} 0\n"),
+            "{s}"
+        );
         assert!(s.contains("\nvllm:gpu_cache_usage_perc{"), "{s}");
         assert!(s.contains("\npa_kv_blocks{model_name=\"m\"} 0\n"), "{s}");
         assert!(!s.contains("vllm:kv_blocks"), "{s}");
         let p = Snapshot::default().prometheus("m", Naming::Pa, 0);
         assert!(!p.contains("vllm:"), "{p}");
         assert!(!p.contains("gpu_cache_usage_perc"), "{p}");
-        assert!(p.contains("\npa_num_requests_waiting{model_name=\"m\"} 0\n"), "{p}");
+        assert!(
+            p.contains("\npa_num_requests_waiting{model_name=\"m\"} 0\n"),
+            "{p}"
+        );
     }
 
     #[test]

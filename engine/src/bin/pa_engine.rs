@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
+use paged_attention_engine::kv_events::{KvEventsConfig, Shape};
 use paged_attention_engine::metrics::Naming;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
@@ -81,6 +82,17 @@ struct ServeArgs {
     /// promtool) or `vllm` (vllm:num_requests_waiting, what routers read by default).
     #[arg(long, default_value = "pa")]
     metric_names: Naming,
+    /// Publish KV-cache events (blocks stored, removed, all cleared) in vLLM's format on a
+    /// ZeroMQ PUB socket: `tcp://*:PORT` binds, `tcp://HOST:PORT` connects to a subscriber.
+    #[arg(long, value_name = "ENDPOINT")]
+    kv_events_endpoint: Option<String>,
+    /// First frame of every KV-event message (llm-d reads `kv@POD@MODEL`).
+    #[arg(long, default_value = "", requires = "kv_events_endpoint")]
+    kv_events_topic: String,
+    /// Events as positional arrays (vLLM up to 0.23, which every subscriber reads) or as maps
+    /// (vLLM since 0.24).
+    #[arg(long, default_value = "array", requires = "kv_events_endpoint")]
+    kv_events_format: Shape,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -250,7 +262,12 @@ fn main() -> ExitCode {
 }
 
 fn serve(a: ServeArgs) -> Result<(), String> {
-    let engine = engine_config(&a.engine)?;
+    let mut engine = engine_config(&a.engine)?;
+    engine.kv_events = a.kv_events_endpoint.clone().map(|endpoint| KvEventsConfig {
+        endpoint,
+        topic: a.kv_events_topic.clone(),
+        shape: a.kv_events_format,
+    });
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         a.model_dir
             .canonicalize()
@@ -332,6 +349,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         threads: a.threads,
         device: "CPU".into(),
         eviction,
+        kv_events: None,
     })
 }
 
