@@ -55,14 +55,17 @@ class Metrics:
 
 
 class Server:
-    def __init__(self, model, *extra, env=None, **popen):
+    def __init__(self, model, *extra, env=None, kv_cache_size=None, **popen):
         if not ENGINE.is_file():
             pytest.fail(f"pa-engine not found at {ENGINE}: cargo build --release --workspace")
+        flags = list(F32)
+        if kv_cache_size is not None:  # GB, in place of F32's
+            flags[flags.index("--kv-cache-size") + 1] = str(kv_cache_size)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [str(ENGINE), "serve", str(model), "--port", str(self.port), "--served-model-name", NAME,
-             *F32, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+             *flags, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})}, **popen)
         deadline = time.time() + 60
         while time.time() < deadline:
