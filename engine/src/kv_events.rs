@@ -16,6 +16,7 @@
 //! thread through a bounded channel, and a batch that does not fit is dropped and counted (its
 //! sequence number is skipped, so a subscriber sees the gap).
 
+use crate::config::Names;
 use bytes::Bytes;
 use paged_attention::cache::CacheEvent;
 use std::str::FromStr;
@@ -36,17 +37,13 @@ pub enum Shape {
 }
 
 impl Shape {
-    const NAMES: [(Shape, &'static str); 2] = [(Shape::Array, "array"), (Shape::Map, "map")];
+    const NAMES: Names<Shape> = Names(&[(Shape::Array, "array"), (Shape::Map, "map")]);
 }
 
 impl FromStr for Shape {
     type Err = String;
     fn from_str(s: &str) -> Result<Shape, String> {
-        Shape::NAMES
-            .iter()
-            .find(|(_, n)| *n == s)
-            .map(|(v, _)| *v)
-            .ok_or_else(|| format!("unknown KV-event format `{s}` (array or map)"))
+        Shape::NAMES.parse(s, "KV-event format")
     }
 }
 

@@ -8,6 +8,7 @@
 //! does, for routers that cannot be pointed at other names. Figures vLLM has no name for are
 //! `pa_` in both spellings. Every series carries `model_name`.
 
+use crate::config::Names;
 use crate::engine_core::{EngineCore, EngineStats};
 use paged_attention::cache::{CacheStats, FinishReason, SchedulerCounters};
 use paged_attention::ElemType;
@@ -25,24 +26,17 @@ pub enum Naming {
 }
 
 impl Naming {
-    const NAMES: [(Naming, &'static str); 2] = [(Naming::Pa, "pa"), (Naming::Vllm, "vllm")];
+    const NAMES: Names<Naming> = Names(&[(Naming::Pa, "pa"), (Naming::Vllm, "vllm")]);
 
     pub fn as_str(self) -> &'static str {
-        Naming::NAMES
-            .iter()
-            .find(|(n, _)| *n == self)
-            .map_or("pa", |(_, s)| s)
+        Naming::NAMES.name(self)
     }
 }
 
 impl FromStr for Naming {
     type Err = String;
     fn from_str(s: &str) -> Result<Naming, String> {
-        Naming::NAMES
-            .iter()
-            .find(|(_, n)| *n == s)
-            .map(|(n, _)| *n)
-            .ok_or_else(|| format!("unknown metric naming `{s}` (pa or vllm)"))
+        Naming::NAMES.parse(s, "metric naming")
     }
 }
 
