@@ -45,7 +45,8 @@ enum Command {
 const SERVE_ABOUT: &str = "\
 Serves MODEL_DIR over an OpenAI-compatible HTTP API: POST /v1/completions and \
 /v1/chat/completions (streaming as server-sent events with \"stream\": true), GET /v1/models, \
-GET /health (200 once the model is compiled), GET /metrics (Prometheus text). The engine runs \
+GET /health (200 once the model is compiled), GET /metrics (Prometheus text; docs/api.md lists \
+the names), and with --kv-events-endpoint GET /debug/kv-cache-blocks. The engine runs \
 on its own thread; a client that disconnects has its request aborted and its KV blocks freed \
 before the next engine step. Every error is OpenAI's error JSON. A request's head and its body \
 must each arrive within --read-timeout, or the connection is closed (a body gets 408). \

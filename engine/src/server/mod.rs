@@ -3,7 +3,8 @@
 //!
 //! Routes (`routes`): `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
 //! server-sent events, `response`), `GET /v1/models`, `GET /health` (200 once the model is
-//! compiled), `GET /metrics` (Prometheus text). Every error is OpenAI's error JSON (`openai`).
+//! compiled), `GET /metrics` (Prometheus text, `crate::metrics`), `GET /debug/kv-cache-blocks`
+//! (with KV-cache events, `crate::kv_events`). Every error is OpenAI's error JSON (`openai`).
 //!
 //! Connections: a request head must arrive within the read timeout, and so must a body; a
 //! connection that stalls is closed. SIGINT/SIGTERM starts the drain: new requests (on new
