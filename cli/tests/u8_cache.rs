@@ -151,13 +151,8 @@ fn replay(
     let mut failures = Vec::new();
     for step in 0..case.steps {
         let get = |n: &str| load(&case.dir, &format!("step{step}_{n}"));
-        let Step {
-            key,
-            value,
-            plan,
-            bi,
-        } = case.step(step);
-        insert(l, &plan, &bi, &key, &value, &mut kc, &mut vc);
+        let s = case.step(step);
+        insert(l, &s.plan, &s.bi, &s.key, &s.value, &mut kc, &mut vc);
         let k_ov = get("key_cache_after");
         let v_ov = get("value_cache_after");
         assert_eq!(k_ov.shape, kd.to_vec(), "{}: key cache shape", case.name);

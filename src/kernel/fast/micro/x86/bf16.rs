@@ -832,6 +832,26 @@ pub(crate) mod tests {
     const ROWS: [usize; 6] = [1, 15, 16, 17, 33, 64];
     const KEYS: [usize; 10] = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48];
 
+    /// The operands of a QK product as the prefill items pack them: the keys `k` (`d` each)
+    /// rounded into a panel of `n32` rows of stride `ldk`, the query rows `q` (`d` each)
+    /// paired by `pair_cols` into `dp/2` rows of `r32`.
+    fn pack_qk(
+        a: Bf16,
+        (q, k, d): (&[f32], &[f32], usize),
+        (ldk, dp, n32, r32): (usize, usize, usize, usize),
+    ) -> (Vec<u16>, Vec<u32>) {
+        let mut kp = vec![0u16; n32 * ldk];
+        for (j, key) in k.chunks_exact(d).enumerate() {
+            a.round(key, &mut kp[j * ldk..]);
+        }
+        let mut qt = vec![0u32; dp / 2 * r32];
+        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
+        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
+            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
+        }
+        (kp, qt)
+    }
+
     /// `qk` (keys rounded into a panel of stride wider than dp, query rows paired by
     /// `pair_cols`, both as the prefill items pack them) against the twin on edge shapes, summed
     /// over two equal terms for odd key counts.
@@ -848,15 +868,7 @@ pub(crate) mod tests {
                         n.div_ceil(32) * 32,
                     );
                     let ldk = dp + 32;
-                    let mut kp = vec![0u16; n32 * ldk];
-                    for j in 0..n {
-                        a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
-                    }
-                    let mut qt = vec![0u32; dp / 2 * r32];
-                    let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
-                    for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
-                        a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
-                    }
+                    let (kp, qt) = pack_qk(a, (&q, &k, d), (ldk, dp, n32, r32));
                     let reps = 1 + n % 2;
                     let mut got = vec![f32::NAN; n32 * r32];
                     qk(&vec![(&kp[..], &qt[..]); reps], ldk, dp, n32, r32, &mut got);
@@ -1050,15 +1062,7 @@ pub(crate) mod tests {
         k[3 * d..4 * d].fill(1.25e18);
         let mut q = q;
         q[..d].fill(1.25e18);
-        let mut kp = vec![0u16; n32 * dp];
-        for j in 0..n {
-            a.round(&k[j * d..(j + 1) * d], &mut kp[j * dp..]);
-        }
-        let mut qt = vec![0u32; dp / 2 * r32];
-        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
-        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
-            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
-        }
+        let (kp, qt) = pack_qk(a, (&q, &k, d), (dp, dp, n32, r32));
         let terms = [(&kp[..], &qt[..])];
         let mut want = vec![0f32; n32 * r32];
         a.qk_t(&terms, dp, dp, n32, r32, 1.0, &mut want);
