@@ -14,7 +14,7 @@ use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
-use crate::sampling::sample;
+use crate::sampling::{logprobs, sample, TokenLogprobs};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
     CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters, SeqId,
@@ -45,6 +45,21 @@ struct Output {
     text: OutputText,
 }
 
+/// A token sampled for a sequence in a step.
+struct Sampled {
+    seq: SeqId,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+}
+
+/// The first token of output `index` (> 0) of an n > 1 request, forked from `parent`'s row.
+struct Fork {
+    parent: SeqId,
+    index: usize,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+}
+
 struct RequestState {
     params: GenerationParams,
     stop_ids: Vec<u32>,
@@ -65,6 +80,7 @@ pub struct EngineCore {
     seqs: HashMap<SeqId, (RequestId, usize)>,
     next_seq: SeqId,
     scratch: Vec<(f32, u32)>,
+    lp_scratch: Vec<(f32, u32)>,
     /// A logits row with the penalties applied, and the token counts they use.
     penalized: Vec<f32>,
     counts: Vec<(u32, u32)>,
@@ -104,6 +120,7 @@ impl EngineCore {
             seqs: HashMap::new(),
             next_seq: 0,
             scratch: Vec::new(),
+            lp_scratch: Vec::new(),
             penalized: Vec::new(),
             counts: Vec::new(),
             stats: EngineStats::default(),
@@ -298,7 +315,7 @@ impl EngineCore {
             return Err(e);
         }
         let (sampled, forks) = self.sample(&step)?;
-        self.update(&sampled, forks, &mut events)?;
+        self.update(sampled, forks, &mut events)?;
         self.stats.step_time += t0.elapsed();
         Ok(events)
     }
@@ -327,9 +344,9 @@ impl EngineCore {
 
     /// One token per emitting sequence, in batch order; and for an n > 1 request sampling its
     /// first token now, the first tokens of its other outputs (from the same logits row, each
-    /// with its own seed): (parent sequence, output index, token).
-    #[allow(clippy::type_complexity)]
-    fn sample(&mut self, step: &Step) -> Result<(Vec<(SeqId, u32)>, Vec<(SeqId, usize, u32)>)> {
+    /// with its own seed). Each with its log-probabilities (of the row before any penalty)
+    /// when its request asks for them.
+    fn sample(&mut self, step: &Step) -> Result<(Vec<Sampled>, Vec<Fork>)> {
         let (logits, rows) = self.runner.logits(step)?;
         let mut sampled = Vec::with_capacity(rows.len());
         let mut forks = Vec::new();
@@ -346,8 +363,10 @@ impl EngineCore {
                 .get_mut(&req)
                 .ok_or_else(|| EngineError::Config(format!("request {req} is gone")))?;
             let sampling = state.params.sampling;
+            let top_n = state.params.logprobs;
             let first = index == 0 && state.outputs[0].text.generated.is_empty();
-            let mut row = logits.row(row);
+            let raw = logits.row(row);
+            let mut row = raw;
             if !state.params.penalties.is_neutral() {
                 self.penalized.clear();
                 self.penalized.extend_from_slice(row);
@@ -365,14 +384,20 @@ impl EngineCore {
                 &mut state.outputs[index].rng,
                 &mut self.scratch,
             );
-            sampled.push((s.id, token));
+            sampled.push(Sampled {
+                seq: s.id,
+                token,
+                logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+            });
             if first {
                 for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
-                    forks.push((
-                        s.id,
-                        i,
-                        sample(row, &sampling, &mut o.rng, &mut self.scratch),
-                    ));
+                    let token = sample(row, &sampling, &mut o.rng, &mut self.scratch);
+                    forks.push(Fork {
+                        parent: s.id,
+                        index: i,
+                        token,
+                        logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+                    });
                 }
             }
         }
@@ -381,30 +406,31 @@ impl EngineCore {
 
     fn update(
         &mut self,
-        sampled: &[(SeqId, u32)],
-        forks: Vec<(SeqId, usize, u32)>,
+        sampled: Vec<Sampled>,
+        forks: Vec<Fork>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
-        self.sched.complete_step(sampled)?;
+        let ids: Vec<(SeqId, u32)> = sampled.iter().map(|s| (s.seq, s.token)).collect();
+        self.sched.complete_step(&ids)?;
         self.stats.steps += 1;
         self.stats.generated_tokens += sampled.len() as u64;
         // Forks of n > 1 requests at their first token, before their parent can end.
-        for (parent, child_index, token) in forks {
-            self.fork(parent, child_index, token, events)?;
+        for f in forks {
+            self.fork(f, events)?;
         }
-        for &(seq, token) in sampled {
-            self.accept(seq, token, events)?;
+        for s in sampled {
+            self.accept(s.seq, s.token, s.logprobs, events)?;
         }
         self.drain_finished(events)
     }
 
-    fn fork(
-        &mut self,
-        parent: SeqId,
-        index: usize,
-        token: u32,
-        events: &mut Vec<Event>,
-    ) -> Result<()> {
+    fn fork(&mut self, f: Fork, events: &mut Vec<Event>) -> Result<()> {
+        let Fork {
+            parent,
+            index,
+            token,
+            logprobs,
+        } = f;
         let (req, _) = self.seqs[&parent];
         let max_new = self.requests[&req].params.max_new_tokens;
         let child = self.next_seq;
@@ -416,7 +442,7 @@ impl EngineCore {
         if max_new > 1 {
             self.sched.fork(parent, child, token, max_new)?;
         }
-        self.accept(child, token, events)?;
+        self.accept(child, token, logprobs, events)?;
         if max_new == 1 {
             self.end_output(req, index, FinishReason::Length, events)?;
         }
@@ -424,7 +450,13 @@ impl EngineCore {
     }
 
     /// Records a sampled token with the output processor; ends the output at a stop.
-    fn accept(&mut self, seq: SeqId, token: u32, events: &mut Vec<Event>) -> Result<()> {
+    fn accept(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
         let (req, index) = self.seqs[&seq];
         let Some(state) = self.requests.get_mut(&req) else {
             return Ok(());
@@ -440,6 +472,7 @@ impl EngineCore {
             index,
             token,
             text: a.text,
+            logprobs,
         });
         if a.stop {
             if self.sched.tokens(seq).is_ok() {
