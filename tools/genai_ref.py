@@ -197,6 +197,30 @@ def run(model_dir, prompts, opts: Options | None = None) -> list[dict]:
     return out
 
 
+def run_logprobs(model_dir, prompts, opts: Options | None = None, echo=False) -> list[dict]:
+    """Greedy generation with GenAI's log-probabilities (``GenerationConfig.logprobs`` = 1,
+    through the handle API, all prompts added before the first step). Per prompt: ``prompt_ids``,
+    ``token_ids`` and ``log_probs`` (``GenerationOutput.generated_log_probs``, see
+    ``log_softmax_genai`` for how GenAI computes them); with ``echo`` both lists start with the
+    prompt's (GenAI puts 1.0 for the prompt's first token, which has no log-probability)."""
+    opts = opts or Options()
+    pipe = make_pipeline(model_dir, opts, _lens_for_sizing(model_dir, prompts))
+    tok = pipe.get_tokenizer()
+    ids = [tokenize(tok, p, opts.chat) for p in prompts]
+    cfg = generation_config(pipe, opts)
+    cfg.logprobs = 1
+    cfg.echo = echo
+    handles = [pipe.add_request(i, _tensor(p), cfg) for i, p in enumerate(ids)]
+    while pipe.has_non_finished_requests():
+        pipe.step()
+    out = []
+    for pid, h in zip(ids, handles):
+        (o,) = h.read_all()
+        out.append({"prompt_ids": pid, "token_ids": [int(t) for t in o.generated_ids],
+                    "log_probs": [float(x) for x in o.generated_log_probs]})
+    return out
+
+
 def run_timed(model_dir, prompts, arrival_steps=None, opts: Options | None = None,
               warmup: bool = True) -> dict:
     """Generation through the handle API with timing. Request i is added before step
@@ -305,6 +329,49 @@ def stateful_greedy(model_dir, prompt_ids, max_new_tokens=64, eos_token_id=None,
                 break
         outs.append(gen)
     return outs
+
+
+def stateful_logits(model_dir, sequences, threads=0):
+    """Independent reference for log-probabilities: the stateful ``openvino_model.xml`` (plain
+    OpenVINO, f32 inference and state, no paging) run once over each whole token sequence. Per
+    sequence its float32 logits ``[len, vocab]``: row ``i`` predicts token ``i + 1``."""
+    import openvino as ov
+
+    cfg = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    if threads:
+        cfg["INFERENCE_NUM_THREADS"] = threads
+    req = ov.Core().compile_model(Path(model_dir) / "openvino_model.xml", "CPU",
+                                  cfg).create_infer_request()
+    out = []
+    for ids in sequences:
+        n = len(ids)
+        req.reset_state()
+        req.infer({"input_ids": np.array([ids], dtype=np.int64),
+                   "attention_mask": np.ones((1, n), dtype=np.int64),
+                   "position_ids": np.arange(n, dtype=np.int64)[None],
+                   "beam_idx": np.zeros(1, dtype=np.int32)})
+        out.append(np.array(req.get_tensor("logits").data[0], dtype=np.float32))
+    return out
+
+
+def log_softmax_f64(rows):
+    """The exact log-softmax of float32 logits rows, in float64."""
+    x = np.asarray(rows, dtype=np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def log_softmax_genai(rows):
+    """The log-softmax as GenAI's sampler computes it (openvino-genai 2026.4.1, sampler.cpp
+    ``log_softmax`` / ``_greedy_sample``): ``x - max - log(sum)`` in float32 with the sum of
+    ``exp(x - max)`` accumulated one term after another in index order. Such a running f32 sum
+    of a 49,152-token row drops the terms below half an ulp of the total, so its
+    log-probabilities are too high by up to about 2e-4 on SmolLM2."""
+    x = np.asarray(rows, dtype=np.float32)
+    m = x.max(-1, keepdims=True)
+    e = np.exp(x - m, dtype=np.float32)
+    total = np.cumsum(e, axis=-1, dtype=np.float32)[..., -1:]  # sequential, unlike np.sum
+    return (x - m) - np.log(total, dtype=np.float32)
 
 
 def make_prompts(model_dir, lengths, shared_prefix=None, seed=3):
