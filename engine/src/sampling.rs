@@ -195,7 +195,9 @@ pub fn logprobs(
     }
     TokenLogprobs {
         token,
-        logprob: row.get(token as usize).map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        logprob: row
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
         top,
     }
 }
@@ -367,7 +369,12 @@ mod tests {
         let want = |i: usize| ((row[i] as f64).exp() / z).ln() as f32;
         let lp = logprobs(&row, 2, 3, &mut Vec::new());
         assert_eq!(lp.token, 2);
-        assert!((lp.logprob - want(2)).abs() < 1e-6, "{} vs {}", lp.logprob, want(2));
+        assert!(
+            (lp.logprob - want(2)).abs() < 1e-6,
+            "{} vs {}",
+            lp.logprob,
+            want(2)
+        );
         let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
         assert_eq!(ids, [1, 3, 0], "most likely first, the tie 1 = 3 by id");
         for &(i, v) in &lp.top {
@@ -385,7 +392,11 @@ mod tests {
         // exp(1000) overflows f64: the sum must start from the largest logit.
         let row = [1000.0f32, 1000.0, f32::NAN, -1000.0];
         let lp = logprobs(&row, 1, 2, &mut Vec::new());
-        assert!((lp.logprob - (-std::f32::consts::LN_2)).abs() < 1e-6, "{}", lp.logprob);
+        assert!(
+            (lp.logprob - (-std::f32::consts::LN_2)).abs() < 1e-6,
+            "{}",
+            lp.logprob
+        );
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
         assert!(logprobs(&row, 2, 0, &mut Vec::new()).logprob.is_nan());
         assert!(logprobs(&row, 3, 0, &mut Vec::new()).logprob < -1999.0);
