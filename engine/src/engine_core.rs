@@ -350,8 +350,11 @@ impl EngineCore {
         let (logits, rows) = self.runner.logits(step)?;
         let mut sampled = Vec::with_capacity(rows.len());
         let mut forks = Vec::new();
-        let emitting = step.seqs.iter().filter(|s| s.emits);
-        for (s, row) in emitting.zip(rows) {
+        for (s, rows) in step.seqs.iter().zip(rows) {
+            if !s.emits {
+                continue;
+            }
+            let row = rows.end - 1;
             let Some(&(req, index)) = self.seqs.get(&s.id) else {
                 return Err(EngineError::Config(format!(
                     "sequence {} has no request",
