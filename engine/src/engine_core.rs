@@ -65,6 +65,10 @@ struct RequestState {
     stop_ids: Vec<u32>,
     /// The prompt's distinct tokens, sorted, when a penalty counts them (else empty).
     prompt_tokens: Vec<u32>,
+    /// The prompt, when its tokens' logprobs are asked for (else empty), and theirs so far
+    /// (`prompt_logprobs[i]` is token `i + 1`'s).
+    prompt: Vec<u32>,
+    prompt_logprobs: Vec<TokenLogprobs>,
     outputs: Vec<Output>,
 }
 
@@ -81,6 +85,8 @@ pub struct EngineCore {
     next_seq: SeqId,
     scratch: Vec<(f32, u32)>,
     lp_scratch: Vec<(f32, u32)>,
+    /// The `PromptLogprobs` events of the step being sampled.
+    prompt_events: Vec<Event>,
     /// A logits row with the penalties applied, and the token counts they use.
     penalized: Vec<f32>,
     counts: Vec<(u32, u32)>,
@@ -121,6 +127,7 @@ impl EngineCore {
             next_seq: 0,
             scratch: Vec::new(),
             lp_scratch: Vec::new(),
+            prompt_events: Vec::new(),
             penalized: Vec::new(),
             counts: Vec::new(),
             stats: EngineStats::default(),
@@ -225,6 +232,11 @@ impl EngineCore {
         };
         let seq = self.next_seq;
         let prompt_len = prompt.len();
+        let kept_prompt = if params.prompt_logprobs.is_some() {
+            prompt.clone()
+        } else {
+            Vec::new()
+        };
         self.sched
             .add_request(Request {
                 id: seq,
@@ -233,6 +245,10 @@ impl EngineCore {
                 priority: 0,
             })
             .map_err(|e| EngineError::Request(RequestError::prompt(e.to_string())))?;
+        if params.prompt_logprobs.is_some() {
+            // Every prompt position gets its logits row (and the prefix cache is skipped).
+            self.sched.set_prompt_logits(seq, true)?;
+        }
         self.next_seq += 1;
         let seed = params.seed.unwrap_or_else(fresh_seed);
         let stop_ids = match (&params.stop_token_ids, params.ignore_eos) {
@@ -256,6 +272,8 @@ impl EngineCore {
                 params,
                 stop_ids,
                 prompt_tokens,
+                prompt: kept_prompt,
+                prompt_logprobs: Vec::new(),
                 outputs,
             },
         );
@@ -351,10 +369,6 @@ impl EngineCore {
         let mut sampled = Vec::with_capacity(rows.len());
         let mut forks = Vec::new();
         for (s, rows) in step.seqs.iter().zip(rows) {
-            if !s.emits {
-                continue;
-            }
-            let row = rows.end - 1;
             let Some(&(req, index)) = self.seqs.get(&s.id) else {
                 return Err(EngineError::Config(format!(
                     "sequence {} has no request",
@@ -365,9 +379,33 @@ impl EngineCore {
                 .requests
                 .get_mut(&req)
                 .ok_or_else(|| EngineError::Config(format!("request {req} is gone")))?;
+            let first = index == 0 && state.outputs[0].text.generated.is_empty();
+            if let (Some(n), true) = (state.params.prompt_logprobs, first) {
+                // Rows at prompt positions: row j follows position `from + j` and predicts the
+                // prompt token after it (each position's row comes once).
+                let from = s.past_len + s.num_tokens - rows.len();
+                for (j, r) in rows.clone().enumerate() {
+                    let next = from + j + 1;
+                    if next < state.prompt.len() && next == state.prompt_logprobs.len() + 1 {
+                        let lp =
+                            logprobs(logits.row(r), state.prompt[next], n, &mut self.lp_scratch);
+                        state.prompt_logprobs.push(lp);
+                    }
+                }
+                if s.emits {
+                    self.prompt_events.push(Event::PromptLogprobs {
+                        request: req,
+                        first: state.prompt[0],
+                        logprobs: std::mem::take(&mut state.prompt_logprobs),
+                    });
+                }
+            }
+            if !s.emits {
+                continue;
+            }
+            let row = rows.end - 1;
             let sampling = state.params.sampling;
             let top_n = state.params.logprobs;
-            let first = index == 0 && state.outputs[0].text.generated.is_empty();
             let raw = logits.row(row);
             let mut row = raw;
             if !state.params.penalties.is_neutral() {
@@ -413,6 +451,8 @@ impl EngineCore {
         forks: Vec<Fork>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
+        // A request's prompt logprobs come before its first token.
+        events.append(&mut self.prompt_events);
         let ids: Vec<(SeqId, u32)> = sampled.iter().map(|s| (s.seq, s.token)).collect();
         self.sched.complete_step(&ids)?;
         self.stats.steps += 1;

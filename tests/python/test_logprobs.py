@@ -39,7 +39,8 @@ OPTS = dict(max_new_tokens=NEW, cache_type="f32", precision="f32", threads=2, ig
 
 @pytest.fixture(scope="module")
 def server(smollm2):  # noqa: F811
-    s = Server(smollm2)
+    # 128 token rows a step: the long prompt is prefilled in three chunks.
+    s = Server(smollm2, "--max-batched-tokens", "128")
     yield s
     s.stop()
 
@@ -132,11 +133,18 @@ def test_generated_logprobs_equal_genai_and_the_exact_log_softmax(client, smollm
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client, smollm2, tok):  # noqa: F811
-    prompts = PROMPTS[:2]
-    ours = concurrently(lambda p: complete(client, p, max_tokens=4, logprobs=2, echo=True), prompts)
-    ref = genai_ref.run_logprobs(smollm2, prompts, genai_ref.Options(**{**OPTS, "max_new_tokens": 4}),
-                                 echo=True)
-    logits = genai_ref.stateful_logits(smollm2, [g["token_ids"] for g in ref], 2)
+    # A short prompt, and a long one (about 300 tokens: chunked prefill) asked twice, the second
+    # time after the first has filled the prefix cache (which echo must not use).
+    prompts = [PROMPTS[0], PLAIN[9], PLAIN[9]]
+    echo = lambda p: complete(client, p, max_tokens=4, logprobs=2, echo=True)  # noqa: E731
+    ours = concurrently(echo, prompts[:2]) + [echo(prompts[2])]
+    # GenAI on the two distinct prompts (run on all three at once, its echo logprobs of the
+    # third, the repeated long prompt, are wrong: up to 25 off, with openvino-genai 2026.4.1).
+    ref = genai_ref.run_logprobs(smollm2, prompts[:2],
+                                 genai_ref.Options(**{**OPTS, "max_new_tokens": 4}), echo=True)
+    ref.append(ref[1])
+    logits = genai_ref.stateful_logits(smollm2, [g["token_ids"] for g in ref[:2]], 2)
+    logits.append(logits[1])
     for i, (p, o, g, lg) in enumerate(zip(prompts, ours, ref, logits)):
         c = o.choices[0]
         seq = g["token_ids"]  # GenAI's echo: prompt then generated
