@@ -197,27 +197,42 @@ def run(model_dir, prompts, opts: Options | None = None) -> list[dict]:
     return out
 
 
-def run_logprobs(model_dir, prompts, opts: Options | None = None, echo=False) -> list[dict]:
-    """Greedy generation with GenAI's log-probabilities (``GenerationConfig.logprobs`` = 1,
-    through the handle API, all prompts added before the first step). Per prompt: ``prompt_ids``,
-    ``token_ids`` and ``log_probs`` (``GenerationOutput.generated_log_probs``, see
-    ``log_softmax_genai`` for how GenAI computes them); with ``echo`` both lists start with the
-    prompt's (GenAI puts 1.0 for the prompt's first token, which has no log-probability)."""
+def run_logprobs(model_dir, batches, opts: Options | None = None) -> list[list[dict]]:
+    """Greedy generation with GenAI's log-probabilities (``GenerationConfig.logprobs`` = 1) in
+    one pipeline (the handle API): each batch's requests are added together and run to their end
+    before the next batch's are added. A request is ``(prompt, overrides)``, ``overrides`` a dict
+    of ``GenerationConfig`` fields on top of ``opts`` (``echo``, ``repetition_penalty``,
+    ``max_new_tokens``...). Per batch and request: ``prompt_ids``, ``token_ids`` and
+    ``log_probs`` (``GenerationOutput.generated_log_probs``; see ``log_softmax_genai`` for how
+    GenAI computes them), ``text``. With ``echo`` the ids and log_probs start with the prompt's
+    (GenAI puts 1.0 for the prompt's first token, which has no log-probability). Run echo
+    requests in a batch of their own (openvino-genai 2026.4.1): an echo request batched after
+    six others, and the second of two echo requests with the same 300-token prompt, got prompt
+    log-probabilities up to 25 off (two echo requests with different prompts were right)."""
     opts = opts or Options()
+    prompts = [p for batch in batches for p, _ in batch]
     pipe = make_pipeline(model_dir, opts, _lens_for_sizing(model_dir, prompts))
     tok = pipe.get_tokenizer()
-    ids = [tokenize(tok, p, opts.chat) for p in prompts]
-    cfg = generation_config(pipe, opts)
-    cfg.logprobs = 1
-    cfg.echo = echo
-    handles = [pipe.add_request(i, _tensor(p), cfg) for i, p in enumerate(ids)]
-    while pipe.has_non_finished_requests():
-        pipe.step()
     out = []
-    for pid, h in zip(ids, handles):
-        (o,) = h.read_all()
-        out.append({"prompt_ids": pid, "token_ids": [int(t) for t in o.generated_ids],
-                    "log_probs": [float(x) for x in o.generated_log_probs]})
+    for batch in batches:
+        ids = [tokenize(tok, p, opts.chat) for p, _ in batch]
+        handles = []
+        for pid, (_, overrides) in zip(ids, batch):
+            cfg = generation_config(pipe, opts)
+            cfg.logprobs = 1
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            handles.append(pipe.add_request(len(handles) + 1000 * len(out), _tensor(pid), cfg))
+        while pipe.has_non_finished_requests():
+            pipe.step()
+        got = []
+        for pid, h, (_, overrides) in zip(ids, handles, batch):
+            (o,) = h.read_all()
+            gen = [int(t) for t in o.generated_ids]
+            text = tok.decode(gen[len(pid):] if overrides.get("echo") else gen)
+            got.append({"prompt_ids": pid, "token_ids": gen, "text": text,
+                        "log_probs": [float(x) for x in o.generated_log_probs]})
+        out.append(got)
     return out
 
 

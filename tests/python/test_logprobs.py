@@ -57,6 +57,38 @@ def tok(smollm2):  # noqa: F811
     return Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
 
 
+ECHO_PROMPTS = [PROMPTS[0], PLAIN[9]]  # a short prompt, and about 300 tokens (chunked prefill)
+ECHO_NEW = 4
+PENALTY = 1.3
+PENALTY_PROMPTS = PROMPTS[2:4]
+
+
+@pytest.fixture(scope="module")
+def genai(smollm2):  # noqa: F811
+    """GenAI's answers (one pipeline): "plain" (PROMPTS), "echo" (ECHO_PROMPTS with echo),
+    "penalty" (PENALTY_PROMPTS with the repetition penalty); and "logits", the reference logits
+    of the plain and echo sequences (``genai_ref.stateful_logits``)."""
+    plain, penalty, echo = genai_ref.run_logprobs(smollm2, [
+        [(p, {}) for p in PROMPTS],
+        [(p, {"repetition_penalty": PENALTY}) for p in PENALTY_PROMPTS],
+        # alone: in some batches GenAI's echo logprobs go wrong (genai_ref.run_logprobs)
+        [(p, {"echo": True, "max_new_tokens": ECHO_NEW}) for p in ECHO_PROMPTS],
+    ], genai_ref.Options(**OPTS))
+    a = len(PROMPTS)
+    out = {"plain": plain, "echo": echo, "penalty": penalty}
+    seqs = [g["prompt_ids"] + g["token_ids"] for g in out["plain"]]
+    seqs += [g["token_ids"] for g in out["echo"]]  # echo: prompt and generated already
+    logits = genai_ref.stateful_logits(smollm2, seqs, threads=2)
+    out["logits"] = {"plain": logits[:a], "echo": logits[a:]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy(client):
+    """Our greedy completions of PROMPTS with logprobs (served concurrently)."""
+    return concurrently(lambda p: complete(client, p, max_tokens=NEW, logprobs=1), PROMPTS)
+
+
 def names(tok, ids):
     return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
@@ -115,11 +147,8 @@ def test_greedy_token_is_the_most_likely_of_its_top_logprobs(client):
     assert r.choices[0].logprobs is None
 
 
-def test_generated_logprobs_equal_genai_and_the_exact_log_softmax(client, smollm2, tok):  # noqa: F811
-    ours = concurrently(lambda p: complete(client, p, max_tokens=NEW, logprobs=1), PROMPTS)
-    ref = genai_ref.run_logprobs(smollm2, PROMPTS, genai_ref.Options(**OPTS))
-    logits = genai_ref.stateful_logits(smollm2, [g["prompt_ids"] + g["token_ids"] for g in ref], 2)
-    for i, (o, g, lg) in enumerate(zip(ours, ref, logits)):
+def test_generated_logprobs_equal_genai_and_the_exact_log_softmax(greedy, genai, tok):
+    for i, (o, g, lg) in enumerate(zip(greedy, genai["plain"], genai["logits"]["plain"])):
         lp = o.choices[0].logprobs
         assert lp.tokens == names(tok, g["token_ids"]), f"prompt {i}: tokens differ from GenAI's"
         assert len(lp.token_logprobs) == NEW
@@ -132,24 +161,19 @@ def test_generated_logprobs_equal_genai_and_the_exact_log_softmax(client, smollm
             assert top == {t: v}
 
 
-def test_echo_returns_the_prompt_and_its_logprobs(client, smollm2, tok):  # noqa: F811
-    # A short prompt, and a long one (about 300 tokens: chunked prefill) asked twice, the second
-    # time after the first has filled the prefix cache (which echo must not use).
-    prompts = [PROMPTS[0], PLAIN[9], PLAIN[9]]
-    echo = lambda p: complete(client, p, max_tokens=4, logprobs=2, echo=True)  # noqa: E731
-    ours = concurrently(echo, prompts[:2]) + [echo(prompts[2])]
-    # GenAI on the two distinct prompts (run on all three at once, its echo logprobs of the
-    # third, the repeated long prompt, are wrong: up to 25 off, with openvino-genai 2026.4.1).
-    ref = genai_ref.run_logprobs(smollm2, prompts[:2],
-                                 genai_ref.Options(**{**OPTS, "max_new_tokens": 4}), echo=True)
-    ref.append(ref[1])
-    logits = genai_ref.stateful_logits(smollm2, [g["token_ids"] for g in ref[:2]], 2)
-    logits.append(logits[1])
+def test_echo_returns_the_prompt_and_its_logprobs(client, genai, tok):
+    # The long prompt is asked again after the first answer has filled the prefix cache, which
+    # echo must not use. (GenAI is asked each prompt once.)
+    prompts = ECHO_PROMPTS + ECHO_PROMPTS[1:]
+    echo = lambda p: complete(client, p, max_tokens=ECHO_NEW, logprobs=2, echo=True)  # noqa: E731
+    ours = concurrently(echo, ECHO_PROMPTS) + [echo(prompts[2])]
+    ref = genai["echo"] + genai["echo"][1:]
+    logits = genai["logits"]["echo"] + genai["logits"]["echo"][1:]
     for i, (p, o, g, lg) in enumerate(zip(prompts, ours, ref, logits)):
         c = o.choices[0]
         seq = g["token_ids"]  # GenAI's echo: prompt then generated
         n = len(g["prompt_ids"])
-        assert seq[:n] == g["prompt_ids"] and len(seq) == n + 4
+        assert seq[:n] == g["prompt_ids"] and len(seq) == n + ECHO_NEW
         assert c.text == p + tok.decode(seq[n:]), f"prompt {i}"
         lp = c.logprobs
         assert lp.tokens == names(tok, seq), f"prompt {i}"
@@ -212,13 +236,11 @@ def test_out_of_range_is_refused_by_name(server, path, extra, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
-def test_repetition_penalty_gives_genai_ids(client, smollm2, tok):  # noqa: F811
-    prompts = PROMPTS[2:4]
-    ref = genai_ref.run(smollm2, prompts, genai_ref.Options(**OPTS, repetition_penalty=1.3))
-    plain = concurrently(lambda p: complete(client, p, max_tokens=NEW, logprobs=0), prompts)
+def test_repetition_penalty_gives_genai_ids(client, greedy, genai, tok):
     ours = concurrently(lambda p: complete(client, p, max_tokens=NEW, logprobs=0, extra_body={
-        "ignore_eos": True, "repetition_penalty": 1.3}), prompts)
-    for i, (p, o, g) in enumerate(zip(plain, ours, ref)):
+        "ignore_eos": True, "repetition_penalty": PENALTY}), PENALTY_PROMPTS)
+    plain = [greedy[PROMPTS.index(p)] for p in PENALTY_PROMPTS]
+    for i, (p, o, g) in enumerate(zip(plain, ours, genai["penalty"])):
         assert o.choices[0].logprobs.tokens == names(tok, g["token_ids"]), f"prompt {i}"
         assert o.choices[0].text == g["text"]
         assert p.choices[0].logprobs.tokens != o.choices[0].logprobs.tokens, \
