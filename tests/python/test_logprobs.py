@@ -13,9 +13,11 @@ The goldens are independent of the engine:
 
 Checked: the greedy token is the most likely of its ``top_logprobs`` (sorted, bytes the token's
 UTF-8); the generated tokens' logprobs (4 prompts x 32 tokens, served concurrently) and ids equal
-both goldens; ``echo`` returns the prompt text and its tokens' logprobs (the first ``null``),
-equal to both goldens; streamed chunks carry exactly the non-streamed logprobs; out-of-range
-values are 400s naming the field; a repetition penalty gives GenAI's greedy ids.
+both goldens, and so do ``pa generate --logprobs``'s; ``echo`` returns the prompt text and its
+tokens' logprobs (the first ``null``), equal to both goldens, for a short prompt and a 300-token
+one prefilled in chunks, also when asked again with its prefix cached (echo skips the prefix
+cache); streamed chunks carry exactly the non-streamed logprobs; out-of-range values are 400s
+naming the field; a repetition penalty gives GenAI's greedy ids.
 """
 from __future__ import annotations
 
@@ -216,6 +218,26 @@ def test_streamed_logprobs_equal_the_whole_answer(client):
                 for k in got:
                     got[k].extend(getattr(c.logprobs, k))
     assert got == {k: getattr(w, k) for k in got}
+
+
+def test_pa_generate_prints_the_same_logprobs(smollm2, genai, tmp_path):  # noqa: F811
+    from test_engine import ENGINE, run_engine
+
+    _, lines, _ = run_engine(ENGINE, smollm2, PROMPTS[:1], "--cache-type", "f32", "--precision",
+                             "f32", "--threads", "2", "--kv-cache-size", "0.05",
+                             "--max-new-tokens", str(NEW), "--ignore-eos", "--logprobs", "3",
+                             tmp_path=tmp_path)
+    (o,) = lines
+    g = genai["plain"][0]
+    assert o["token_ids"] == g["token_ids"]
+    lps = o["logprobs"]
+    assert [x["token"] for x in lps] == o["token_ids"]
+    for x in lps:
+        assert len(x["top_logprobs"]) == 3 and x["top_logprobs"][0] == [x["token"], x["logprob"]]
+    n = len(g["prompt_ids"])
+    check_against_goldens(genai["logits"]["plain"][0], [x["logprob"] for x in lps],
+                          g["log_probs"], g["prompt_ids"] + g["token_ids"],
+                          list(range(n, n + NEW)), "pa generate")
 
 
 @pytest.mark.parametrize("path,extra,param", [
