@@ -369,6 +369,9 @@ impl EngineCore {
         let mut sampled = Vec::with_capacity(rows.len());
         let mut forks = Vec::new();
         for (s, rows) in step.seqs.iter().zip(rows) {
+            if !s.emits && rows.is_empty() {
+                continue;
+            }
             let Some(&(req, index)) = self.seqs.get(&s.id) else {
                 return Err(EngineError::Config(format!(
                     "sequence {} has no request",
