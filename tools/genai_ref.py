@@ -197,6 +197,45 @@ def run(model_dir, prompts, opts: Options | None = None) -> list[dict]:
     return out
 
 
+def run_logprobs(model_dir, batches, opts: Options | None = None) -> list[list[dict]]:
+    """Greedy generation with GenAI's log-probabilities (``GenerationConfig.logprobs`` = 1) in
+    one pipeline (the handle API): each batch's requests are added together and run to their end
+    before the next batch's are added. A request is ``(prompt, overrides)``, ``overrides`` a dict
+    of ``GenerationConfig`` fields on top of ``opts`` (``echo``, ``repetition_penalty``,
+    ``max_new_tokens``...). Per batch and request: ``prompt_ids``, ``token_ids`` and
+    ``log_probs`` (``GenerationOutput.generated_log_probs``; see ``log_softmax_genai`` for how
+    GenAI computes them), ``text``. With ``echo`` the ids and log_probs start with the prompt's
+    (GenAI puts 1.0 for the prompt's first token, which has no log-probability). Run echo
+    requests in a batch of their own (openvino-genai 2026.4.1): an echo request batched after
+    six others, and the second of two echo requests with the same 300-token prompt, got prompt
+    log-probabilities up to 25 off (two echo requests with different prompts were right)."""
+    opts = opts or Options()
+    prompts = [p for batch in batches for p, _ in batch]
+    pipe = make_pipeline(model_dir, opts, _lens_for_sizing(model_dir, prompts))
+    tok = pipe.get_tokenizer()
+    out = []
+    for batch in batches:
+        ids = [tokenize(tok, p, opts.chat) for p, _ in batch]
+        handles = []
+        for pid, (_, overrides) in zip(ids, batch):
+            cfg = generation_config(pipe, opts)
+            cfg.logprobs = 1
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            handles.append(pipe.add_request(len(handles) + 1000 * len(out), _tensor(pid), cfg))
+        while pipe.has_non_finished_requests():
+            pipe.step()
+        got = []
+        for pid, h, (_, overrides) in zip(ids, handles, batch):
+            (o,) = h.read_all()
+            gen = [int(t) for t in o.generated_ids]
+            text = tok.decode(gen[len(pid):] if overrides.get("echo") else gen)
+            got.append({"prompt_ids": pid, "token_ids": gen, "text": text,
+                        "log_probs": [float(x) for x in o.generated_log_probs]})
+        out.append(got)
+    return out
+
+
 def run_timed(model_dir, prompts, arrival_steps=None, opts: Options | None = None,
               warmup: bool = True) -> dict:
     """Generation through the handle API with timing. Request i is added before step
@@ -305,6 +344,49 @@ def stateful_greedy(model_dir, prompt_ids, max_new_tokens=64, eos_token_id=None,
                 break
         outs.append(gen)
     return outs
+
+
+def stateful_logits(model_dir, sequences, threads=0):
+    """Independent reference for log-probabilities: the stateful ``openvino_model.xml`` (plain
+    OpenVINO, f32 inference and state, no paging) run once over each whole token sequence. Per
+    sequence its float32 logits ``[len, vocab]``: row ``i`` predicts token ``i + 1``."""
+    import openvino as ov
+
+    cfg = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    if threads:
+        cfg["INFERENCE_NUM_THREADS"] = threads
+    req = ov.Core().compile_model(Path(model_dir) / "openvino_model.xml", "CPU",
+                                  cfg).create_infer_request()
+    out = []
+    for ids in sequences:
+        n = len(ids)
+        req.reset_state()
+        req.infer({"input_ids": np.array([ids], dtype=np.int64),
+                   "attention_mask": np.ones((1, n), dtype=np.int64),
+                   "position_ids": np.arange(n, dtype=np.int64)[None],
+                   "beam_idx": np.zeros(1, dtype=np.int32)})
+        out.append(np.array(req.get_tensor("logits").data[0], dtype=np.float32))
+    return out
+
+
+def log_softmax_f64(rows):
+    """The exact log-softmax of float32 logits rows, in float64."""
+    x = np.asarray(rows, dtype=np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def log_softmax_genai(rows):
+    """The log-softmax as GenAI's sampler computes it (openvino-genai 2026.4.1, sampler.cpp
+    ``log_softmax`` / ``_greedy_sample``): ``x - max - log(sum)`` in float32 with the sum of
+    ``exp(x - max)`` accumulated one term after another in index order. Such a running f32 sum
+    of a 49,152-token row drops the terms below half an ulp of the total, so its
+    log-probabilities are too high by up to about 2e-4 on SmolLM2."""
+    x = np.asarray(rows, dtype=np.float32)
+    m = x.max(-1, keepdims=True)
+    e = np.exp(x - m, dtype=np.float32)
+    total = np.cumsum(e, axis=-1, dtype=np.float32)[..., -1:]  # sequential, unlike np.sum
+    return (x - m) - np.log(total, dtype=np.float32)
 
 
 def make_prompts(model_dir, lengths, shared_prefix=None, seed=3):

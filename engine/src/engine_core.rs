@@ -14,7 +14,7 @@ use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
-use crate::sampling::sample;
+use crate::sampling::{logprobs, sample, TokenLogprobs};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
     CacheEvent, CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters,
@@ -45,11 +45,30 @@ struct Output {
     text: OutputText,
 }
 
+/// A token sampled for a sequence in a step.
+struct Sampled {
+    seq: SeqId,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+}
+
+/// The first token of output `index` (> 0) of an n > 1 request, forked from `parent`'s row.
+struct Fork {
+    parent: SeqId,
+    index: usize,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+}
+
 struct RequestState {
     params: GenerationParams,
     stop_ids: Vec<u32>,
     /// The prompt's distinct tokens, sorted, when a penalty counts them (else empty).
     prompt_tokens: Vec<u32>,
+    /// The prompt, when its tokens' logprobs are asked for (else empty), and theirs so far
+    /// (`prompt_logprobs[i]` is token `i + 1`'s).
+    prompt: Vec<u32>,
+    prompt_logprobs: Vec<TokenLogprobs>,
     outputs: Vec<Output>,
 }
 
@@ -65,6 +84,9 @@ pub struct EngineCore {
     seqs: HashMap<SeqId, (RequestId, usize)>,
     next_seq: SeqId,
     scratch: Vec<(f32, u32)>,
+    lp_scratch: Vec<(f32, u32)>,
+    /// The `PromptLogprobs` events of the step being sampled.
+    prompt_events: Vec<Event>,
     /// A logits row with the penalties applied, and the token counts they use.
     penalized: Vec<f32>,
     counts: Vec<(u32, u32)>,
@@ -105,6 +127,8 @@ impl EngineCore {
             seqs: HashMap::new(),
             next_seq: 0,
             scratch: Vec::new(),
+            lp_scratch: Vec::new(),
+            prompt_events: Vec::new(),
             penalized: Vec::new(),
             counts: Vec::new(),
             stats: EngineStats::default(),
@@ -220,6 +244,11 @@ impl EngineCore {
         };
         let seq = self.next_seq;
         let prompt_len = prompt.len();
+        let kept_prompt = if params.prompt_logprobs.is_some() {
+            prompt.clone()
+        } else {
+            Vec::new()
+        };
         self.sched
             .add_request(Request {
                 id: seq,
@@ -228,6 +257,10 @@ impl EngineCore {
                 priority: 0,
             })
             .map_err(|e| EngineError::Request(RequestError::prompt(e.to_string())))?;
+        if params.prompt_logprobs.is_some() {
+            // Every prompt position gets its logits row (and the prefix cache is skipped).
+            self.sched.set_prompt_logits(seq, true)?;
+        }
         self.next_seq += 1;
         let seed = params.seed.unwrap_or_else(fresh_seed);
         let stop_ids = match (&params.stop_token_ids, params.ignore_eos) {
@@ -251,6 +284,8 @@ impl EngineCore {
                 params,
                 stop_ids,
                 prompt_tokens,
+                prompt: kept_prompt,
+                prompt_logprobs: Vec::new(),
                 outputs,
             },
         );
@@ -310,7 +345,7 @@ impl EngineCore {
             return Err(e);
         }
         let (sampled, forks) = self.sample(&step)?;
-        self.update(&sampled, forks, &mut events)?;
+        self.update(sampled, forks, &mut events)?;
         self.stats.step_time += t0.elapsed();
         Ok(events)
     }
@@ -339,14 +374,16 @@ impl EngineCore {
 
     /// One token per emitting sequence, in batch order; and for an n > 1 request sampling its
     /// first token now, the first tokens of its other outputs (from the same logits row, each
-    /// with its own seed): (parent sequence, output index, token).
-    #[allow(clippy::type_complexity)]
-    fn sample(&mut self, step: &Step) -> Result<(Vec<(SeqId, u32)>, Vec<(SeqId, usize, u32)>)> {
+    /// with its own seed). Each with its log-probabilities (of the row before any penalty)
+    /// when its request asks for them.
+    fn sample(&mut self, step: &Step) -> Result<(Vec<Sampled>, Vec<Fork>)> {
         let (logits, rows) = self.runner.logits(step)?;
         let mut sampled = Vec::with_capacity(rows.len());
         let mut forks = Vec::new();
-        let emitting = step.seqs.iter().filter(|s| s.emits);
-        for (s, row) in emitting.zip(rows) {
+        for (s, rows) in step.seqs.iter().zip(rows) {
+            if !s.emits && rows.is_empty() {
+                continue;
+            }
             let Some(&(req, index)) = self.seqs.get(&s.id) else {
                 return Err(EngineError::Config(format!(
                     "sequence {} has no request",
@@ -357,9 +394,35 @@ impl EngineCore {
                 .requests
                 .get_mut(&req)
                 .ok_or_else(|| EngineError::Config(format!("request {req} is gone")))?;
-            let sampling = state.params.sampling;
             let first = index == 0 && state.outputs[0].text.generated.is_empty();
-            let mut row = logits.row(row);
+            if let (Some(n), true) = (state.params.prompt_logprobs, first) {
+                // Rows at prompt positions: row j follows position `from + j` and predicts the
+                // prompt token after it (each position's row comes once).
+                let from = s.past_len + s.num_tokens - rows.len();
+                for (j, r) in rows.clone().enumerate() {
+                    let next = from + j + 1;
+                    if next < state.prompt.len() && next == state.prompt_logprobs.len() + 1 {
+                        let lp =
+                            logprobs(logits.row(r), state.prompt[next], n, &mut self.lp_scratch);
+                        state.prompt_logprobs.push(lp);
+                    }
+                }
+                if s.emits {
+                    self.prompt_events.push(Event::PromptLogprobs {
+                        request: req,
+                        first: state.prompt[0],
+                        logprobs: std::mem::take(&mut state.prompt_logprobs),
+                    });
+                }
+            }
+            if !s.emits {
+                continue;
+            }
+            let row = rows.end - 1;
+            let sampling = state.params.sampling;
+            let top_n = state.params.logprobs;
+            let raw = logits.row(row);
+            let mut row = raw;
             if !state.params.penalties.is_neutral() {
                 self.penalized.clear();
                 self.penalized.extend_from_slice(row);
@@ -377,14 +440,20 @@ impl EngineCore {
                 &mut state.outputs[index].rng,
                 &mut self.scratch,
             );
-            sampled.push((s.id, token));
+            sampled.push(Sampled {
+                seq: s.id,
+                token,
+                logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+            });
             if first {
                 for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
-                    forks.push((
-                        s.id,
-                        i,
-                        sample(row, &sampling, &mut o.rng, &mut self.scratch),
-                    ));
+                    let token = sample(row, &sampling, &mut o.rng, &mut self.scratch);
+                    forks.push(Fork {
+                        parent: s.id,
+                        index: i,
+                        token,
+                        logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+                    });
                 }
             }
         }
@@ -393,30 +462,33 @@ impl EngineCore {
 
     fn update(
         &mut self,
-        sampled: &[(SeqId, u32)],
-        forks: Vec<(SeqId, usize, u32)>,
+        sampled: Vec<Sampled>,
+        forks: Vec<Fork>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
-        self.sched.complete_step(sampled)?;
+        // A request's prompt logprobs come before its first token.
+        events.append(&mut self.prompt_events);
+        let ids: Vec<(SeqId, u32)> = sampled.iter().map(|s| (s.seq, s.token)).collect();
+        self.sched.complete_step(&ids)?;
         self.stats.steps += 1;
         self.stats.generated_tokens += sampled.len() as u64;
         // Forks of n > 1 requests at their first token, before their parent can end.
-        for (parent, child_index, token) in forks {
-            self.fork(parent, child_index, token, events)?;
+        for f in forks {
+            self.fork(f, events)?;
         }
-        for &(seq, token) in sampled {
-            self.accept(seq, token, events)?;
+        for s in sampled {
+            self.accept(s.seq, s.token, s.logprobs, events)?;
         }
         self.drain_finished(events)
     }
 
-    fn fork(
-        &mut self,
-        parent: SeqId,
-        index: usize,
-        token: u32,
-        events: &mut Vec<Event>,
-    ) -> Result<()> {
+    fn fork(&mut self, f: Fork, events: &mut Vec<Event>) -> Result<()> {
+        let Fork {
+            parent,
+            index,
+            token,
+            logprobs,
+        } = f;
         let (req, _) = self.seqs[&parent];
         let max_new = self.requests[&req].params.max_new_tokens;
         let child = self.next_seq;
@@ -428,7 +500,7 @@ impl EngineCore {
         if max_new > 1 {
             self.sched.fork(parent, child, token, max_new)?;
         }
-        self.accept(child, token, events)?;
+        self.accept(child, token, logprobs, events)?;
         if max_new == 1 {
             self.end_output(req, index, FinishReason::Length, events)?;
         }
@@ -436,7 +508,13 @@ impl EngineCore {
     }
 
     /// Records a sampled token with the output processor; ends the output at a stop.
-    fn accept(&mut self, seq: SeqId, token: u32, events: &mut Vec<Event>) -> Result<()> {
+    fn accept(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
         let (req, index) = self.seqs[&seq];
         let Some(state) = self.requests.get_mut(&req) else {
             return Ok(());
@@ -452,6 +530,7 @@ impl EngineCore {
             index,
             token,
             text: a.text,
+            logprobs,
         });
         if a.stop {
             if self.sched.tokens(seq).is_ok() {

@@ -48,5 +48,5 @@ pub use input_processor::InputProcessor;
 pub use model_dir::{GenerationDefaults, ModelConfig, ModelDir};
 pub use paged_attention::cache::{EvictionPolicy, FinishReason};
 pub use request::{ChatMessage, Event, GenerationParams, Prompt, RequestError, RequestId, Update};
-pub use sampling::{Penalties, Sampling};
+pub use sampling::{Penalties, Sampling, TokenLogprobs};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

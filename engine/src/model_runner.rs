@@ -13,6 +13,7 @@ use crate::ov::{CacheType, ConvertOptions, Property, Session};
 use paged_attention::cache::{copy_blocks_kv, rotation_lut, RotationDirection, Step};
 use paged_attention::ElemType;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -281,9 +282,9 @@ impl ModelRunner {
         (!self.score_outputs.is_empty()).then_some(&self.buf.scores[..])
     }
 
-    /// The logits of the last step, and for each sequence of it that emits a token (in batch
-    /// order) its row.
-    pub fn logits(&self, step: &Step) -> Result<(Logits<'_>, Vec<usize>)> {
+    /// The logits of the last step, and for each sequence of it (in batch order) the range of
+    /// its rows: its `logits_rows` trailing token rows (empty when it has none).
+    pub fn logits(&self, step: &Step) -> Result<(Logits<'_>, Vec<Range<usize>>)> {
         let data = self.session.output_f32(self.logits_output)?;
         let rows_total = if self.gathered {
             self.buf.sampled.len()
@@ -296,20 +297,18 @@ impl ModelRunner {
                 data.len()
             )));
         }
-        let rows = step
-            .seqs
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.emits)
-            .enumerate()
-            .map(|(k, (i, _))| {
-                if self.gathered {
-                    k
-                } else {
-                    step.subsequence_begins[i + 1] as usize - 1
-                }
-            })
-            .collect();
+        let rows = if self.gathered {
+            step.logits_ranges()
+        } else {
+            step.seqs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let end = step.subsequence_begins[i + 1] as usize;
+                    end - s.logits_rows..end
+                })
+                .collect()
+        };
         let vocab = data.len() / rows_total;
         Ok((Logits { data, vocab }, rows))
     }
@@ -334,11 +333,7 @@ impl ModelRunner {
             .max()
             .unwrap_or(0);
         b.sampled.clear();
-        for (i, s) in step.seqs.iter().enumerate() {
-            if s.emits {
-                b.sampled.push(step.subsequence_begins[i + 1] as i64 - 1);
-            }
-        }
+        b.sampled.extend(step.logits_token_rows().map(|r| r as i64));
         if b.sampled.is_empty() {
             // The LM head still needs a row; nothing reads it.
             b.sampled.push(0);

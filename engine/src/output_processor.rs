@@ -104,6 +104,7 @@ impl OutputText {
                 index,
                 token: *self.generated.last().unwrap_or(&0),
                 text,
+                logprobs: None,
             });
         }
         events.push(Event::Finished {

@@ -2,7 +2,7 @@
 //! fault blamed on the parameter that has it), and what comes back: per-output events, and the
 //! updates an engine client sends a request's caller.
 
-use crate::sampling::{Penalties, Sampling};
+use crate::sampling::{Penalties, Sampling, TokenLogprobs, MAX_TOP_LOGPROBS};
 use paged_attention::cache::FinishReason;
 
 /// A request's id, unique in its engine (the engine client hands them out).
@@ -25,6 +25,11 @@ pub struct GenerationParams {
     pub ignore_eos: bool,
     /// Outputs of the request (parallel samples sharing the prompt's blocks).
     pub n: usize,
+    /// Each generated token's log-probability, with this many of the most likely tokens of its
+    /// row (at most [`MAX_TOP_LOGPROBS`]); `None`: none computed.
+    pub logprobs: Option<usize>,
+    /// The same for the prompt's tokens ([`Event::PromptLogprobs`]); `None`: none computed.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for GenerationParams {
@@ -38,6 +43,8 @@ impl Default for GenerationParams {
             stop_token_ids: None,
             ignore_eos: false,
             n: 1,
+            logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -70,6 +77,17 @@ impl GenerationParams {
                     s.top_p
                 ),
             ));
+        }
+        for (name, n) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(n) = n.filter(|&n| n > MAX_TOP_LOGPROBS) {
+                return Err(RequestError::param(
+                    name,
+                    format!("at most {MAX_TOP_LOGPROBS} top logprobs a token, got {n}"),
+                ));
+            }
         }
         let pen = &self.penalties;
         if !(pen.repetition > 0.0 && pen.repetition.is_finite()) {
@@ -156,12 +174,22 @@ pub enum Prompt {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// New text for output `index` of `request` (empty while a character or a possible stop
-    /// string is incomplete), and the token sampled.
+    /// string is incomplete), and the token sampled, with its log-probabilities when the request
+    /// asked for them (`None` on the last event of an output that only flushes held-back text).
     Token {
         request: RequestId,
         index: usize,
         token: u32,
         text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The log-probabilities of `request`'s prompt tokens (asked with `prompt_logprobs`), sent
+    /// once before its first token: `logprobs[i]` is the prompt's token `i + 1` under the
+    /// tokens before it; `first` is the prompt's first token, which has none.
+    PromptLogprobs {
+        request: RequestId,
+        first: u32,
+        logprobs: Vec<TokenLogprobs>,
     },
     /// Output `index` of `request` ended; its generated ids (the stop token included, text after
     /// a stop string cut) and full text.
@@ -177,7 +205,9 @@ pub enum Event {
 impl Event {
     pub fn request(&self) -> RequestId {
         match self {
-            Event::Token { request, .. } | Event::Finished { request, .. } => *request,
+            Event::Token { request, .. }
+            | Event::PromptLogprobs { request, .. }
+            | Event::Finished { request, .. } => *request,
         }
     }
 }

@@ -140,6 +140,68 @@ impl Penalties {
     }
 }
 
+/// The most top log-probabilities a token can ask for (OpenAI's `top_logprobs` range).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A token's log-probability in a logits row (the row's log-softmax, before any sampling
+/// modifier), and the row's most likely tokens with theirs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// The `n` most likely tokens of the row, most likely first (ties by id).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-probability in `row` and the row's `top_n` most likely tokens. The log-sum-exp
+/// is summed in f64 from the largest logit, so no term overflows and no small one is lost; NaN
+/// logits take no part (their own log-probability is NaN). `scratch` is reused between calls.
+pub fn logprobs(
+    row: &[f32],
+    token: u32,
+    top_n: usize,
+    scratch: &mut Vec<(f32, u32)>,
+) -> TokenLogprobs {
+    let max = row
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| (v as f64 - max).exp())
+        .sum();
+    let lse = max + sum.ln();
+    let lp = |v: f32| (v as f64 - lse) as f32;
+    let mut top = Vec::new();
+    let n = top_n.min(row.len());
+    if n > 0 {
+        scratch.clear();
+        scratch.extend(
+            row.iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_nan())
+                .map(|(i, &v)| (v, i as u32)),
+        );
+        let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        let n = n.min(scratch.len());
+        if n > 0 && n < scratch.len() {
+            scratch.select_nth_unstable_by(n - 1, by_logit);
+        }
+        scratch.truncate(n);
+        scratch.sort_unstable_by(by_logit);
+        top.extend(scratch.iter().map(|&(v, i)| (i, lp(v))));
+    }
+    TokenLogprobs {
+        token,
+        logprob: row
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        top,
+    }
+}
+
 /// Index of the first largest value (NaN never wins).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -297,6 +359,47 @@ mod tests {
             top_p: 0.7,
         };
         assert!((0..200).all(|_| sample(&logits, &s, &mut rng, &mut scratch) == 0));
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_top_is_sorted_with_ties_by_id() {
+        // A plain f64 log-softmax of the row, written from its definition.
+        let row = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        let z: f64 = row.iter().map(|&v| (v as f64).exp()).sum();
+        let want = |i: usize| ((row[i] as f64).exp() / z).ln() as f32;
+        let lp = logprobs(&row, 2, 3, &mut Vec::new());
+        assert_eq!(lp.token, 2);
+        assert!(
+            (lp.logprob - want(2)).abs() < 1e-6,
+            "{} vs {}",
+            lp.logprob,
+            want(2)
+        );
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 0], "most likely first, the tie 1 = 3 by id");
+        for &(i, v) in &lp.top {
+            assert!((v - want(i as usize)).abs() < 1e-6);
+        }
+        let p: f64 = (0..row.len()).map(|i| (want(i) as f64).exp()).sum();
+        assert!((p - 1.0).abs() < 1e-6);
+        // No top asked: none computed; more than the row: the whole row.
+        assert!(logprobs(&row, 0, 0, &mut Vec::new()).top.is_empty());
+        assert_eq!(logprobs(&row, 0, 50, &mut Vec::new()).top.len(), 5);
+    }
+
+    #[test]
+    fn logprobs_stay_finite_for_huge_logits_and_skip_nan() {
+        // exp(1000) overflows f64: the sum must start from the largest logit.
+        let row = [1000.0f32, 1000.0, f32::NAN, -1000.0];
+        let lp = logprobs(&row, 1, 2, &mut Vec::new());
+        assert!(
+            (lp.logprob - (-std::f32::consts::LN_2)).abs() < 1e-6,
+            "{}",
+            lp.logprob
+        );
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
+        assert!(logprobs(&row, 2, 0, &mut Vec::new()).logprob.is_nan());
+        assert!(logprobs(&row, 3, 0, &mut Vec::new()).logprob < -1999.0);
     }
 
     #[test]

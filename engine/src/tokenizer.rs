@@ -88,6 +88,12 @@ impl TextTokenizer {
             .map_err(|e| EngineError::Tokenizer(format!("cannot decode: {e}")))
     }
 
+    /// One token's own text, special tokens included (as vLLM names a token in its logprobs); a
+    /// token holding part of a character gives U+FFFD for it.
+    pub fn token_text(&self, id: u32) -> String {
+        self.inner.decode(&[id], false).unwrap_or_default()
+    }
+
     pub fn eos_token_id(&self) -> Option<u32> {
         self.eos_token
             .as_deref()

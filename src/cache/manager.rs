@@ -48,6 +48,10 @@ pub struct CacheStats {
     /// Token slots of used blocks that hold no token (internal fragmentation).
     pub fragmentation: usize,
     pub sequences: usize,
+    /// Computed blocks the prefix cache can offer (held or cached), and the wrapping sum of
+    /// their content hashes: two runs whose digests are equal left the same contents there.
+    pub prefix_blocks: usize,
+    pub prefix_digest: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -349,6 +353,35 @@ impl BlockManager {
         Ok(())
     }
 
+    /// Rolls the sequence back to `new_len` tokens after a verification step (speculative
+    /// decoding): like [`Self::truncate`], and besides, every block it alone holds that held a
+    /// dropped token leaves the prefix cache at once, so the cache never offers a rejected draft
+    /// (the kept partial block and the released ones alike). Blocks shared with another
+    /// sequence keep their registration: that holder's tokens are valid.
+    pub fn rollback(&mut self, id: SeqId, new_len: usize) -> Result<()> {
+        let bs = self.cfg.block_size;
+        let s = self.seq(id)?;
+        if new_len > s.len {
+            return Err(PaError::InvalidArgument {
+                detail: format!(
+                    "cannot roll sequence {id} back to {new_len} tokens: it holds {}",
+                    s.len
+                ),
+            });
+        }
+        // Blocks from the one holding position `new_len` on held a dropped token.
+        let first = new_len / bs;
+        let stale: Vec<BlockId> = s.blocks[first.min(s.blocks.len())..]
+            .iter()
+            .copied()
+            .filter(|&b| self.pool.ref_count(b) == 1)
+            .collect();
+        for b in stale {
+            self.pool.unregister(b);
+        }
+        self.truncate(id, new_len)
+    }
+
     /// Adds the op's `scores` output for this sequence (`len` values, one per cached token,
     /// i.e. `past_lens[s] + n_s` after the call) to the per-block accumulators.
     pub fn accumulate_scores(&mut self, id: SeqId, scores: &[f32]) -> Result<()> {
@@ -422,6 +455,8 @@ impl BlockManager {
             used_slots,
             fragmentation: c.used * bs - used_slots,
             sequences: self.seqs.len(),
+            prefix_blocks: c.prefix_blocks,
+            prefix_digest: c.prefix_digest,
         }
     }
 

@@ -80,6 +80,10 @@ pub struct PoolCounts {
     pub cached: usize,
     /// Blocks with ref count >= 2.
     pub shared: usize,
+    /// Computed blocks registered in the prefix cache (used or cached), and the wrapping sum of
+    /// their content hashes: equal digests mean the prefix cache offers the same contents.
+    pub prefix_blocks: usize,
+    pub prefix_digest: u64,
 }
 
 /// Fixed pool of `total` blocks.
@@ -154,7 +158,15 @@ impl BlockPool {
             free: self.free.len(),
             cached: self.lru_len,
             shared: self.shared,
+            prefix_blocks: self.computed_keys().count(),
+            prefix_digest: self
+                .computed_keys()
+                .fold(0u64, |acc, k| acc.wrapping_add(k.hash)),
         }
+    }
+
+    fn computed_keys(&self) -> impl Iterator<Item = &CachedKey> {
+        self.key.iter().flatten().filter(|k| k.computed)
     }
 
     /// Takes a block (ref count 1): a free one, else the least recently used cached one.

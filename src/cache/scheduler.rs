@@ -78,9 +78,18 @@ pub struct ScheduledSeq {
     pub past_len: usize,
     /// Token rows of this sequence in the step.
     pub num_tokens: usize,
-    /// Whether the chunk ends at the sequence's last known token, so the caller samples a new
-    /// token from its last output row (and passes it to [`Scheduler::complete_step`]).
+    /// Whether the chunk ends at the sequence's last known token (or at the last draft token
+    /// after it), so the caller samples a new token from its logits rows (and passes it to
+    /// [`Scheduler::complete_step`]).
     pub emits: bool,
+    /// How many of the chunk's trailing token rows get a logits row (0..=`num_tokens`): 1 when
+    /// it emits; `1 + draft_len` when it verifies drafts; every row of a prompt chunk when the
+    /// request asked for prompt logits ([`Scheduler::set_prompt_logits`]). Row `j` of these is
+    /// the logits after position `past_len + num_tokens - logits_rows + j`.
+    pub logits_rows: usize,
+    /// Of the chunk's trailing tokens, how many are draft tokens to verify (speculative
+    /// decoding, [`Scheduler::set_draft`]); they follow the sequence's last known token.
+    pub draft_len: usize,
 }
 
 /// One op call: the op's block and offset inputs, the token packing, and the cache work
@@ -125,6 +134,30 @@ impl Step {
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
     }
+    /// Logits rows of the step, over all sequences (the length of `sampled_tokens_indices`).
+    pub fn num_logits_rows(&self) -> usize {
+        self.seqs.iter().map(|s| s.logits_rows).sum()
+    }
+    /// The packed token rows (indices into the step's `T` rows) that get logits, in batch order:
+    /// the `logits_rows` trailing rows of each sequence (the op's `sampled_tokens_indices`).
+    pub fn logits_token_rows(&self) -> impl Iterator<Item = usize> + '_ {
+        self.seqs.iter().enumerate().flat_map(|(i, s)| {
+            let end = self.subsequence_begins[i + 1] as usize;
+            end - s.logits_rows..end
+        })
+    }
+    /// For each sequence, in batch order, its range in the gathered logits rows
+    /// (`num_logits_rows()` in all; empty when it gets none).
+    pub fn logits_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let mut at = 0;
+        self.seqs
+            .iter()
+            .map(|s| {
+                at += s.logits_rows;
+                at - s.logits_rows..at
+            })
+            .collect()
+    }
 }
 
 /// Events since the scheduler was created (see [`Scheduler::counters`]).
@@ -158,6 +191,12 @@ struct Entry {
     processed: usize,
     generated: usize,
     arrival: u64,
+    /// Draft tokens to verify after the last known token in the next step (not in `tokens`).
+    draft: Vec<u32>,
+    /// Give logits rows for the prompt's positions (see [`Scheduler::set_prompt_logits`]).
+    prompt_logits: bool,
+    /// Prompt positions whose logits rows were handed out already (not again on recompute).
+    prompt_rows_given: usize,
 }
 
 /// Continuous-batching scheduler owning its [`BlockManager`].
@@ -284,6 +323,9 @@ impl Scheduler {
                 processed: 0,
                 generated: 0,
                 arrival: self.arrivals,
+                draft: Vec::new(),
+                prompt_logits: false,
+                prompt_rows_given: 0,
             },
         );
         self.arrivals += 1;
@@ -301,6 +343,7 @@ impl Scheduler {
         self.mgr.free(id)?;
         if let Some(e) = self.entries.get_mut(&id) {
             e.processed = 0;
+            e.draft.clear();
         }
         self.running.retain(|&r| r != id);
         self.waiting.push(id);
@@ -438,13 +481,24 @@ impl Scheduler {
         let mut budget = self.cfg.max_batched_tokens;
         let mut order = self.running.clone();
         order.sort_by_key(|&id| self.rank(id));
-        let mut chunks: Vec<(SeqId, usize, usize)> = Vec::new(); // (id, past_len, n)
+        let mut chunks: Vec<(SeqId, usize, usize, usize)> = Vec::new(); // (id, past_len, n, drafts)
         let mut idx = 0;
         while idx < order.len() && budget > 0 {
             let id = order[idx];
             let e = self.entry(id)?;
-            let n = (e.tokens.len() - e.processed).min(budget);
-            let need = self.mgr.blocks_needed(id, n)?;
+            let left = e.tokens.len() - e.processed;
+            let n = left.min(budget);
+            // Drafts ride along only behind the whole rest of the sequence, within the budget
+            // and the free blocks (they shrink before anything is preempted for them).
+            let mut d = if n == left {
+                e.draft.len().min(budget - n)
+            } else {
+                0
+            };
+            while d > 0 && self.mgr.blocks_needed(id, n + d)? > self.mgr.available_blocks() {
+                d -= 1;
+            }
+            let need = self.mgr.blocks_needed(id, n + d)?;
             while need > self.mgr.available_blocks() && order.len() > idx + 1 {
                 let victim = order.pop().unwrap_or(id);
                 self.preempt(victim)?;
@@ -457,11 +511,12 @@ impl Scheduler {
                 break;
             }
             let e = self.entry(id)?;
-            let toks = e.tokens[e.processed..e.processed + n].to_vec();
+            let mut toks = e.tokens[e.processed..e.processed + n].to_vec();
+            toks.extend_from_slice(&e.draft[..d]);
             let a = self.mgr.append(id, &toks)?;
             step.copies.extend(a.copies);
-            chunks.push((id, a.past_len, n));
-            budget -= n;
+            chunks.push((id, a.past_len, n, d));
+            budget -= n + d;
             idx += 1;
         }
 
@@ -471,8 +526,11 @@ impl Scheduler {
             self.waiting = waiting;
             while budget > 0 && self.running.len() < self.cfg.max_seqs && !self.waiting.is_empty() {
                 let id = self.waiting[0];
-                let tokens = self.entry(id)?.tokens.clone();
-                let cached = self.mgr.add_sequence(id, &tokens)?;
+                let e = self.entry(id)?;
+                let tokens = e.tokens.clone();
+                // Prompt logits need every prompt row computed: no prefix-cache reuse.
+                let lookup: &[u32] = if e.prompt_logits { &[] } else { &tokens };
+                let cached = self.mgr.add_sequence(id, lookup)?;
                 let n = (tokens.len() - cached).min(budget);
                 if self.mgr.blocks_needed(id, n)? > self.mgr.available_blocks() {
                     self.mgr.free(id)?;
@@ -490,7 +548,7 @@ impl Scheduler {
                     self.counters.prefix_hits += 1;
                     self.counters.prefix_hit_tokens += cached as u64;
                 }
-                chunks.push((id, a.past_len, n));
+                chunks.push((id, a.past_len, n, 0));
                 budget -= n;
                 self.waiting.remove(0);
                 self.running.push(id);
@@ -502,15 +560,30 @@ impl Scheduler {
         step.block_indices = bi;
         step.block_indices_begins = bib;
         step.subsequence_begins.push(0);
-        for (b, &(id, past, n)) in chunks.iter().enumerate() {
+        for (b, &(id, past, n, d)) in chunks.iter().enumerate() {
             let e = self
                 .entries
                 .get_mut(&id)
                 .ok_or(PaError::UnknownSequence { id })?;
+            let start = e.processed;
             step.token_ids
-                .extend_from_slice(&e.tokens[e.processed..e.processed + n]);
+                .extend_from_slice(&e.tokens[start..start + n]);
+            step.token_ids.extend_from_slice(&e.draft[..d]);
+            // Drafts are cached by the op but not processed until accepted (complete_step).
             e.processed += n;
             let emits = e.processed == e.tokens.len();
+            let mut logits_rows = if emits { 1 + d } else { 0 };
+            if e.prompt_logits {
+                let prompt_len = e.req.prompt.len();
+                let from = start.max(e.prompt_rows_given);
+                let to = (start + n).min(prompt_len);
+                if from < to {
+                    // Within the first prefill, so these rows end the chunk (d is 0).
+                    logits_rows = logits_rows.max(start + n - from);
+                    e.prompt_rows_given = to;
+                }
+            }
+            let n = n + d;
             step.token_seq.extend(std::iter::repeat_n(b as i32, n));
             step.token_pos.extend((past..past + n).map(|p| p as i32));
             step.past_lens.push(past as i32);
@@ -520,6 +593,8 @@ impl Scheduler {
                 past_len: past,
                 num_tokens: n,
                 emits,
+                logits_rows,
+                draft_len: d,
             });
         }
         step.rotation = self.mgr.take_rotation();
@@ -557,6 +632,19 @@ impl Scheduler {
     /// token for every scheduled sequence with `emits` set (and no other). Returns the requests
     /// that finished (reached `max_new_tokens`); their blocks are freed.
     pub fn complete_step(&mut self, sampled: &[(SeqId, u32)]) -> Result<Vec<SeqId>> {
+        let accepted: Vec<(SeqId, &[u32])> = sampled
+            .iter()
+            .map(|(id, t)| (*id, std::slice::from_ref(t)))
+            .collect();
+        self.complete_step_accepted(&accepted)
+    }
+
+    /// [`complete_step`](Self::complete_step) for a step that verified drafts: for every
+    /// emitting sequence, its accepted tokens, 1 to `draft_len + 1` of them: the first
+    /// `len - 1` equal its drafts, the last is the model's own next token. The cache keeps the
+    /// accepted drafts and drops the rejected ones at once (their blocks return to the pool and
+    /// never to the prefix cache). Tokens past `max_new_tokens` are dropped.
+    pub fn complete_step_accepted(&mut self, accepted: &[(SeqId, &[u32])]) -> Result<Vec<SeqId>> {
         let seqs = self
             .in_flight
             .as_ref()
@@ -564,32 +652,61 @@ impl Scheduler {
                 detail: "complete_step() without a scheduled step".into(),
             })?;
         let emitting: Vec<SeqId> = seqs.iter().filter(|s| s.emits).map(|s| s.id).collect();
-        let mut given: Vec<SeqId> = sampled.iter().map(|s| s.0).collect();
+        let mut given: Vec<SeqId> = accepted.iter().map(|s| s.0).collect();
         given.sort_unstable();
         let mut want = emitting.clone();
         want.sort_unstable();
         if given != want {
             return Err(PaError::InvalidArgument {
                 detail: format!(
-                    "complete_step needs one token for each emitting sequence {want:?}, got \
+                    "complete_step needs tokens for each emitting sequence {want:?}, got \
                      {given:?}"
                 ),
             });
         }
-        self.in_flight = None;
-        self.mgr.mark_computed();
+        for &(id, toks) in accepted {
+            let d = seqs.iter().find(|s| s.id == id).map_or(0, |s| s.draft_len);
+            let draft = &self.entry(id)?.draft;
+            if toks.is_empty()
+                || toks.len() > d + 1
+                || toks[..toks.len() - 1] != draft[..toks.len() - 1]
+            {
+                return Err(PaError::InvalidArgument {
+                    detail: format!(
+                        "sequence {id} verified {d} drafts {:?}; {toks:?} is not an accepted \
+                         prefix of them plus one token",
+                        &draft[..d]
+                    ),
+                });
+            }
+        }
+        let seqs = self.in_flight.take().unwrap_or_default();
+        for s in &seqs {
+            if let Some(e) = self.entries.get_mut(&s.id) {
+                e.draft.clear();
+            }
+        }
         let mut finished = Vec::new();
-        for &(id, tok) in sampled {
+        for &(id, toks) in accepted {
+            let d = seqs.iter().find(|s| s.id == id).map_or(0, |s| s.draft_len);
             let e = self
                 .entries
                 .get_mut(&id)
                 .ok_or(PaError::UnknownSequence { id })?;
-            e.tokens.push(tok);
-            e.generated += 1;
+            let room = e.req.max_new_tokens - e.generated;
+            let toks = &toks[..toks.len().min(room)];
+            e.tokens.extend_from_slice(toks);
+            e.generated += toks.len();
+            // Accepted drafts are cached; the last token is the next to feed.
+            e.processed = e.tokens.len() - 1;
+            if d > 0 {
+                self.mgr.rollback(id, e.processed)?;
+            }
             if e.generated >= e.req.max_new_tokens {
                 finished.push(id);
             }
         }
+        self.mgr.mark_computed();
         for &id in &finished {
             self.mgr.free(id)?;
             self.entries.remove(&id);
@@ -597,6 +714,62 @@ impl Scheduler {
             self.finished.push((id, FinishReason::Length));
         }
         Ok(finished)
+    }
+
+    /// Draft tokens for a decoding sequence to verify in the next step, after its last known
+    /// token (speculative decoding). Only between steps and only while the sequence decodes;
+    /// cut to what `max_new_tokens` leaves after the model's own next token. The next
+    /// [`schedule`](Self::schedule) may shorten them further (token budget, free blocks);
+    /// [`complete_step_accepted`](Self::complete_step_accepted) consumes them.
+    pub fn set_draft(&mut self, id: SeqId, draft: &[u32]) -> Result<()> {
+        if self.in_flight.is_some() {
+            return Err(PaError::InvalidState {
+                detail: "set_draft() while a step is in flight".into(),
+            });
+        }
+        let decoding = self.running.contains(&id);
+        let e = self
+            .entries
+            .get_mut(&id)
+            .ok_or(PaError::UnknownSequence { id })?;
+        if !decoding || e.generated == 0 || e.tokens.len() != e.processed + 1 {
+            return Err(PaError::InvalidState {
+                detail: format!("request {id} is not decoding, so it cannot verify drafts"),
+            });
+        }
+        let room = e.req.max_new_tokens.saturating_sub(e.generated + 1);
+        e.draft.clear();
+        e.draft.extend_from_slice(&draft[..draft.len().min(room)]);
+        Ok(())
+    }
+
+    /// Whether a live request is decoding (running, its prompt done, one token to feed): the
+    /// state in which [`set_draft`](Self::set_draft) accepts drafts.
+    pub fn is_decoding(&self, id: SeqId) -> bool {
+        self.entries.get(&id).is_some_and(|e| {
+            e.generated > 0 && e.tokens.len() == e.processed + 1 && self.running.contains(&id)
+        })
+    }
+
+    /// Asks for logits rows at the prompt's positions of a waiting request that has not run
+    /// yet (echoed prompt logprobs): each prompt chunk's `logits_rows` then covers all its rows,
+    /// once per position (not again when a preempted request recomputes), and the request
+    /// skips the prefix cache so that every prompt row is computed. Row `j` of a chunk with
+    /// `past_len` p holds the logits after position `p + j`, i.e. the prediction of prompt
+    /// token `p + j + 1`.
+    pub fn set_prompt_logits(&mut self, id: SeqId, on: bool) -> Result<()> {
+        let waiting = self.waiting.contains(&id);
+        let e = self
+            .entries
+            .get_mut(&id)
+            .ok_or(PaError::UnknownSequence { id })?;
+        if !waiting || e.processed > 0 || e.prompt_rows_given > 0 {
+            return Err(PaError::InvalidState {
+                detail: format!("request {id} has started; ask for prompt logits when adding it"),
+            });
+        }
+        e.prompt_logits = on;
+        Ok(())
     }
 }
 
@@ -936,5 +1109,93 @@ mod tests {
         let st = s.schedule().unwrap();
         assert_eq!(st.past_lens, vec![8], "two cached blocks reused");
         assert_eq!(st.num_tokens(), 1);
+    }
+
+    #[test]
+    fn drafts_ride_with_the_decode_token_and_rejected_ones_leave_the_cache() {
+        let mut s = sched(16, 64);
+        s.add_request(req(1, 6, 20, 0)).unwrap();
+        assert!(s.set_draft(1, &[1, 2]).is_err(), "waiting, not decoding");
+        let st = s.schedule().unwrap();
+        assert_eq!(st.seqs[0].logits_rows, 1);
+        s.complete_step(&[(1, 50)]).unwrap();
+        assert!(s.is_decoding(1));
+        s.set_draft(1, &[51, 52, 53]).unwrap();
+        let st = s.schedule().unwrap();
+        let q = &st.seqs[0];
+        assert_eq!(
+            (q.past_len, q.num_tokens, q.draft_len, q.logits_rows),
+            (6, 4, 3, 4)
+        );
+        assert_eq!(st.token_ids, vec![50, 51, 52, 53]);
+        assert_eq!(st.logits_token_rows().collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert!(
+            s.complete_step_accepted(&[(1, &[51, 99, 7])]).is_err(),
+            "99 is not the second draft"
+        );
+        assert!(s
+            .complete_step_accepted(&[(1, &[51, 52, 53, 54, 55])])
+            .is_err());
+        // Positions 6..10 were written (blocks 1 and 2); every draft rejected, the model's own.
+        s.complete_step_accepted(&[(1, &[60])]).unwrap();
+        assert_eq!(s.tokens(1).unwrap()[6..], [50, 60]);
+        assert_eq!(s.manager().len(1).unwrap(), 7, "50 cached, 60 to feed");
+        let stats = s.manager().stats();
+        assert_eq!(stats.used_blocks, 2);
+        assert_eq!(
+            stats.prefix_blocks, 1,
+            "block 1 held the rejected draft 51 and left the prefix cache"
+        );
+        let st = s.schedule().unwrap();
+        assert_eq!((st.past_lens[0], st.token_ids.clone()), (7, vec![60]));
+        s.complete_step(&sample(&st)).unwrap();
+        s.manager().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn drafts_shrink_to_the_token_budget_and_max_new_tokens() {
+        let mut s = sched(16, 3);
+        s.add_request(req(1, 2, 4, 0)).unwrap();
+        let st = s.schedule().unwrap();
+        s.complete_step(&sample(&st)).unwrap();
+        s.set_draft(1, &[1, 2, 3, 4, 5]).unwrap();
+        let st = s.schedule().unwrap();
+        assert_eq!(
+            st.seqs[0].draft_len, 2,
+            "max_new 4: 1 generated + 2 drafts + 1 own"
+        );
+        s.complete_step_accepted(&[(1, &[1, 2, 9])]).unwrap();
+        assert!(s.is_idle(), "4 tokens generated");
+        let mut s = sched(16, 3);
+        s.add_request(req(1, 2, 20, 0)).unwrap();
+        let st = s.schedule().unwrap();
+        s.complete_step(&sample(&st)).unwrap();
+        s.set_draft(1, &[1, 2, 3, 4, 5]).unwrap();
+        let st = s.schedule().unwrap();
+        assert_eq!(st.num_tokens(), 3, "the budget of 3 rows holds 2 drafts");
+    }
+
+    #[test]
+    fn prompt_logits_cover_every_prompt_row_once() {
+        let mut s = sched(16, 4);
+        s.add_request(req(1, 9, 2, 0)).unwrap();
+        // Cache the prompt's first blocks: a prompt-logits request must still compute them.
+        while !s.is_idle() {
+            let st = s.schedule().unwrap();
+            s.complete_step(&sample(&st)).unwrap();
+        }
+        let mut r = req(1, 9, 2, 0);
+        r.id = 2;
+        s.add_request(r).unwrap();
+        s.set_prompt_logits(2, true).unwrap();
+        let mut rows = vec![];
+        while !s.is_idle() {
+            let st = s.schedule().unwrap();
+            let q = &st.seqs[0];
+            rows.push((q.past_len, q.num_tokens, q.logits_rows));
+            assert!(s.set_prompt_logits(2, false).is_err());
+            s.complete_step(&sample(&st)).unwrap();
+        }
+        assert_eq!(rows, vec![(0, 4, 4), (4, 4, 4), (8, 1, 1), (9, 1, 1)]);
     }
 }

@@ -179,12 +179,10 @@ def test_bad_requests_get_error_json_and_the_server_goes_on(server, body, status
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 NOT_SERVED = [  # (endpoint, extra fields, the field the 400 must name)
-    ("completions", {"logprobs": 1}, "logprobs"),
-    ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"min_p": 0.1}, "min_p"),
-    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"echo": True}, "echo"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"tools": [TOOL]}, "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),

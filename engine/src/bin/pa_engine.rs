@@ -8,7 +8,7 @@ use paged_attention_engine::kv_events::{KvEventsConfig, Shape};
 use paged_attention_engine::metrics::Naming;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
-    ModelDir, Penalties, Precision, Prompt, Reply, Sampling, Update,
+    ModelDir, Penalties, Precision, Prompt, Reply, Sampling, TokenLogprobs, Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -194,6 +194,11 @@ struct GenerateArgs {
     /// One JSON object per prompt and line.
     #[arg(long)]
     json: bool,
+    /// With --json: each output also gets `logprobs`, per generated token its id, its
+    /// log-probability (the log-softmax of the model's logits, before penalties and
+    /// temperature) and the N most likely tokens' (0-20).
+    #[arg(long, value_name = "N", requires = "json")]
+    logprobs: Option<usize>,
     /// Print the engine's figures to stderr at the end.
     #[arg(long)]
     stats: bool,
@@ -425,6 +430,23 @@ struct Done {
     token_ids: Vec<u32>,
     text: String,
     reason: FinishReason,
+    logprobs: Vec<TokenLogprobs>,
+}
+
+impl Done {
+    /// `--json`'s object of this output.
+    fn json(&self, logprobs: bool) -> serde_json::Value {
+        let mut v = json!({"token_ids": self.token_ids, "text": self.text,
+                           "finish_reason": self.reason.as_str()});
+        if logprobs {
+            v["logprobs"] = self
+                .logprobs
+                .iter()
+                .map(|l| json!({"token": l.token, "logprob": l.logprob, "top_logprobs": l.top}))
+                .collect();
+        }
+        v
+    }
 }
 
 /// A prompt's request: its id once submitted, its prompt length once accepted, its outputs.
@@ -434,6 +456,8 @@ struct Run {
     prompt_tokens: usize,
     times: Times,
     outputs: HashMap<usize, Done>,
+    /// Each output's tokens' logprobs so far (with --logprobs).
+    logprobs: HashMap<usize, Vec<TokenLogprobs>>,
 }
 
 fn generate(a: GenerateArgs) -> Result<(), String> {
@@ -481,6 +505,8 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         stop_token_ids: None,
         ignore_eos: a.ignore_eos,
         n: a.n,
+        logprobs: a.logprobs,
+        prompt_logprobs: None,
     };
     // Requests in input order, each at its arrival time (tokenized on this thread); a refused
     // prompt fails alone.
@@ -569,7 +595,16 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         };
         let run = &mut runs[by_request[&event.request()]];
         match event {
-            Event::Token { index, text, .. } => {
+            Event::PromptLogprobs { .. } => {}
+            Event::Token {
+                index,
+                text,
+                logprobs,
+                ..
+            } => {
+                if let Some(l) = logprobs {
+                    run.logprobs.entry(index).or_default().push(l);
+                }
                 first_token.get_or_insert(at);
                 if index == 0 {
                     let t = &mut run.times;
@@ -596,6 +631,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
                         token_ids,
                         text,
                         reason,
+                        logprobs: run.logprobs.remove(&index).unwrap_or_default(),
                     },
                 );
                 if run.outputs.len() == a.n {
@@ -618,13 +654,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             continue;
         };
         if a.json {
-            let mut obj = json!({
-                "index": i,
-                "prompt_tokens": run.prompt_tokens,
-                "token_ids": first.token_ids,
-                "text": first.text,
-                "finish_reason": first.reason.as_str(),
-            });
+            let mut obj = first.json(a.logprobs.is_some());
+            obj["index"] = json!(i);
+            obj["prompt_tokens"] = json!(run.prompt_tokens);
             if a.timings {
                 let t = &run.times;
                 let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -641,7 +673,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             if a.n > 1 {
                 obj["samples"] = outputs
                     .iter()
-                    .map(|d| json!({"token_ids": d.token_ids, "text": d.text, "finish_reason": d.reason.as_str()}))
+                    .map(|d| d.json(a.logprobs.is_some()))
                     .collect();
             }
             let _ = writeln!(out, "{obj}");

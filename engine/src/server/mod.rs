@@ -14,6 +14,7 @@
 // A handler's error is its finished response (OpenAI's error JSON), returned as it is.
 #![allow(clippy::result_large_err)]
 
+mod logprobs;
 mod openai;
 mod response;
 mod routes;

@@ -2,7 +2,7 @@
 //! read into a prompt and generation parameters, each fault blamed on its field.
 
 use crate::request::{ChatMessage, GenerationParams, Prompt, RequestError};
-use crate::sampling::{Penalties, Sampling};
+use crate::sampling::{Penalties, Sampling, MAX_TOP_LOGPROBS};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -67,6 +67,9 @@ pub(crate) struct Parsed {
     pub params: GenerationParams,
     pub stream: bool,
     pub include_usage: bool,
+    /// Completions' `echo`: the prompt's text (and with `logprobs`, its tokens' log-probabilities)
+    /// comes before the completion.
+    pub echo: bool,
 }
 
 /// The body as a JSON object: at most `max_bytes`, all of it within `timeout`.
@@ -134,8 +137,56 @@ pub(crate) fn parse(
     };
     let mut p = parse_params(v, max_keys, default_max, context)?;
     p.prompt = prompt;
+    let (logprobs, echo) = logprobs_and_echo(v, kind)?;
+    p.params.logprobs = logprobs;
+    // Echo with logprobs: the prompt's tokens get theirs too.
+    p.params.prompt_logprobs = logprobs.filter(|_| echo);
+    p.echo = echo;
     Ok(p)
 }
+
+/// The logprobs asked for (how many top tokens a token gets, `None`: no logprobs) and
+/// completions' `echo`. Chat: `logprobs` a boolean, `top_logprobs` 0-20; completions:
+/// `logprobs` 0-5, as OpenAI's ranges.
+fn logprobs_and_echo(v: &Value, kind: Kind) -> Result<(Option<usize>, bool), Response> {
+    let int_in = |key: &str, hi: u64| -> Result<Option<usize>, Response> {
+        match field(v, key) {
+            None => Ok(None),
+            Some(x) => match x.as_u64() {
+                Some(n) if n <= hi && (x.is_u64() || x.is_i64()) => Ok(Some(n as usize)),
+                _ => Err(bad(
+                    format!("`{key}` must be an integer from 0 to {hi}, got {x}"),
+                    Some(key),
+                )),
+            },
+        }
+    };
+    let flag = |key: &str| -> Result<bool, Response> {
+        match field(v, key) {
+            None => Ok(false),
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| bad(format!("`{key}` must be a boolean"), Some(key))),
+        }
+    };
+    match kind {
+        Kind::Chat => {
+            let on = flag("logprobs")?;
+            let top = int_in("top_logprobs", MAX_TOP_LOGPROBS as u64)?;
+            if !on && top.is_some_and(|n| n > 0) {
+                return Err(bad(
+                    "`top_logprobs` needs `logprobs`: true",
+                    Some("top_logprobs"),
+                ));
+            }
+            Ok((on.then(|| top.unwrap_or(0)), false))
+        }
+        Kind::Completion => Ok((int_in("logprobs", MAX_COMPLETION_LOGPROBS)?, flag("echo")?)),
+    }
+}
+
+/// The most top log-probabilities a completions token can ask for (OpenAI's limit).
+const MAX_COMPLETION_LOGPROBS: u64 = 5;
 
 /// The request fields this server serves, on both endpoints (`user` is OpenAI's end-user id for
 /// abuse monitoring: accepted, and changes nothing) and on one of them.
@@ -157,8 +208,13 @@ const SERVED: [&str; 16] = [
     "repetition_penalty",
     "logit_bias",
 ];
-const SERVED_COMPLETION: [&str; 1] = ["prompt"];
-const SERVED_CHAT: [&str; 2] = ["messages", "max_completion_tokens"];
+const SERVED_COMPLETION: [&str; 3] = ["prompt", "logprobs", "echo"];
+const SERVED_CHAT: [&str; 4] = [
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+];
 
 /// OpenAI fields not served yet, each with the one value that asks for nothing (so a client that
 /// spells out the default still works); any other value is refused, never ignored.
@@ -168,7 +224,7 @@ fn asks_nothing(key: &str, x: &Value, v: &Value) -> bool {
     };
     let zero = |x: &Value| x.as_f64() == Some(0.0);
     match key {
-        "logprobs" | "echo" => x == &Value::Bool(false),
+        "echo" => x == &Value::Bool(false),
         "top_logprobs" => zero(x),
         "best_of" => x
             .as_u64()
@@ -203,10 +259,9 @@ fn not_served(v: &Value, kind: Kind) -> Result<(), Response> {
             continue;
         }
         let what = match key.as_str() {
-            "logprobs"
-            | "top_logprobs"
-            | "echo"
-            | "best_of"
+            // Served on the other endpoint (chat's `top_logprobs`, completions' `echo`).
+            "top_logprobs" | "echo" => "is not a parameter of this endpoint",
+            "best_of"
             | "tools"
             | "functions"
             | "tool_choice"
@@ -421,6 +476,8 @@ fn parse_params(
         stop_token_ids: None,
         ignore_eos,
         n,
+        logprobs: None,
+        prompt_logprobs: None,
     };
     // The engine's own checks, on the values as it holds them (a top_p that rounds to 0 in f32).
     params.validate().map_err(|e| refused(&e, "prompt"))?;
@@ -429,5 +486,6 @@ fn parse_params(
         params,
         stream,
         include_usage,
+        echo: false,
     })
 }

@@ -3,8 +3,10 @@
 //! stops at once, whether or not it had text to send, and so drops its request's channel, which
 //! makes the engine abort the request.
 
+use super::logprobs::{self, Entry};
 use super::openai::{error, Kind};
 use crate::request::{Event, Update};
+use crate::tokenizer::TextTokenizer;
 use crate::FinishReason;
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -12,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -41,6 +44,12 @@ pub(crate) struct Answer {
     pub model: String,
     pub n: usize,
     pub prompt_tokens: usize,
+    /// The request asked for logprobs: every choice carries them.
+    pub logprobs: bool,
+    /// Completions' `echo`: this prompt text comes first in every choice.
+    pub echo: Option<String>,
+    /// Names the tokens of the logprobs.
+    pub tokenizer: Arc<TextTokenizer>,
 }
 
 impl Answer {
@@ -48,25 +57,97 @@ impl Answer {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                "total_tokens": self.prompt_tokens + completion_tokens})
     }
+
+    /// Every choice's gathering, each starting with the echoed prompt.
+    fn choices(&self) -> Vec<Gathered> {
+        (0..self.n)
+            .map(|_| Gathered {
+                text: self.echo.clone().unwrap_or_default(),
+                ..Gathered::default()
+            })
+            .collect()
+    }
+
+    /// The `logprobs` value of a choice for `g`'s entries (taken), `null` when not asked.
+    fn logprobs(&self, g: &mut Gathered) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let entries = std::mem::take(&mut g.entries);
+        match self.kind {
+            Kind::Chat => logprobs::chat(&self.tokenizer, &entries),
+            Kind::Completion => logprobs::completion(&self.tokenizer, &entries, &mut g.offset),
+        }
+    }
+}
+
+/// What a choice has gathered and not sent yet: its text and its tokens' logprobs (and for
+/// completions, the text offset reached).
+#[derive(Default)]
+struct Gathered {
+    text: String,
+    entries: Vec<Entry>,
+    offset: usize,
+}
+
+impl Gathered {
+    /// Takes in an event of the choice's (or of its request's prompt).
+    fn take(&mut self, e: &Event) {
+        match e {
+            Event::Token {
+                token,
+                text,
+                logprobs,
+                ..
+            } => {
+                self.text.push_str(text);
+                if let Some(lp) = logprobs {
+                    self.entries.push(Entry {
+                        token: *token,
+                        logprobs: Some(lp.clone()),
+                    });
+                }
+            }
+            Event::PromptLogprobs { .. } => self.entries.extend(Entry::of_prompt(e)),
+            Event::Finished { .. } => {}
+        }
+    }
+}
+
+/// The choice index an event is for (`None`: every choice of the request).
+fn choice_of(e: &Event) -> Option<usize> {
+    match e {
+        Event::Token { index, .. } | Event::Finished { index, .. } => Some(*index),
+        Event::PromptLogprobs { .. } => None,
+    }
 }
 
 /// The answer once every output has finished.
 pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Response {
-    let mut done: Vec<Option<(FinishReason, usize, String)>> = vec![None; a.n];
+    let mut done: Vec<Option<(FinishReason, usize)>> = vec![None; a.n];
+    let mut got = a.choices();
     while let Some(u) = rx.recv().await {
         match u {
-            Update::Event(Event::Finished {
-                index,
-                reason,
-                token_ids,
-                text,
-                ..
-            }) => {
-                if index < a.n {
-                    done[index] = Some((reason, token_ids.len(), text));
+            Update::Event(e) => {
+                let index = choice_of(&e);
+                for (i, g) in got.iter_mut().enumerate() {
+                    if index.is_none_or(|k| k == i) {
+                        g.take(&e);
+                    }
                 }
-                if done.iter().all(Option::is_some) {
-                    break;
+                if let Event::Finished {
+                    index,
+                    reason,
+                    token_ids,
+                    ..
+                } = e
+                {
+                    if index < a.n {
+                        done[index] = Some((reason, token_ids.len()));
+                    }
+                    if done.iter().all(Option::is_some) {
+                        break;
+                    }
                 }
             }
             Update::Failed { message, .. } => {
@@ -77,8 +158,8 @@ pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Respo
     }
     let mut choices = Vec::new();
     let mut completion_tokens = 0;
-    for (i, d) in done.into_iter().enumerate() {
-        let Some((reason, ntok, text)) = d else {
+    for (i, (d, g)) in done.into_iter().zip(&mut got).enumerate() {
+        let Some((reason, ntok)) = d else {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "a request output was lost",
@@ -86,9 +167,11 @@ pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Respo
             );
         };
         completion_tokens += ntok;
+        let logprobs = a.logprobs(g);
+        let text = std::mem::take(&mut g.text);
         choices.push(match a.kind {
-            Kind::Completion => json!({"index": i, "text": text, "finish_reason": reason.as_str(), "logprobs": null}),
-            Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason.as_str(), "logprobs": null}),
+            Kind::Completion => json!({"index": i, "text": text, "finish_reason": reason.as_str(), "logprobs": logprobs}),
+            Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason.as_str(), "logprobs": logprobs}),
         });
     }
     let object = match a.kind {
@@ -107,7 +190,8 @@ pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Respo
 }
 
 /// The answer as server-sent events; `slot` (the request's place in the queue) is held until
-/// the stream ends.
+/// the stream ends. A chunk goes out when a choice has new text (its tokens' logprobs with it,
+/// those of tokens whose text is still held back in a later chunk), and one ends each choice.
 pub(crate) fn stream(
     slot: impl Send + 'static,
     mut rx: UnboundedReceiver<Update>,
@@ -130,12 +214,13 @@ pub(crate) fn stream(
         if a.kind == Kind::Chat {
             for i in 0..a.n {
                 if !send(chunk(
-                    json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
+                    json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
                 )) {
                     return;
                 }
             }
         }
+        let mut got = a.choices();
         let mut left = a.n;
         let mut completion_tokens = 0;
         loop {
@@ -145,39 +230,51 @@ pub(crate) fn stream(
                 () = etx.closed() => return,
             };
             let Some(u) = u else { break };
-            let piece = match u {
-                Update::Event(Event::Token { index, text, .. }) if !text.is_empty() => match a.kind
-                {
-                    Kind::Completion => {
-                        json!([{"index": index, "text": text, "finish_reason": null, "logprobs": null}])
-                    }
-                    Kind::Chat => {
-                        json!([{"index": index, "delta": {"content": text}, "finish_reason": null}])
-                    }
-                },
-                Update::Event(Event::Finished {
-                    index,
-                    reason,
-                    token_ids,
-                    ..
-                }) => {
-                    left -= 1;
-                    completion_tokens += token_ids.len();
-                    match a.kind {
-                        Kind::Completion => {
-                            json!([{"index": index, "text": "", "finish_reason": reason.as_str(), "logprobs": null}])
-                        }
-                        Kind::Chat => {
-                            json!([{"index": index, "delta": {}, "finish_reason": reason.as_str()}])
-                        }
-                    }
-                }
+            let e = match u {
+                Update::Event(e) => e,
                 Update::Failed { message, .. } => {
                     let e = json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}});
                     send(e);
                     return;
                 }
                 _ => continue,
+            };
+            let index = choice_of(&e);
+            for (i, g) in got.iter_mut().enumerate() {
+                if index.is_none_or(|k| k == i) {
+                    g.take(&e);
+                }
+            }
+            let (i, reason) = match &e {
+                Event::Token { index, .. } if got[*index].text.is_empty() => continue,
+                Event::Token { index, .. } => (*index, Value::Null),
+                Event::Finished {
+                    index,
+                    reason,
+                    token_ids,
+                    ..
+                } => {
+                    left -= 1;
+                    completion_tokens += token_ids.len();
+                    (*index, json!(reason.as_str()))
+                }
+                Event::PromptLogprobs { .. } => continue,
+            };
+            let Some(g) = got.get_mut(i) else { continue };
+            let logprobs = a.logprobs(g);
+            let text = std::mem::take(&mut g.text);
+            let piece = match a.kind {
+                Kind::Completion => {
+                    json!([{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}])
+                }
+                Kind::Chat => {
+                    let delta = if text.is_empty() {
+                        json!({})
+                    } else {
+                        json!({ "content": text })
+                    };
+                    json!([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+                }
             };
             if !send(chunk(piece)) {
                 return;

@@ -6,7 +6,7 @@ use super::openai::{self, error, refused, Kind};
 use super::response;
 use super::ServeConfig;
 use crate::client::EngineClient;
-use crate::request::Update;
+use crate::request::{Prompt, Update};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -141,6 +141,11 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let n = req.params.n;
     let client = app.client.clone();
+    let logprobs = req.params.logprobs.is_some();
+    let echo = match (&req.prompt, req.echo) {
+        (Prompt::Text(t), true) => Some(t.clone()),
+        _ => None,
+    };
     let (prompt, params) = (req.prompt, req.params);
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {
@@ -171,6 +176,9 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
         model: app.cfg.model_name.clone(),
         n,
         prompt_tokens,
+        logprobs,
+        echo,
+        tokenizer: app.client.inputs().tokenizer().clone(),
     };
     if req.stream {
         response::stream(slot, rx, answer, req.include_usage)
