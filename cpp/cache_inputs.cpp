@@ -15,14 +15,19 @@
 
 namespace paged_attention {
 
+bool all_inputs_constant(const ov::Node& node) {
+    for (size_t i = 0; i < node.get_input_size(); ++i) {
+        if (!ov::is_type<ov::op::v0::Constant>(node.get_input_node_ptr(i))) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void check_cache_inputs(ov::Node& node) {
     // At run time the CPU plugin re-infers shapes on a clone whose inputs are all Constants
     // wrapping the call's tensors: that node is not a model, so there is nothing to check.
-    bool all_constant = true;
-    for (size_t i = 0; i < node.get_input_size(); ++i) {
-        all_constant = all_constant && ov::is_type<ov::op::v0::Constant>(node.get_input_node_ptr(i));
-    }
-    if (all_constant) {
+    if (all_inputs_constant(node)) {
         return;
     }
     constexpr const char* names[] = {"key_cache", "value_cache"};

@@ -14,4 +14,7 @@ namespace paged_attention {
 // new tokens).
 void check_cache_inputs(ov::Node& node);
 
+// Whether every input of `node` is a Constant (the CPU plugin's run-time shape inference clone).
+bool all_inputs_constant(const ov::Node& node);
+
 }  // namespace paged_attention

@@ -1,6 +1,7 @@
 #include "convert.hpp"
 
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -121,6 +122,39 @@ void check_neutral(const std::shared_ptr<ov::Node>& pa, size_t i, const std::str
                     ", which our PagedAttention does not implement");
 }
 
+// Whether our input `i`, fed by `src`, says what its absence says (docs/contract.md): an empty
+// alibi_slopes, rotation input or score_aggregation_window, a sliding_window <= 0, a scale of 0
+// or exactly the default 1/sqrt(D) (computed as the op does, in f32). Such trailing inputs are
+// dropped: the CPU plugin re-creates every input of the node as a Constant for its shape
+// inference before each call, so each one costs every call something.
+bool means_absent(size_t i, const ov::Output<ov::Node>& src, int64_t head_size) {
+    const auto c = ov::as_type_ptr<ov::op::v0::Constant>(src.get_node_shared_ptr());
+    if (!c) {
+        return false;
+    }
+    const size_t n = ov::shape_size(c->get_shape());
+    switch (i) {
+    case PA_INPUT_ALIBI_SLOPES:
+    case PA_INPUT_ROTATED_BLOCK_INDICES:
+    case PA_INPUT_ROTATION_DELTAS:
+    case PA_INPUT_ROTATION_TRIG_LUT:
+    case PA_INPUT_SCORE_AGGREGATION_WINDOW:
+        return n == 0;
+    case PA_INPUT_SLIDING_WINDOW:
+        return n == 1 && c->get_element_type() == ov::element::i32 && c->cast_vector<int32_t>()[0] <= 0;
+    case PA_INPUT_SCALE: {
+        if (n != 1 || c->get_element_type() != ov::element::f32 || head_size <= 0) {
+            return false;
+        }
+        const float scale = c->cast_vector<float>()[0];
+        const float fallback = 1.0f / std::sqrt(static_cast<float>(head_size));
+        return scale == 0.0f || std::memcmp(&scale, &fallback, sizeof scale) == 0;
+    }
+    default:
+        return false;
+    }
+}
+
 int64_t rt_int(const ov::Node& node, const char* key) {
     const auto& rt = node.get_rt_info();
     const auto it = rt.find(key);
@@ -211,6 +245,10 @@ std::shared_ptr<ov::Node> replace_one(const std::shared_ptr<ov::Node>& pa, const
     }
     if (sinks) {
         args.push_back(pa->input_value(kBuiltinSinks));
+    } else {
+        while (args.size() > PA_MIN_INPUTS && means_absent(args.size() - 1, args.back(), k_size)) {
+            args.pop_back();
+        }
     }
     auto ours = std::make_shared<PagedAttention>(args);
     ours->set_friendly_name(pa->get_friendly_name());

@@ -17,6 +17,7 @@
 #include "paged_attention.h"
 
 namespace paged_attention {
+
 namespace {
 
 // No C ABI element type has this code, so the Rust side reports the input as having an
@@ -101,18 +102,20 @@ ov::PartialShape to_ov(const pa_partial_shape& s) {
 // and copy them afterwards (the whole [T, H*D] output, every call). Invalid values (a negative
 // length, a wrong rank or type) are left to pa_validate in evaluate(), which names them.
 void known_scores_length(const ov::Node& node, pa_partial_shape& scores) {
-    const auto past = ov::as_type_ptr<ov::op::v0::Constant>(node.get_input_node_shared_ptr(5));
+    const auto* past = ov::as_type<const ov::op::v0::Constant>(node.get_input_node_ptr(5));
     const ov::PartialShape& query = node.get_input_partial_shape(0);
     if (!past || scores.rank != 1 || scores.dims[0] >= 0 || past->get_element_type() != ov::element::i32 ||
         past->get_shape().size() != 1 || query.rank().is_dynamic() || query.size() != 2 || query[0].is_dynamic()) {
         return;
     }
     int64_t total = query[0].get_length();
-    for (const int32_t p : past->cast_vector<int32_t>()) {
-        if (p < 0) {
+    const size_t n = past->get_shape()[0];
+    const auto* values = static_cast<const int32_t*>(past->get_data_ptr());
+    for (size_t i = 0; i < n; ++i) {
+        if (values[i] < 0) {
             return;
         }
-        total += p;
+        total += values[i];
     }
     scores.dims[0] = total;
 }
@@ -166,24 +169,48 @@ void PagedAttention::validate_and_infer_types() {
     // Keep the node in the precision its inputs are declared with: without this, the CPU plugin
     // under INFERENCE_PRECISION_HINT=f16 inserts Converts around it and evaluate() writes the
     // caches into converted copies. `precise_0` is ov::DisableFP16Compression's key.
-    get_rt_info()["precise_0"] = true;
+    auto& rt = get_rt_info();
+    const auto precise = rt.find("precise_0");
+    if (precise == rt.end() || !precise->second.is<bool>() || !precise->second.as<bool>()) {
+        rt["precise_0"] = true;
+    }
     pa_precision code;
     NODE_VALIDATION_CHECK(this,
                           precision_code(m_inference_precision, code),
                           "inference_precision \"",
                           m_inference_precision,
                           "\" is not f32, bf16 or empty (f32)");
+    static_assert(PA_MAX_INPUTS == std::tuple_size<decltype(m_constant_sources)>::value,
+                  "m_constant_sources holds PA_MAX_INPUTS inputs");
+    const size_t n = get_input_size();
+    // The CPU plugin's run-time shape inference clones the node onto Constants (one clone per
+    // call) and validates the clone twice: in its constructor and once more. The second time
+    // nothing has changed; the sources are held, so an equal one is the same Constant.
+    const bool all_constant = n <= m_constant_sources.size() && all_inputs_constant(*this);
+    if (all_constant && m_constant_sources_valid) {
+        bool same = true;
+        for (size_t i = 0; same && i < n; ++i) {
+            same = input_value(i) == m_constant_sources[i];
+        }
+        if (same) {
+            return;
+        }
+    }
+    m_constant_sources_valid = false;
     check_cache_inputs(*this);
 
-    const size_t n = get_input_size();
-    std::vector<pa_partial_shape> in(n);
-    std::vector<ov::element::Type> types(n);
+    std::array<pa_partial_shape, PA_MAX_INPUTS> in_small{};
+    std::vector<pa_partial_shape> in_large;  // only for a node with too many inputs (refused)
+    pa_partial_shape* in = in_small.data();
+    if (n > in_small.size()) {
+        in_large.resize(n);
+        in = in_large.data();
+    }
     for (size_t i = 0; i < n; ++i) {
-        types[i] = get_input_element_type(i);
         const ov::PartialShape& ps = get_input_partial_shape(i);
         pa_partial_shape& s = in[i];
         s = pa_partial_shape{};
-        s.elem_type = elem_code(types[i]);
+        s.elem_type = elem_code(get_input_element_type(i));
         if (ps.rank().is_dynamic()) {
             s.rank = -1;
             continue;
@@ -201,13 +228,24 @@ void PagedAttention::validate_and_infer_types() {
         }
     }
     std::array<pa_partial_shape, PA_NUM_OUTPUTS> out{};
-    const pa_status st = pa_infer_shapes(in.data(), n, out.data());
+    const pa_status st = pa_infer_shapes(in, n, out.data());
     if (st == PA_STATUS_OK) {
         known_scores_length(*this, out[1]);
+    } else {
+        std::vector<ov::element::Type> types(n);
+        for (size_t i = 0; i < n; ++i) {
+            types[i] = get_input_element_type(i);
+        }
+        NODE_VALIDATION_CHECK(this, false, last_error(st), unsupported_types(types));
     }
-    NODE_VALIDATION_CHECK(this, st == PA_STATUS_OK, last_error(st), unsupported_types(types));
     for (size_t i = 0; i < out.size(); ++i) {
         set_output_type(i, elem_type(out[i].elem_type), to_ov(out[i]));
+    }
+    if (all_constant) {
+        for (size_t i = 0; i < n; ++i) {
+            m_constant_sources[i] = input_value(i);
+        }
+        m_constant_sources_valid = true;
     }
 }
 
@@ -226,24 +264,21 @@ bool PagedAttention::has_evaluate() const {
 
 namespace {
 
-// Describes `t` for the C ABI. `t` is a copy of the caller's handle: same buffer, so writes
-// through the returned pointer land in the caller's memory.
-pa_tensor describe(ov::Tensor& t, size_t index, const char* what) {
+// Describes `t` for the C ABI, over the tensor's own buffer: the caches (inputs 3, 4) and the
+// outputs are written through it. A const ov::Tensor is a handle the callee may not re-point,
+// not read-only memory, hence the const_cast.
+pa_tensor describe(const ov::Tensor& t, size_t index, const char* what) {
     const ov::Shape& shape = t.get_shape();
     OPENVINO_ASSERT(shape.size() <= PA_MAX_RANK, "PagedAttention: ", what, " ", index, " has rank ", shape.size());
-    OPENVINO_ASSERT(t.get_size() == 0 || t.is_continuous(),
-                    "PagedAttention: ",
-                    what,
-                    " ",
-                    index,
-                    " is not a dense tensor");
+    const size_t size = t.get_size();
+    OPENVINO_ASSERT(size == 0 || t.is_continuous(), "PagedAttention: ", what, " ", index, " is not a dense tensor");
     pa_tensor d{};
     d.elem_type = elem_code(t.get_element_type());
     d.rank = static_cast<int32_t>(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) {
         d.dims[i] = static_cast<int64_t>(shape[i]);
     }
-    d.data = t.get_size() == 0 ? nullptr : t.data();
+    d.data = size == 0 ? nullptr : const_cast<void*>(t.data());
     return d;
 }
 
@@ -263,50 +298,68 @@ pa_runner openvino_runner() {
     return r;
 }
 
+// OpenVINO's names of the inputs' element types the C ABI cannot describe (for messages).
+std::string unsupported_input_types(const ov::TensorVector& inputs) {
+    std::vector<ov::element::Type> types;
+    types.reserve(inputs.size());
+    for (const auto& t : inputs) {
+        types.push_back(t.get_element_type());
+    }
+    return unsupported_types(types);
+}
+
 }  // namespace
 
+// The per-call path allocates nothing of its own in the common case: the descriptors live on
+// the stack, and the outputs the plugin hands over are used as they are. The CPU plugin infers
+// the output shapes before every call (on a clone of this node, see known_scores_length), so
+// they are normally right: pa_execute_ex then validates the call once, outputs included. Only
+// when it refuses the call is pa_validate asked for the shapes (and for the message of an
+// invalid call), the outputs sized, and the call made again; a refused call has written nothing.
 bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
     OPENVINO_ASSERT(outputs.size() == PA_NUM_OUTPUTS, "PagedAttention: expected 2 outputs, got ", outputs.size());
-    // Copies of the handles (not of the data): ov::Tensor::data() is const on a const tensor,
-    // and inputs 3 and 4 are written in place.
-    std::vector<ov::Tensor> in_tensors(inputs.begin(), inputs.end());
+    const size_t n = inputs.size();
+    OPENVINO_ASSERT(n <= PA_MAX_INPUTS, "PagedAttention: expected at most ", PA_MAX_INPUTS, " inputs, got ", n);
     // OpenVINO hands Constants straight from the mapped weights file, at any byte offset (a
     // serializer packs them without padding). Inputs read by value get an aligned copy when
     // their data is not aligned to their element; the caches (3, 4) are written in place, so
     // they cannot be copied: they come from the caller's Parameters, whose tensors OpenVINO
     // allocates aligned (or the caller's own memory, which the contract requires aligned).
-    for (size_t i = 0; i < in_tensors.size(); ++i) {
-        ov::Tensor& t = in_tensors[i];
-        const size_t align = t.get_element_type().size();
-        if (i == 3 || i == 4 || t.get_size() == 0 || align <= 1 ||
-            reinterpret_cast<uintptr_t>(t.data()) % align == 0) {
-            continue;
+    std::array<ov::Tensor, PA_MAX_INPUTS> aligned;
+    std::array<pa_tensor, PA_MAX_INPUTS> in{};
+    for (size_t i = 0; i < n; ++i) {
+        const ov::Tensor* t = &inputs[i];
+        const size_t align = t->get_element_type().size();
+        if (i != 3 && i != 4 && align > 1 && t->get_size() != 0 &&
+            reinterpret_cast<uintptr_t>(t->data()) % align != 0) {
+            aligned[i] = ov::Tensor(t->get_element_type(), t->get_shape());
+            std::memcpy(aligned[i].data(), t->data(), t->get_byte_size());
+            t = &aligned[i];
         }
-        ov::Tensor aligned(t.get_element_type(), t.get_shape());
-        std::memcpy(aligned.data(), t.data(), t.get_byte_size());
-        t = aligned;
-    }
-    std::vector<pa_tensor> in(in_tensors.size());
-    std::vector<ov::element::Type> types(in_tensors.size());
-    for (size_t i = 0; i < in_tensors.size(); ++i) {
-        in[i] = describe(in_tensors[i], i, "input");
-        types[i] = in_tensors[i].get_element_type();
-    }
-    std::array<pa_partial_shape, PA_NUM_OUTPUTS> shapes{};
-    pa_status st = pa_validate(in.data(), in.size(), shapes.data());
-    if (st != PA_STATUS_OK) {
-        OPENVINO_THROW("PagedAttention: ", last_error(st), unsupported_types(types));
-    }
-    // The plugin hands over outputs of shape [0] (output 1 is fully dynamic): size them first.
-    std::array<pa_tensor, PA_NUM_OUTPUTS> out{};
-    for (size_t i = 0; i < PA_NUM_OUTPUTS; ++i) {
-        outputs[i].set_shape(to_ov(shapes[i]).to_shape());
-        out[i] = describe(outputs[i], i, "output");
+        in[i] = describe(*t, i, "input");
     }
     const pa_runner runner = openvino_runner();
     pa_precision precision = PA_PRECISION_F32;
     precision_code(m_inference_precision, precision);  // checked in validate_and_infer_types
-    st = pa_execute_ex(in.data(), in.size(), out.data(), out.size(), &runner, precision);
+    std::array<pa_tensor, PA_NUM_OUTPUTS> out{};
+    for (size_t i = 0; i < PA_NUM_OUTPUTS; ++i) {
+        out[i] = describe(outputs[i], i, "output");
+    }
+    pa_status st = pa_execute_ex(in.data(), n, out.data(), out.size(), &runner, precision);
+    if (st == PA_STATUS_OK) {
+        return true;
+    }
+    std::array<pa_partial_shape, PA_NUM_OUTPUTS> shapes{};
+    st = pa_validate(in.data(), n, shapes.data());
+    if (st != PA_STATUS_OK) {
+        OPENVINO_THROW("PagedAttention: ", last_error(st), unsupported_input_types(inputs));
+    }
+    // The plugin hands over outputs of shape [0] when it could not infer them: size them.
+    for (size_t i = 0; i < PA_NUM_OUTPUTS; ++i) {
+        outputs[i].set_shape(to_ov(shapes[i]).to_shape());
+        out[i] = describe(outputs[i], i, "output");
+    }
+    st = pa_execute_ex(in.data(), n, out.data(), out.size(), &runner, precision);
     if (st != PA_STATUS_OK) {
         OPENVINO_THROW("PagedAttention: ", last_error(st));
     }

@@ -3,6 +3,7 @@
 // through include/paged_attention.h. Registration lives in extension.cpp.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 
@@ -40,6 +41,11 @@ public:
 private:
     friend size_t set_inference_precision(const std::shared_ptr<ov::Model>&, const std::string&);
     std::string m_inference_precision;
+    // The Constant inputs the node was last validated with, when all its inputs are Constants
+    // (the CPU plugin's run-time shape inference clone): validating it again with the same
+    // ones is skipped. Sized PA_MAX_INPUTS (a static_assert in the .cpp checks).
+    std::array<ov::Output<ov::Node>, 17> m_constant_sources;
+    bool m_constant_sources_valid = false;
 };
 
 // Sets `inference_precision` ("f32" or "bf16", as OpenVINO spells INFERENCE_PRECISION_HINT's

@@ -1,7 +1,8 @@
 """Converts OpenVINO's LLM graphs to this project's op through the project's one converter
 (``cpp/convert.cpp``, run by ``pa-engine convert``): a stateful SDPA LLM (as optimum-intel exports
 it) goes through OpenVINO's ``SDPAToPagedAttention`` pass, then every ``PagedAttentionExtension``
-becomes a 16-input / 2-output ``PagedAttention`` (``ie_internal_opset``, docs/contract.md), which
+becomes a 9- to 17-input / 2-output ``PagedAttention`` (``ie_internal_opset``, docs/contract.md;
+trailing inputs that mean what their absence means are dropped, docs/openvino.md), which
 the extension ``libpaged_attention_openvino.so`` runs.
 
     python tools/pa_convert.py IN.xml OUT.xml [--block-size 32] [--cache-type u8|u4|f32|f16|bf16]
@@ -56,7 +57,7 @@ def _ov_type(name):
 
 
 class Unsupported(Exception):
-    """The graph uses something the 16-input PagedAttention does not implement."""
+    """The graph uses something our PagedAttention does not implement."""
 
 
 # ------------------------------------------------------------------------------ stateful -> paged

@@ -115,6 +115,37 @@ def test_sliding_window_is_in_effect(core):
     assert np.abs(with_w[cfg.sliding_window + 1:] - without[cfg.sliding_window + 1:]).max() > 1e-2
 
 
+# Inputs the plain (non-serving) conversion keeps: up to the last one that says something. The
+# transformation feeds every model a scale, so 9 only when the model's scale is exactly the op's
+# default 1/sqrt(D) in f32 (gqa1 and value_head: D = 64, 1/8).
+PLAIN_INPUTS = {"gqa1": 9, "gqa4": 10, "sliding_window": 11, "gpt_oss": 17, "value_head": 9}
+
+
+@pytest.mark.parametrize("name", sorted(tiny_llm.VARIANTS))
+def test_plain_conversion_drops_absent_inputs_and_matches_builtin(core, tmp_path, name):
+    """Without --serving the rotation and score-window inputs are empty constants and the window
+    or scale may be too: the converter drops such trailing inputs (each costs the CPU plugin's
+    per-call shape inference a Constant), and the graph still gives the built-in op's logits."""
+    cfg = tiny_llm.VARIANTS[name]
+    assert sorted(PLAIN_INPUTS) == sorted(tiny_llm.VARIANTS)
+    out = tmp_path / "plain.xml"
+    assert pa_convert.convert_model(tiny_llm.build(cfg), out, BS) == cfg.layers
+    model = core.read_model(out)
+    assert [n.get_input_size() for n in pa_convert.pa_nodes(model, "PagedAttention")] == \
+        [PLAIN_INPUTS[name]] * cfg.layers
+    rng = np.random.default_rng(11)
+    tokens = [int(t) for t in rng.integers(0, cfg.vocab, 60)]
+    runs = [PagedModel(core.compile_model(m, "CPU", F32_CONFIG), 4) for m in (paged(name), model)]
+    blocks = [2, 0]
+    got = [[r.step([Seq(tokens[:45], 0, blocks)])] for r in runs]
+    for p in range(45, 60):
+        for g, r in zip(got, runs):
+            g.append(r.step([Seq([tokens[p]], p, blocks)]))
+    want, ours = (np.concatenate(g) for g in got)
+    assert want.shape == ours.shape == (60, cfg.vocab)
+    assert np.abs(ours - want).max() <= TOL
+
+
 # ------------------------------------------------------------------ ours vs built-in, served
 
 def written_slots(st):
