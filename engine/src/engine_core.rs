@@ -10,6 +10,7 @@
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCachePlan;
 use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
@@ -58,6 +59,7 @@ pub struct EngineCore {
     eos: Vec<u32>,
     context: Option<usize>,
     runner: ModelRunner,
+    kv_plan: KvCachePlan,
     cache_type: ElemType,
     sched: Scheduler,
     requests: HashMap<RequestId, RequestState>,
@@ -84,9 +86,9 @@ impl EngineCore {
                 "block size, max batched tokens and max sequences must be positive".into(),
             ));
         }
-        let (runner, num_blocks) = ModelRunner::load(&md, cfg)?;
+        let (runner, kv_plan) = ModelRunner::load(&md, cfg)?;
         let sched = Scheduler::new(SchedulerConfig {
-            num_blocks,
+            num_blocks: kv_plan.num_blocks,
             block_size: cfg.block_size,
             prefix_caching: cfg.prefix_caching,
             max_batched_tokens: cfg.max_batched_tokens,
@@ -98,6 +100,7 @@ impl EngineCore {
             context: md.config.max_position_embeddings,
             tokenizer: md.tokenizer,
             runner,
+            kv_plan,
             cache_type: cfg.cache_type,
             sched,
             requests: HashMap::new(),
@@ -125,6 +128,10 @@ impl EngineCore {
     }
     pub fn block_size(&self) -> usize {
         self.sched.config().block_size
+    }
+    /// The KV cache's size and how it was chosen.
+    pub fn kv_cache_plan(&self) -> &KvCachePlan {
+        &self.kv_plan
     }
     pub fn cache_type(&self) -> ElemType {
         self.cache_type

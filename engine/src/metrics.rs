@@ -3,6 +3,7 @@
 //! Prometheus text (`pa serve`'s `/metrics`).
 
 use crate::engine_core::{EngineCore, EngineStats};
+use crate::kv_cache::KvCachePlan;
 use paged_attention::cache::{CacheStats, SchedulerCounters};
 use paged_attention::ElemType;
 use std::fmt::Write;
@@ -58,6 +59,8 @@ pub struct Snapshot {
     pub num_blocks: usize,
     pub block_size: usize,
     pub cache_type: Option<ElemType>,
+    /// The KV cache's size and how it was chosen.
+    pub kv_cache: KvCachePlan,
     /// Requests that ended on their own (length or stop), and aborted ones.
     pub finished: u64,
     pub aborted: u64,
@@ -76,6 +79,9 @@ impl Snapshot {
         self.num_blocks = core.num_blocks();
         self.block_size = core.block_size();
         self.cache_type = Some(core.cache_type());
+        if self.kv_cache.num_blocks == 0 {
+            self.kv_cache = core.kv_cache_plan().clone();
+        }
     }
 
     /// Prometheus text; `in_flight`: HTTP requests admitted and not answered yet.
@@ -87,12 +93,13 @@ impl Snapshot {
             self.counters.prefix_hit_tokens as f64 / self.stats.prompt_tokens as f64
         };
         #[rustfmt::skip]
-        let rows: [(&str, &str, &str, f64); 14] = [
+        let rows: [(&str, &str, &str, f64); 15] = [
             ("pa_requests_running", "Requests whose sequences are running.", "gauge", self.running as f64),
             ("pa_requests_waiting", "Requests waiting to start.", "gauge", self.waiting as f64),
             ("pa_requests_in_flight", "HTTP requests admitted and not answered yet.", "gauge", in_flight as f64),
             ("pa_kv_blocks_used", "KV cache blocks referenced by a sequence.", "gauge", self.cache.used_blocks as f64),
             ("pa_kv_blocks_total", "KV cache blocks in all.", "gauge", self.num_blocks as f64),
+            ("pa_kv_cache_size_bytes", "Bytes of KV cache allocated (all layers), as --kv-cache-size chose.", "gauge", self.kv_cache.bytes() as f64),
             ("pa_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.", "gauge", hit_rate),
             ("pa_prefix_cache_hits_total", "Requests that reused cached prefix blocks.", "counter", self.counters.prefix_hits as f64),
             ("pa_preemptions_total", "Sequences preempted for lack of blocks.", "counter", self.counters.preemptions as f64),
