@@ -17,8 +17,11 @@ command -v valgrind >/dev/null || missing+=(valgrind)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v cc >/dev/null || missing+=(gcc)
 command -v c++ >/dev/null || missing+=(g++)
-# nginx: the load balancer in front of two `pa serve` replicas (tests/python/test_serve.py).
+# nginx and HAProxy: the load balancers in front of two `pa serve` replicas
+# (tests/python/test_serve.py, tests/python/test_failover.py with deploy/nginx.conf and
+# deploy/haproxy.cfg).
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
+command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
 if [ ${#missing[@]} -ne 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
