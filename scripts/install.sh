@@ -38,20 +38,28 @@ major=${version%%.*}
 # (`rustc --print native-static-libs`); the static link in tests/python/test_install.py checks it.
 native_static="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
 
-cargo build --release -p paged_attention --lib
-cargo build --release -p paged_attention_cli --bin pa
 ext=""
 engine=""
-if [ "$openvino" = yes ]; then
-  if cargo build --release -p paged_attention_openvino; then
-    ext=target/release/libpaged_attention_openvino.so
-  else
-    echo "install.sh: warning: the OpenVINO extension did not build (see above); installing the C library without it" >&2
-  fi
-  if cargo build --release -p paged_attention_engine --bin pa-engine; then
-    engine=target/release/pa-engine
-  else
-    echo "install.sh: warning: pa-engine did not build (see above); installing pa without \`pa generate\` and \`pa serve\`" >&2
+# With OpenVINO, one build of the whole workspace (what scripts/test.sh builds, so nothing is
+# rebuilt after it); without, or if that fails, the C library and `pa` alone, then each OpenVINO
+# crate on its own, so one that does not build does not stop the rest.
+if [ "$openvino" = yes ] && cargo build --release --workspace --bins --lib; then
+  ext=target/release/libpaged_attention_openvino.so
+  engine=target/release/pa-engine
+else
+  cargo build --release -p paged_attention --lib
+  cargo build --release -p paged_attention_cli --bin pa
+  if [ "$openvino" = yes ]; then
+    if cargo build --release -p paged_attention_openvino; then
+      ext=target/release/libpaged_attention_openvino.so
+    else
+      echo "install.sh: warning: the OpenVINO extension did not build (see above); installing the C library without it" >&2
+    fi
+    if cargo build --release -p paged_attention_engine --bin pa-engine; then
+      engine=target/release/pa-engine
+    else
+      echo "install.sh: warning: pa-engine did not build (see above); installing pa without \`pa generate\` and \`pa serve\`" >&2
+    fi
   fi
 fi
 
