@@ -1,8 +1,8 @@
 //! Build script of the engine: compiles the C++ session (`cpp/session.cpp`, bridged by cxx in
 //! `src/ov.rs`) with the project's converter and op class (`../cpp/convert.cpp`,
 //! `../cpp/paged_attention_op.cpp`, `../cpp/cache_inputs.cpp`) against OpenVINO, found as the
-//! extension module finds it (`../openvino/locate.rs`), and links `libopenvino.so.<version>` with
-//! an rpath to it: the engine's binary is a standalone OpenVINO program.
+//! extension module finds it (`../openvino/locate.rs`), and links `libopenvino.so.<version>`
+//! without a RUNPATH: `pa` finds OpenVINO at run time (the test binaries alone keep an rpath).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -71,10 +71,12 @@ fn main() {
     if let Some(tbb) = &ov.tbb_name {
         println!("cargo:rustc-link-lib=dylib:+verbatim={tbb}");
     }
-    // The binaries run OpenVINO themselves: find its libraries (and its plugins beside them).
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", ov.libs.display());
+    // No RUNPATH in `pa-engine`: a path into this build's OpenVINO would not survive an install
+    // or a moved virtual environment. `pa` finds OpenVINO where the user has it and runs the
+    // engine with LD_LIBRARY_PATH (cli/src/openvino.rs); the system's libraries need nothing.
+    // The tests' binaries never leave the build tree, so they keep the path.
     println!(
-        "cargo:rustc-env=PA_ENGINE_OPENVINO_LIBS={}",
+        "cargo:rustc-link-arg-tests=-Wl,-rpath,{}",
         ov.libs.display()
     );
 }

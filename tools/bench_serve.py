@@ -26,6 +26,10 @@ from pathlib import Path
 
 import httpx
 
+import engine_env  # noqa: E402  (pa-engine has no RUNPATH: OpenVINO on LD_LIBRARY_PATH)
+
+engine_env.use_in_this_process()
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 

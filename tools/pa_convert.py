@@ -29,6 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import engine_env  # noqa: E402  (pa-engine has no RUNPATH: OpenVINO on LD_LIBRARY_PATH)
+
+engine_env.use_in_this_process()
+
 BUILTIN_TYPE = "PagedAttentionExtension"
 OUR_TYPE, OUR_VERSION = "PagedAttention", "ie_internal_opset"
 

@@ -6,10 +6,13 @@
 //! - [`npy`]: `.npy` files in and out.
 //! - [`case`]: the golden suite's harness (`case.json`, expected files, tolerances, OpenVINO runs
 //!   through `tools/ov_run_case.py`); `pa conformance`.
+//! - [`openvino`]: where OpenVINO's libraries are at run time, for `pa generate` / `pa serve`,
+//!   which run `pa-engine` (linked without a RUNPATH) with them.
 //! - [`simulate`]: a synthetic serving workload through the library's KV-cache scheduler, paged
 //!   against contiguous allocation; `pa simulate`.
 
 pub mod case;
 pub mod ir;
 pub mod npy;
+pub mod openvino;
 pub mod simulate;

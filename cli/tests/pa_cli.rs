@@ -174,10 +174,23 @@ fn each_command_has_its_own_help() {
 }
 
 #[test]
-fn version_prints_the_crate_version() {
+fn version_prints_the_crate_version_the_engine_and_openvino() {
     let o = pa(&["--version"]);
     assert_eq!(o.status.code(), Some(0));
-    assert_eq!(stdout(&o), format!("pa {}\n", env!("CARGO_PKG_VERSION")));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        format!("pa {}", env!("CARGO_PKG_VERSION")),
+        "{out}"
+    );
+    assert!(lines[1].starts_with("engine: "), "{out}");
+    // Found or not, the OpenVINO line says so.
+    assert!(
+        lines[2].starts_with("OpenVINO ")
+            && (lines[2].contains(" found through ") || lines[2] == "OpenVINO not found. Tried:"),
+        "{out}"
+    );
 }
 
 #[test]

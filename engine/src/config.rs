@@ -55,13 +55,47 @@ impl FromStr for Precision {
     }
 }
 
+/// How big the KV cache is: `Auto` (the default) or a number of bytes over all layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvCacheSize {
+    /// [`KV_AUTO_SHARE`] of the memory available once the model is compiled (the smaller of
+    /// `MemAvailable` and what the cgroup's `memory.max` leaves), at most what `max_seqs`
+    /// sequences of the model's whole context take.
+    #[default]
+    Auto,
+    Bytes(usize),
+}
+
+/// The share of the memory available after compiling that `--kv-cache-size auto` takes. Half:
+/// the rest is for OpenVINO's activations, the tokenizer, the OS's page cache and a second
+/// replica started on the same machine (each replica takes half of what it finds).
+pub const KV_AUTO_SHARE: f64 = 0.5;
+
+impl FromStr for KvCacheSize {
+    type Err = String;
+    /// `auto`, or a positive number of GB (1e9 bytes).
+    fn from_str(s: &str) -> Result<KvCacheSize, String> {
+        if s == "auto" {
+            return Ok(KvCacheSize::Auto);
+        }
+        match s.parse::<f64>() {
+            Ok(gb) if gb > 0.0 && gb * 1e9 < usize::MAX as f64 => {
+                Ok(KvCacheSize::Bytes(((gb * 1e9) as usize).max(1)))
+            }
+            _ => Err(format!(
+                "the KV cache size is `auto` or a positive number of GB, got `{s}`"
+            )),
+        }
+    }
+}
+
 /// How the engine is set up.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Element type of the KV caches (one of `paged_attention::dtype::CACHE_TYPES`).
     pub cache_type: ElemType,
-    /// Bytes of KV cache over all layers (keys and values); the block count follows.
-    pub kv_cache_bytes: usize,
+    /// KV cache over all layers (keys and values); the block count follows.
+    pub kv_cache: KvCacheSize,
     pub block_size: usize,
     /// Token rows per step (a long prompt is prefilled in chunks of at most this many).
     pub max_batched_tokens: usize,
@@ -86,7 +120,7 @@ impl Default for EngineConfig {
     fn default() -> EngineConfig {
         EngineConfig {
             cache_type: DEFAULT_CACHE_TYPE,
-            kv_cache_bytes: 1 << 30,
+            kv_cache: KvCacheSize::Auto,
             block_size: 32,
             max_batched_tokens: 512,
             max_seqs: 256,

@@ -10,6 +10,7 @@
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCachePlan;
 use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
@@ -77,6 +78,7 @@ pub struct EngineCore {
     eos: Vec<u32>,
     context: Option<usize>,
     runner: ModelRunner,
+    kv_plan: KvCachePlan,
     cache_type: ElemType,
     sched: Scheduler,
     requests: HashMap<RequestId, RequestState>,
@@ -106,9 +108,9 @@ impl EngineCore {
                 "block size, max batched tokens and max sequences must be positive".into(),
             ));
         }
-        let (runner, num_blocks) = ModelRunner::load(&md, cfg)?;
+        let (runner, kv_plan) = ModelRunner::load(&md, cfg)?;
         let mut sched = Scheduler::new(SchedulerConfig {
-            num_blocks,
+            num_blocks: kv_plan.num_blocks,
             block_size: cfg.block_size,
             prefix_caching: cfg.prefix_caching,
             max_batched_tokens: cfg.max_batched_tokens,
@@ -121,6 +123,7 @@ impl EngineCore {
             context: md.config.max_position_embeddings,
             tokenizer: md.tokenizer,
             runner,
+            kv_plan,
             cache_type: cfg.cache_type,
             sched,
             requests: HashMap::new(),
@@ -153,6 +156,10 @@ impl EngineCore {
     }
     pub fn prefix_caching(&self) -> bool {
         self.sched.config().prefix_caching
+    }
+    /// The KV cache's size and how it was chosen.
+    pub fn kv_cache_plan(&self) -> &KvCachePlan {
+        &self.kv_plan
     }
     pub fn cache_type(&self) -> ElemType {
         self.cache_type

@@ -1,8 +1,13 @@
 //! The KV cache tensors: one key and one value buffer per layer, `[num_blocks, Hkv, rows, cols]`
 //! elements of the cache type each, sized from the converted graph's cache inputs and a byte
-//! budget, zeroed, and never moved (OpenVINO's request holds tensors over them).
+//! budget (given, or `auto`: a share of the memory left once the model is compiled), zeroed,
+//! and never moved (OpenVINO's request holds tensors over them). The zeroed memory is mapped
+//! lazily by the kernel: a block's pages are committed when it is first written, so resident
+//! memory grows with the blocks in use, up to the size chosen at start-up.
 
+use crate::config::{KvCacheSize, KV_AUTO_SHARE};
 use crate::error::{EngineError, Result};
+use crate::memory::{self, Available};
 use paged_attention::ElemType;
 use std::path::Path;
 
@@ -26,18 +31,12 @@ impl CacheBuf {
 /// A layer's key and value cache geometry, `[Hkv, rows, cols]` of a block each.
 pub(crate) type LayerDims = ([usize; 3], [usize; 3]);
 
-/// The caches of every layer: as many blocks as `budget` bytes hold over all layers. A block of a
-/// cache is the `[Hkv, rows, cols]` elements of its graph input (with u8 and u4 caches the rows or
-/// columns of scales and zero points the converter added), sized by the cache's element type.
-/// A u4 block is whole bytes when D is even, which the op requires (it refuses the graph
-/// otherwise); the check keeps block copies on byte boundaries whatever the shapes.
-pub(crate) fn allocate(
-    layers: &[LayerDims],
-    elem: ElemType,
-    budget: usize,
-    block_size: usize,
-    graph: &Path,
-) -> Result<Vec<(CacheBuf, CacheBuf)>> {
+/// Bytes of one block over all layers, keys and values. A block of a cache is the
+/// `[Hkv, rows, cols]` elements of its graph input (with u8 and u4 caches the rows or columns of
+/// scales and zero points the converter added), sized by the cache's element type. A u4 block is
+/// whole bytes when D is even, which the op requires (it refuses the graph otherwise); the check
+/// keeps block copies on byte boundaries whatever the shapes.
+pub(crate) fn bytes_per_block(layers: &[LayerDims], elem: ElemType, graph: &Path) -> Result<usize> {
     let block_bytes = |[h, r, c]: [usize; 3], what: &str, l: usize| -> Result<usize> {
         let n = h.checked_mul(r).and_then(|hr| hr.checked_mul(c));
         match n.and_then(|n| elem.bytes_for(n).map(|b| (n, b))) {
@@ -50,20 +49,165 @@ pub(crate) fn allocate(
             }),
         }
     };
-    let mut sizes = Vec::with_capacity(layers.len());
+    let mut total = 0usize;
     for (l, &(k, v)) in layers.iter().enumerate() {
-        sizes.push((block_bytes(k, "key", l)?, block_bytes(v, "value", l)?));
+        total = total
+            .checked_add(block_bytes(k, "key", l)?)
+            .and_then(|t| t.checked_add(block_bytes(v, "value", l).ok()?))
+            .ok_or_else(|| EngineError::Config("a KV cache block's size overflows".into()))?;
     }
-    let per_block: usize = sizes.iter().map(|(k, v)| k + v).sum();
-    let num_blocks = budget / per_block.max(1);
-    if num_blocks == 0 {
-        return Err(EngineError::Config(format!(
-            "a KV cache of {budget} bytes holds no block: one block of {block_size} tokens takes {per_block} bytes over {} layers",
-            layers.len()
-        )));
+    Ok(total.max(1))
+}
+
+/// The KV cache the engine allocated, and how its size was chosen.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KvCachePlan {
+    /// Chosen by `--kv-cache-size auto`.
+    pub auto: bool,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// Bytes of one block over all layers.
+    pub block_bytes: usize,
+    /// Memory available once the model was compiled (before the cache), and its source.
+    pub available: Option<Available>,
+    /// Bytes of `max_seqs` sequences of the model's whole context (`None`: no context known).
+    pub bound: Option<usize>,
+    /// This process's resident memory once the model was compiled (before the cache).
+    pub resident_before: Option<u64>,
+}
+
+impl KvCachePlan {
+    /// Bytes of the cache, over all layers.
+    pub fn bytes(&self) -> usize {
+        self.num_blocks * self.block_bytes
     }
-    let make = |[h, r, c]: [usize; 3], block_bytes: usize| -> Result<CacheBuf> {
-        let bytes = num_blocks * block_bytes;
+
+    /// What this process should stay under: its resident memory after compiling plus the whole
+    /// cache (the cache's pages are committed as blocks are first written).
+    pub fn resident_bound(&self) -> Option<u64> {
+        self.resident_before.map(|r| r + self.bytes() as u64)
+    }
+
+    /// Sizes the cache of `size` in whole blocks of `block_bytes`. `Auto` takes
+    /// [`KV_AUTO_SHARE`] of the memory available now, at most `bound_tokens`' worth; an explicit
+    /// size larger than the memory available is refused here, at start-up, rather than found
+    /// out by the kernel mid-request.
+    pub(crate) fn choose(
+        size: KvCacheSize,
+        block_bytes: usize,
+        block_size: usize,
+        bound_tokens: Option<usize>,
+    ) -> Result<KvCachePlan> {
+        let gb = |b: f64| b / 1e9;
+        let available = memory::available();
+        let bound_blocks = bound_tokens.map(|t| t.div_ceil(block_size.max(1)));
+        let mut plan = KvCachePlan {
+            auto: size == KvCacheSize::Auto,
+            num_blocks: 0,
+            block_size,
+            block_bytes,
+            bound: bound_blocks.map(|b| b.saturating_mul(block_bytes)),
+            resident_before: memory::resident(),
+            available: available.clone(),
+        };
+        let budget = match (size, &available) {
+            (KvCacheSize::Bytes(b), None) => b,
+            (KvCacheSize::Bytes(b), Some(a)) => {
+                if b as u64 > a.bytes {
+                    return Err(EngineError::Config(format!(
+                        "out of memory for the KV cache: --kv-cache-size asks for {:.3} GB, and                          {:.3} GB are available ({}) once the model is compiled; give a smaller                          size, or `auto`",
+                        gb(b as f64),
+                        gb(a.bytes as f64),
+                        a.source
+                    )));
+                }
+                b
+            }
+            (KvCacheSize::Auto, Some(a)) => (a.bytes as f64 * KV_AUTO_SHARE) as usize,
+            (KvCacheSize::Auto, None) => {
+                return Err(EngineError::Config(
+                    "--kv-cache-size auto cannot read the memory available (/proc/meminfo):                      give a size in GB"
+                        .into(),
+                ))
+            }
+        };
+        plan.num_blocks = budget / block_bytes;
+        if plan.auto {
+            if let Some(b) = bound_blocks {
+                plan.num_blocks = plan.num_blocks.min(b);
+            }
+        }
+        if plan.num_blocks == 0 {
+            return Err(EngineError::Config(match (plan.auto, &available) {
+                (true, Some(a)) => format!(
+                    "out of memory for the KV cache: {:.3} GB are available ({}) once the model                      is compiled, and one block of {block_size} tokens takes {block_bytes} bytes",
+                    gb(a.bytes as f64),
+                    a.source
+                ),
+                _ => format!(
+                    "a KV cache of {budget} bytes holds no block: one block of {block_size} tokens takes {block_bytes} bytes"
+                ),
+            }));
+        }
+        Ok(plan)
+    }
+}
+
+impl std::fmt::Display for KvCachePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: f64| b / 1e9;
+        write!(
+            f,
+            "{:.3} GB, {} blocks of {} tokens ({} bytes a block)",
+            gb(self.bytes() as f64),
+            self.num_blocks,
+            self.block_size,
+            self.block_bytes
+        )?;
+        if self.auto {
+            write!(f, "; auto: {:.0}% of", KV_AUTO_SHARE * 100.0)?;
+            match &self.available {
+                Some(a) => write!(
+                    f,
+                    " the {:.3} GB available after compiling ({})",
+                    gb(a.bytes as f64),
+                    a.source
+                )?,
+                None => write!(f, " the memory available")?,
+            }
+            match self.bound {
+                Some(b) => write!(
+                    f,
+                    ", at most {:.3} GB (context x max sequences)",
+                    gb(b as f64)
+                )?,
+                None => write!(f, " (no context length known to bound it)")?,
+            }
+        }
+        if let Some(r) = self.resident_bound() {
+            write!(
+                f,
+                "; resident memory at most {:.3} GB with the cache full (pages are taken as blocks are first written)",
+                gb(r as f64)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The caches of every layer, `num_blocks` blocks each.
+pub(crate) fn allocate(
+    layers: &[LayerDims],
+    elem: ElemType,
+    num_blocks: usize,
+) -> Result<Vec<(CacheBuf, CacheBuf)>> {
+    let make = |[h, r, c]: [usize; 3]| -> Result<CacheBuf> {
+        let block_bytes = elem
+            .bytes_for(h * r * c)
+            .ok_or_else(|| EngineError::Config("a KV cache block's size overflows".into()))?;
+        let bytes = num_blocks
+            .checked_mul(block_bytes)
+            .ok_or_else(|| EngineError::Config("the KV cache's size overflows".into()))?;
         Ok(CacheBuf {
             words: zeroed_words(bytes.div_ceil(8))?,
             shape: [num_blocks, h, r, c],
@@ -72,8 +216,7 @@ pub(crate) fn allocate(
     };
     layers
         .iter()
-        .zip(&sizes)
-        .map(|(&(k, v), &(kb, vb))| Ok((make(k, kb)?, make(v, vb)?)))
+        .map(|&(k, v)| Ok((make(k)?, make(v)?)))
         .collect()
 }
 

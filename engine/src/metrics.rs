@@ -10,6 +10,7 @@
 
 use crate::config::Names;
 use crate::engine_core::{EngineCore, EngineStats};
+use crate::kv_cache::KvCachePlan;
 use paged_attention::cache::{CacheStats, FinishReason, SchedulerCounters};
 use paged_attention::ElemType;
 use std::fmt::Write;
@@ -108,6 +109,8 @@ pub struct Snapshot {
     pub prefix_caching: bool,
     /// Requests ended, indexed as [`REASONS`].
     finished: [u64; REASONS.len()],
+    /// The KV cache's size and how it was chosen.
+    pub kv_cache: KvCachePlan,
     pub ttft: Histogram,
     /// Between consecutive tokens of one output.
     pub itl: Histogram,
@@ -130,6 +133,7 @@ impl Default for Snapshot {
             block_size: 0,
             cache_type: None,
             prefix_caching: false,
+            kv_cache: KvCachePlan::default(),
             finished: [0; REASONS.len()],
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
@@ -152,6 +156,9 @@ impl Snapshot {
         self.block_size = core.block_size();
         self.cache_type = Some(core.cache_type());
         self.prefix_caching = core.prefix_caching();
+        if self.kv_cache.num_blocks == 0 {
+            self.kv_cache = core.kv_cache_plan().clone();
+        }
     }
 
     pub(crate) fn count_finished(&mut self, reason: FinishReason) {
@@ -179,7 +186,7 @@ impl Snapshot {
         let (s, c) = (&self.stats, &self.counters);
         // (name, a vLLM name too, type, help, value)
         #[rustfmt::skip]
-        let rows: [(&str, bool, &str, &str, f64); 14] = [
+        let rows: [(&str, bool, &str, &str, f64); 15] = [
             ("num_requests_running", true, "gauge", "Requests whose sequences are running.", self.running as f64),
             ("num_requests_waiting", true, "gauge", "Requests waiting to start (queued or preempted).", self.waiting as f64),
             ("kv_cache_usage_perc", true, "gauge", "Fraction of KV-cache blocks in use, 0 to 1.", usage),
@@ -194,6 +201,7 @@ impl Snapshot {
             ("kv_blocks_cached", false, "gauge", "Unreferenced KV-cache blocks kept for prefix reuse.", self.cache.cached_blocks as f64),
             ("engine_steps_total", false, "counter", "Engine steps.", s.steps as f64),
             ("engine_infer_seconds_total", false, "counter", "Time in OpenVINO's infer().", s.infer_time.as_secs_f64()),
+            ("kv_cache_size_bytes", false, "gauge", "Bytes of KV cache allocated (all layers), as --kv-cache-size chose.", self.kv_cache.bytes() as f64),
         ];
         for (name, vllm, kind, help, v) in rows {
             w.scalar(name, vllm, kind, help, v);

@@ -7,7 +7,7 @@
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{self, CacheBuf, LayerDims};
+use crate::kv_cache::{self, CacheBuf, KvCachePlan, LayerDims};
 use crate::model_dir::ModelDir;
 use crate::ov::{CacheType, ConvertOptions, Property, Session};
 use paged_attention::cache::{copy_blocks_kv, rotation_lut, RotationDirection, Step};
@@ -118,9 +118,9 @@ impl Logits<'_> {
 }
 
 impl ModelRunner {
-    /// Converts, learns the feeds, allocates the caches of `cfg` and compiles. Returns the
-    /// runner and the number of cache blocks.
-    pub fn load(md: &ModelDir, cfg: &EngineConfig) -> Result<(ModelRunner, usize)> {
+    /// Converts, learns the feeds, compiles and allocates the caches of `cfg`. Returns the
+    /// runner and the cache's plan (its block count, and how it was chosen).
+    pub fn load(md: &ModelDir, cfg: &EngineConfig) -> Result<(ModelRunner, KvCachePlan)> {
         let xml = md.xml.to_str().ok_or_else(|| EngineError::Model {
             path: md.xml.clone(),
             detail: "path is not UTF-8".into(),
@@ -156,14 +156,7 @@ impl ModelRunner {
                 ),
             });
         }
-        let caches = kv_cache::allocate(
-            &layers,
-            cfg.cache_type,
-            cfg.kv_cache_bytes,
-            cfg.block_size,
-            &md.xml,
-        )?;
-        let num_blocks = caches[0].0.shape[0];
+        let block_bytes = kv_cache::bytes_per_block(&layers, cfg.cache_type, &md.xml)?;
         let mut props = Vec::new();
         if let Some(p) = cfg.precision {
             props.push(Property {
@@ -178,6 +171,16 @@ impl ModelRunner {
             });
         }
         session.pin_mut().compile(&cfg.device, &props)?;
+        // Sized after compiling, so that `auto` sees the memory the compiled model left.
+        let plan = KvCachePlan::choose(
+            cfg.kv_cache,
+            block_bytes,
+            cfg.block_size,
+            md.config
+                .max_position_embeddings
+                .map(|c| c.saturating_mul(cfg.max_seqs)),
+        )?;
+        let caches = kv_cache::allocate(&layers, cfg.cache_type, plan.num_blocks)?;
         let runner = ModelRunner {
             gathered: session.gathered_logits(),
             session,
@@ -193,7 +196,7 @@ impl ModelRunner {
             caches_bound: false,
             infer_time: Duration::ZERO,
         };
-        Ok((runner, num_blocks))
+        Ok((runner, plan))
     }
 
     /// Performs the step's block copies, binds its inputs and runs `infer()`.

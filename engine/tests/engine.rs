@@ -7,7 +7,7 @@
 use paged_attention::ElemType;
 use paged_attention_engine::{
     EngineConfig, EngineCore as Engine, EngineError, Event, FinishReason, GenerationParams,
-    Precision, Sampling,
+    KvCacheSize, Precision, Sampling,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -49,7 +49,7 @@ fn model_dir() -> &'static Path {
 fn config(kv_bytes: usize) -> EngineConfig {
     EngineConfig {
         cache_type: ElemType::F32,
-        kv_cache_bytes: kv_bytes,
+        kv_cache: KvCacheSize::Bytes(kv_bytes),
         block_size: 32,
         max_batched_tokens: 64,
         max_seqs: 16,

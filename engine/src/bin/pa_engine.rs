@@ -8,7 +8,7 @@ use paged_attention_engine::kv_events::{KvEventsConfig, Shape};
 use paged_attention_engine::metrics::Naming;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
-    ModelDir, Penalties, Precision, Prompt, Reply, Sampling, TokenLogprobs, Update,
+    KvCacheSize, ModelDir, Penalties, Precision, Prompt, Reply, Sampling, TokenLogprobs, Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -117,9 +117,11 @@ struct EngineArgs {
     /// layouts, u4 two values a byte). Default u8, OpenVINO's own for the CPU.
     #[arg(long, default_value_t = DEFAULT_CACHE_TYPE, value_parser = ElemType::parse_cache_type)]
     cache_type: ElemType,
-    /// KV cache size in GB, over all layers.
-    #[arg(long, default_value_t = 1.0)]
-    kv_cache_size: f64,
+    /// KV cache size over all layers: GB (1e9 bytes), or `auto`: half of the memory available
+    /// once the model is compiled (the smaller of MemAvailable and the cgroup's memory.max),
+    /// at most the model's context times --max-seqs. The choice is printed at start-up.
+    #[arg(long, default_value = "auto", value_parser = parse_kv_cache_size)]
+    kv_cache_size: KvCacheSize,
     /// OpenVINO's inference precision hint (default: OpenVINO's for this CPU).
     #[arg(long, value_parser = parse_precision)]
     precision: Option<Precision>,
@@ -129,8 +131,8 @@ struct EngineArgs {
     /// Token rows per step; longer prompts are prefilled in chunks.
     #[arg(long, default_value_t = 512)]
     max_batched_tokens: usize,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 256)]
+    /// Sequences per step (vLLM's name, --max-num-seqs, works too).
+    #[arg(long, visible_alias = "max-num-seqs", default_value_t = 256)]
     max_seqs: usize,
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 32)]
@@ -251,6 +253,10 @@ fn parse_precision(s: &str) -> Result<Precision, String> {
     s.parse()
 }
 
+fn parse_kv_cache_size(s: &str) -> Result<KvCacheSize, String> {
+    s.parse()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
@@ -315,11 +321,8 @@ fn convert(a: ConvertArgs) -> Result<(), String> {
 }
 
 fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
-    if !(a.kv_cache_size > 0.0 && a.kv_cache_size.is_finite()) {
-        return Err(format!(
-            "--kv-cache-size must be a positive number of GB, got {}",
-            a.kv_cache_size
-        ));
+    if let Some(t) = a.threads {
+        warn_threads(t, paged_attention_engine::memory::cores());
     }
     let eviction = match &a.cache_eviction {
         None => None,
@@ -346,7 +349,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     };
     Ok(EngineConfig {
         cache_type: a.cache_type,
-        kv_cache_bytes: (a.kv_cache_size * 1e9) as usize,
+        kv_cache: a.kv_cache_size,
         block_size: a.block_size,
         max_batched_tokens: a.max_batched_tokens,
         max_seqs: a.max_seqs,
@@ -357,6 +360,17 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         eviction,
         kv_events: None,
     })
+}
+
+/// More inference threads than cores share the cores and slow every step: said on stderr.
+fn warn_threads(threads: usize, cores: Option<usize>) {
+    if let Some(cores) = cores.filter(|&c| threads > c) {
+        eprintln!(
+            "pa-engine: warning: --threads {threads} is more than the {cores} cores this process \
+             may run on (its CPU affinity and cgroup quota); the threads will share cores, which \
+             is slower than --threads {cores}"
+        );
+    }
 }
 
 /// One prompt of --prompts: what to run, and when (after the start).
@@ -487,6 +501,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
     let (client, loading) = EngineClient::from_model_dir(md, cfg).map_err(|e| e.to_string())?;
     loading.wait()?;
     let load_time = t_load.elapsed();
+    eprintln!("pa-engine: KV cache: {}", client.snapshot().kv_cache);
     let params = GenerationParams {
         max_new_tokens: max_new,
         sampling: Sampling {

@@ -110,6 +110,7 @@ async fn run(app: Arc<App>, loading: crate::client::Loading) -> Result<(), Strin
                 match r {
                     Ok(Ok(())) => {
                         app.ready.store(true, Ordering::SeqCst);
+                        eprintln!("pa serve: KV cache: {}", app.client.snapshot().kv_cache);
                         eprintln!("pa serve: ready, model `{}`", app.cfg.model_name);
                     }
                     Ok(Err(e)) => return Err(e),

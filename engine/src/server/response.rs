@@ -24,17 +24,27 @@ pub(crate) fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// A response id: the kind's prefix and 128 random bits from the OS (getrandom), so ids of
+/// replicas behind one router, and of restarts, do not collide (a clock-and-counter id did).
+/// Should the OS refuse randomness, the bits are the clock's nanoseconds, the process id and a
+/// counter: unique within a machine, and the request is still served.
 pub(crate) fn new_id(kind: Kind) -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
     };
-    format!(
-        "{prefix}-{:x}{:06x}",
-        now_secs(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    let mut bits = [0u8; 16];
+    if getrandom::fill(&mut bits).is_err() {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let tail = (u64::from(std::process::id()) << 32)
+            | NEXT.fetch_add(1, Ordering::Relaxed) as u64 & 0xffff_ffff;
+        bits[..8].copy_from_slice(&nanos.to_le_bytes());
+        bits[8..].copy_from_slice(&tail.to_le_bytes());
+    }
+    format!("{prefix}-{:032x}", u128::from_le_bytes(bits))
 }
 
 /// What every answer of a request names.

@@ -62,7 +62,10 @@ const ENGINE_ABOUT: &str = "\
 Runs `pa-engine` with the same arguments (`pa generate ARGS` is `pa-engine generate ARGS`).
 The engine links OpenVINO, which this binary and the C library do not; it is its own workspace
 crate. Get it with `scripts/setup.sh && cargo build --release -p paged_attention_engine`
-(target/release/pa-engine, found beside `pa` or on PATH; $PA_ENGINE names another).";
+(target/release/pa-engine, found beside `pa` or on PATH; $PA_ENGINE names another).
+pa-engine has no RUNPATH: `pa` finds OpenVINO ($OpenVINO_DIR, the active Python's openvino
+package, $LD_LIBRARY_PATH, the system's libraries; `pa --version` says which) and runs the
+engine with LD_LIBRARY_PATH pointing there.";
 
 /// The arguments of a command `pa-engine` runs, passed through untouched.
 #[derive(Args)]
@@ -206,7 +209,14 @@ fn positive_real(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    // clap prints help/version (exit 0) and usage errors (exit 2) itself.
+    let mut args = std::env::args_os().skip(1);
+    if let (Some(a), None) = (args.next(), args.next()) {
+        if a == "--version" || a == "-V" {
+            print_version();
+            return ExitCode::SUCCESS;
+        }
+    }
+    // clap prints help (exit 0) and usage errors (exit 2) itself.
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Conformance(a) => conformance(a),
@@ -226,22 +236,39 @@ fn main() -> ExitCode {
     }
 }
 
-/// Replaces this process by `pa-engine COMMAND ARGS` ($PA_ENGINE, else beside this binary,
-/// else on PATH). Returns only when it cannot be started.
-fn engine_cmd(command: &str, a: EngineArgs) -> Result<bool, String> {
-    use std::os::unix::process::CommandExt;
+/// `pa --version`: this binary's version, the engine it runs and the OpenVINO it found.
+fn print_version() {
+    println!("pa {}", env!("CARGO_PKG_VERSION"));
+    println!("engine: {}", engine_path().display());
+    match paged_attention_cli::openvino::find() {
+        Ok(ov) => println!("{ov}"),
+        Err(e) => println!("{e}"),
+    }
+}
+
+/// `pa-engine`: $PA_ENGINE, else beside this binary, else on PATH.
+fn engine_path() -> PathBuf {
     let beside = std::env::current_exe()
         .ok()
         .and_then(|p| p.parent().map(|d| d.join("pa-engine")))
         .filter(|p| p.is_file());
-    let exe = std::env::var_os("PA_ENGINE")
+    std::env::var_os("PA_ENGINE")
         .map(PathBuf::from)
         .or(beside)
-        .unwrap_or_else(|| PathBuf::from("pa-engine"));
-    let err = std::process::Command::new(&exe)
-        .arg(command)
-        .args(&a.args)
-        .exec();
+        .unwrap_or_else(|| PathBuf::from("pa-engine"))
+}
+
+/// Replaces this process by `pa-engine COMMAND ARGS`, with OpenVINO's libraries on
+/// LD_LIBRARY_PATH (`paged_attention_cli::openvino`). Returns only when it cannot be started.
+fn engine_cmd(command: &str, a: EngineArgs) -> Result<bool, String> {
+    use std::os::unix::process::CommandExt;
+    let exe = engine_path();
+    let ov = paged_attention_cli::openvino::find()?;
+    let mut cmd = std::process::Command::new(&exe);
+    if let Some(path) = ov.library_path() {
+        cmd.env("LD_LIBRARY_PATH", path);
+    }
+    let err = cmd.arg(command).args(&a.args).exec();
     Err(format!(
         "`pa {command}` runs the engine, `{}`, which could not be started ({err}). The engine \
          links OpenVINO, which `pa` and the C library do not: build it with \
