@@ -8,7 +8,8 @@
 //! - `output_processor`: tokens to text, stop strings, finish reasons;
 //! - [`engine_core`]: `add_request`, `abort`, `step` (schedule, run, sample, update);
 //! - [`client`]: the one driver, which owns the engine thread; `pa generate` and `pa serve` use it;
-//! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client.
+//! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client;
+//! - [`tools`]: tool calls: the parsers of a model's calls, and the conversation a template gets.
 //!
 //! ```no_run
 //! use paged_attention_engine::{EngineConfig, EngineCore, Event, GenerationParams};
@@ -35,6 +36,7 @@ pub mod request;
 mod sampling;
 pub mod server;
 mod tokenizer;
+pub mod tools;
 
 pub use client::{EngineClient, Loading, Prepared, Reply};
 pub use config::{EngineConfig, Precision};

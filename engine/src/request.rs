@@ -3,6 +3,7 @@
 //! updates an engine client sends a request's caller.
 
 use crate::sampling::{Penalties, Sampling};
+use crate::tools::ToolCall;
 use paged_attention::cache::FinishReason;
 
 /// A request's id, unique in its engine (the engine client hands them out).
@@ -134,11 +135,22 @@ impl std::fmt::Display for RequestError {
     }
 }
 
-/// One chat message (`role`: system, user, assistant, ...).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+/// One chat message (`role`: system, user, assistant, tool, ...), as a chat template gets it
+/// (the fields a message does not have are absent, not null, so `'tool_calls' in message` holds
+/// only where there are calls).
+#[derive(Clone, Debug, Default, serde::Serialize, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A tool message's answer to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The author's name (OpenAI's `name`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// A prompt before tokenizing.
@@ -146,8 +158,12 @@ pub struct ChatMessage {
 pub enum Prompt {
     /// Plain text (the tokenizer's special tokens added, as GenAI does).
     Text(String),
-    /// A conversation, through the chat template.
-    Chat(Vec<ChatMessage>),
+    /// A conversation, through the chat template, with the `tools` it is given (OpenAI's tool
+    /// objects).
+    Chat {
+        messages: Vec<ChatMessage>,
+        tools: Option<Vec<serde_json::Value>>,
+    },
     /// Token ids as they are.
     Ids(Vec<u32>),
 }

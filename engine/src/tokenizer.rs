@@ -106,13 +106,20 @@ impl TextTokenizer {
         self.chat_template.is_some()
     }
 
-    /// Renders the chat template (`messages`, `add_generation_prompt`, `bos_token`,
-    /// `eos_token`) into at most `max_bytes` bytes: a template whose output would be longer is
-    /// stopped there and refused (the request's text alone decides how long it runs). The result
-    /// already holds the template's special tokens: encode it with `add_special_tokens = false`.
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Renders the chat template (`messages`, `tools` (none when `None`), `add_generation_prompt`,
+    /// `bos_token`, `eos_token`, as transformers passes them) into at most `max_bytes` bytes: a
+    /// template whose output would be longer is stopped there and refused (the request's text
+    /// alone decides how long it runs). The result already holds the template's special tokens:
+    /// encode it with `add_special_tokens = false`.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&[Value]>,
         add_generation_prompt: bool,
         max_bytes: usize,
     ) -> Result<String> {
@@ -135,6 +142,7 @@ impl TextTokenizer {
         );
         let ctx = minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_deref().unwrap_or(""),
             eos_token => self.eos_token.as_deref().unwrap_or(""),

@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
+use paged_attention_engine::tools::ToolParser;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
     ModelDir, Penalties, Precision, Prompt, Reply, Sampling, Update,
@@ -76,6 +77,10 @@ struct ServeArgs {
     /// Seconds a request's head, and then its body, may take to arrive.
     #[arg(long, default_value = "30", value_parser = positive_seconds)]
     read_timeout: Duration,
+    /// How the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5, SmolLM2) or
+    /// llama3_json (Llama 3.x). Default: as the chat template writes them, else hermes.
+    #[arg(long, value_name = "NAME", value_parser = ToolParser::from_name)]
+    tool_call_parser: Option<ToolParser>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -267,6 +272,7 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         read_timeout: a.read_timeout,
         shutdown_timeout: a.shutdown_timeout,
         model_name: name,
+        tool_call_parser: a.tool_call_parser,
     };
     paged_attention_engine::server::serve(a.model_dir, engine, cfg)
 }
@@ -374,10 +380,14 @@ impl PromptSpec {
     /// A text prompt (one user message through the chat template with `chat`), at the start.
     fn text(t: &str, chat: bool) -> PromptSpec {
         let prompt = if chat {
-            Prompt::Chat(vec![paged_attention_engine::ChatMessage {
-                role: "user".into(),
-                content: t.into(),
-            }])
+            Prompt::Chat {
+                messages: vec![paged_attention_engine::ChatMessage {
+                    role: "user".into(),
+                    content: t.into(),
+                    ..Default::default()
+                }],
+                tools: None,
+            }
         } else {
             Prompt::Text(t.into())
         };

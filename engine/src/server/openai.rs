@@ -1,6 +1,7 @@
 //! OpenAI's API: its error JSON (on every error status), and its completion and chat requests
 //! read into a prompt and generation parameters, each fault blamed on its field.
 
+use super::tools::{self, ToolRequest};
 use crate::request::{ChatMessage, GenerationParams, Prompt, RequestError};
 use crate::sampling::{Penalties, Sampling};
 use axum::body::Body;
@@ -67,6 +68,8 @@ pub(crate) struct Parsed {
     pub params: GenerationParams,
     pub stream: bool,
     pub include_usage: bool,
+    /// A chat request's tools (`None`: it offers none).
+    pub tools: Option<ToolRequest>,
 }
 
 /// The body as a JSON object: at most `max_bytes`, all of it within `timeout`.
@@ -127,13 +130,19 @@ pub(crate) fn parse(
         Kind::Completion => (Prompt::Text(completion_prompt(v)?), &["max_tokens"], 16),
         // No max_tokens: up to the context, as OpenAI does.
         Kind::Chat => (
-            Prompt::Chat(chat_messages(v)?),
+            Prompt::Chat {
+                messages: chat_messages(v)?,
+                tools: None,
+            },
             &["max_tokens", "max_completion_tokens"],
             context.unwrap_or(4096),
         ),
     };
     let mut p = parse_params(v, max_keys, default_max, context)?;
     p.prompt = prompt;
+    if kind == Kind::Chat {
+        p.tools = tools::read(v)?;
+    }
     Ok(p)
 }
 
@@ -158,7 +167,13 @@ const SERVED: [&str; 16] = [
     "logit_bias",
 ];
 const SERVED_COMPLETION: [&str; 1] = ["prompt"];
-const SERVED_CHAT: [&str; 2] = ["messages", "max_completion_tokens"];
+const SERVED_CHAT: [&str; 5] = [
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 /// OpenAI fields not served yet, each with the one value that asks for nothing (so a client that
 /// spells out the default still works); any other value is refused, never ignored.
@@ -173,11 +188,8 @@ fn asks_nothing(key: &str, x: &Value, v: &Value) -> bool {
         "best_of" => x
             .as_u64()
             .is_some_and(|b| Some(b) == v.get("n").and_then(Value::as_u64).or(Some(1))),
-        "tools" | "functions" => empty(x),
-        "tool_choice" | "function_call" => x == "none",
-        "parallel_tool_calls" => {
-            x.is_boolean() && v.get("tools").is_none_or(|t| t.is_null() || empty(t))
-        }
+        "functions" => empty(x),
+        "function_call" => x == "none",
         "response_format" => x.get("type").and_then(Value::as_str) == Some("text"),
         "suffix" => x == "",
         _ => false,
@@ -207,11 +219,8 @@ fn not_served(v: &Value, kind: Kind) -> Result<(), Response> {
             | "top_logprobs"
             | "echo"
             | "best_of"
-            | "tools"
             | "functions"
-            | "tool_choice"
             | "function_call"
-            | "parallel_tool_calls"
             | "response_format"
             | "suffix" => "is not served by this server yet",
             _ => "is not a parameter this server knows",
@@ -248,8 +257,9 @@ fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, Response> {
             )
         })?;
     let mut out = Vec::with_capacity(msgs.len());
-    for m in msgs {
+    for (i, m) in msgs.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
+        let (tool_calls, tool_call_id) = tools::message_fields(m, i)?;
         let content = match m.get("content") {
             Some(Value::String(s)) => Some(s.clone()),
             // Content parts: the text ones, joined.
@@ -260,12 +270,17 @@ fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, Response> {
                     .collect::<Vec<_>>()
                     .join(""),
             ),
+            // An assistant's calls stand for its content.
+            None | Some(Value::Null) if tool_calls.is_some() => Some(String::new()),
             _ => None,
         };
         match (role, content) {
             (Some(r), Some(c)) => out.push(ChatMessage {
                 role: r.to_owned(),
                 content: c,
+                tool_calls,
+                tool_call_id,
+                name: m.get("name").and_then(Value::as_str).map(str::to_owned),
             }),
             _ => {
                 return Err(bad(
@@ -429,5 +444,6 @@ fn parse_params(
         params,
         stream,
         include_usage,
+        tools: None,
     })
 }

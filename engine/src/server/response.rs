@@ -4,6 +4,7 @@
 //! makes the engine abort the request.
 
 use super::openai::{error, Kind};
+use super::tools::{CallDeltas, CallOutput};
 use crate::request::{Event, Update};
 use crate::FinishReason;
 use axum::http::{header, StatusCode};
@@ -22,13 +23,17 @@ pub(crate) fn now_secs() -> u64 {
 }
 
 pub(crate) fn new_id(kind: Kind) -> String {
+    unique_id(match kind {
+        Kind::Completion => "cmpl-",
+        Kind::Chat => "chatcmpl-",
+    })
+}
+
+/// `prefix` and a number no other id of this process has.
+pub(crate) fn unique_id(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let prefix = match kind {
-        Kind::Completion => "cmpl",
-        Kind::Chat => "chatcmpl",
-    };
     format!(
-        "{prefix}-{:x}{:06x}",
+        "{prefix}{:x}{:06x}",
         now_secs(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
@@ -41,6 +46,8 @@ pub(crate) struct Answer {
     pub model: String,
     pub n: usize,
     pub prompt_tokens: usize,
+    /// How a chat answer's text becomes tool calls (`None`: it is all content).
+    pub calls: Option<CallOutput>,
 }
 
 impl Answer {
@@ -86,9 +93,13 @@ pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Respo
             );
         };
         completion_tokens += ntok;
-        choices.push(match a.kind {
-            Kind::Completion => json!({"index": i, "text": text, "finish_reason": reason.as_str(), "logprobs": null}),
-            Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason.as_str(), "logprobs": null}),
+        choices.push(match (a.kind, a.calls) {
+            (Kind::Completion, _) => json!({"index": i, "text": text, "finish_reason": reason.as_str(), "logprobs": null}),
+            (Kind::Chat, None) => json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason.as_str(), "logprobs": null}),
+            (Kind::Chat, Some(calls)) => {
+                let (message, finish) = calls.message(&text, reason);
+                json!({"index": i, "message": message, "finish_reason": finish, "logprobs": null})
+            }
         });
     }
     let object = match a.kind {
@@ -138,6 +149,9 @@ pub(crate) fn stream(
         }
         let mut left = a.n;
         let mut completion_tokens = 0;
+        // Per output, its text turned into content and call deltas.
+        let mut calls: Vec<Option<CallDeltas>> =
+            (0..a.n).map(|_| a.calls.map(|c| c.deltas())).collect();
         loop {
             // The client leaving ends the stream now, not at the next text it would have got.
             let u = tokio::select! {
@@ -145,14 +159,23 @@ pub(crate) fn stream(
                 () = etx.closed() => return,
             };
             let Some(u) = u else { break };
+            let delta = |index: usize, d: Value| json!([{"index": index, "delta": d, "finish_reason": null}]);
             let piece = match u {
-                Update::Event(Event::Token { index, text, .. }) if !text.is_empty() => match a.kind
-                {
-                    Kind::Completion => {
+                Update::Event(Event::Token { index, text, .. }) if !text.is_empty() => match (
+                    a.kind,
+                    calls.get_mut(index).and_then(Option::as_mut),
+                ) {
+                    (Kind::Completion, _) => {
                         json!([{"index": index, "text": text, "finish_reason": null, "logprobs": null}])
                     }
-                    Kind::Chat => {
-                        json!([{"index": index, "delta": {"content": text}, "finish_reason": null}])
+                    (Kind::Chat, None) => delta(index, json!({"content": text})),
+                    (Kind::Chat, Some(c)) => {
+                        for d in c.push(&text) {
+                            if !send(chunk(delta(index, d))) {
+                                return;
+                            }
+                        }
+                        continue;
                     }
                 },
                 Update::Event(Event::Finished {
@@ -163,12 +186,22 @@ pub(crate) fn stream(
                 }) => {
                     left -= 1;
                     completion_tokens += token_ids.len();
+                    let mut finish = reason.as_str();
+                    if let Some(c) = calls.get_mut(index).and_then(Option::as_mut) {
+                        let (deltas, f) = c.finish(reason);
+                        finish = f;
+                        for d in deltas {
+                            if !send(chunk(delta(index, d))) {
+                                return;
+                            }
+                        }
+                    }
                     match a.kind {
                         Kind::Completion => {
-                            json!([{"index": index, "text": "", "finish_reason": reason.as_str(), "logprobs": null}])
+                            json!([{"index": index, "text": "", "finish_reason": finish, "logprobs": null}])
                         }
                         Kind::Chat => {
-                            json!([{"index": index, "delta": {}, "finish_reason": reason.as_str()}])
+                            json!([{"index": index, "delta": {}, "finish_reason": finish}])
                         }
                     }
                 }

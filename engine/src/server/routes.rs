@@ -4,9 +4,10 @@
 
 use super::openai::{self, error, refused, Kind};
 use super::response;
+use super::tools::ToolSetup;
 use super::ServeConfig;
 use crate::client::EngineClient;
-use crate::request::Update;
+use crate::request::{Prompt, Update};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -19,6 +20,7 @@ use std::sync::Arc;
 
 pub(crate) struct App {
     pub cfg: ServeConfig,
+    pub tools: ToolSetup,
     pub client: Arc<EngineClient>,
     pub ready: AtomicBool,
     pub shutting_down: AtomicBool,
@@ -140,7 +142,12 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let n = req.params.n;
     let client = app.client.clone();
-    let (prompt, params) = (req.prompt, req.params);
+    let (mut prompt, params) = (req.prompt, req.params);
+    let calls = req.tools.as_ref().and_then(|t| t.output(app.tools.parser));
+    if let Prompt::Chat { messages, tools } = &mut prompt {
+        let offered = req.tools.as_ref().and_then(|t| t.for_template());
+        *tools = crate::tools::prepare_chat(messages, offered, app.tools.parser, app.tools.template);
+    }
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {
         Ok(Ok(_)) => {}
@@ -170,6 +177,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
         model: app.cfg.model_name.clone(),
         n,
         prompt_tokens,
+        calls,
     };
     if req.stream {
         response::stream(slot, rx, answer, req.include_usage)
