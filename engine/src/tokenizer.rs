@@ -227,3 +227,80 @@ impl StreamDecoder {
         Ok(now.get(before.len()..).unwrap_or_default().to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::ToolCall;
+    use serde_json::json;
+
+    /// A one-word tokenizer with `template` as its chat template, in a fresh directory.
+    fn with_template(template: &str) -> TextTokenizer {
+        let dir = std::env::temp_dir().join(format!(
+            "pa-template-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let tokenizer = json!({"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [], "normalizer": null, "pre_tokenizer": null,
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}});
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("write");
+        let cfg = json!({"chat_template": template, "eos_token": "a"});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).expect("write");
+        let t = TextTokenizer::from_dir(&dir).expect("tokenizer");
+        let _ = std::fs::remove_dir_all(&dir);
+        t
+    }
+
+    #[test]
+    fn tools_and_tool_messages_reach_the_template_as_transformers_passes_them() {
+        // What tool templates (Qwen2.5's, Llama 3.1's) read: `tools` (none without them),
+        // `'tool_calls' in message` only on messages with calls, arguments as a mapping, and a
+        // tool message's `tool_call_id`.
+        let t = with_template(concat!(
+            "{% if tools is none %}no tools{% else %}{% for t in tools %}{{ t.function.name }};",
+            "{% endfor %}{% endif %}",
+            "{% for m in messages %}[{{ m.role }}",
+            "{% if 'tool_calls' in m %} calls:{% for c in m.tool_calls %}",
+            "{{ c.function.name }}/{{ c.function.arguments.city }}/{{ c.id }}{% endfor %}{% endif %}",
+            "{% if m.tool_call_id is defined %} for {{ m.tool_call_id }}{% endif %}",
+            "] {{ m.content }}{% endfor %}"
+        ));
+        let messages = vec![
+            ChatMessage {
+                role: "user".into(),
+                content: "Weather?".into(),
+                ..ChatMessage::default()
+            },
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: Some(vec![ToolCall {
+                    id: "call_9".into(),
+                    name: "get_weather".into(),
+                    arguments: r#"{"city": "Oslo"}"#.into(),
+                }]),
+                ..ChatMessage::default()
+            },
+            ChatMessage {
+                role: "tool".into(),
+                content: "cold".into(),
+                tool_call_id: Some("call_9".into()),
+                ..ChatMessage::default()
+            },
+        ];
+        let tools = [json!({"type": "function", "function": {"name": "get_weather"}})];
+        let out = t
+            .apply_chat_template(&messages, Some(&tools), false, 1 << 20)
+            .expect("renders");
+        assert_eq!(
+            out,
+            "get_weather;[user] Weather?[assistant calls:get_weather/Oslo/call_9] [tool for call_9] cold"
+        );
+        let out = t
+            .apply_chat_template(&messages[..1], None, false, 1 << 20)
+            .expect("renders");
+        assert_eq!(out, "no tools[user] Weather?");
+    }
+}

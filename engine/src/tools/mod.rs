@@ -129,6 +129,38 @@ impl ToolParser {
         }
     }
 
+    /// A grammar (llguidance's Lark) of the calls this parser reads, of the tools `functions`
+    /// (name, parameters' JSON schema; `null`: any object): one call, or with `many` one or
+    /// more. The calls are written as the model writes them, name first, and the arguments
+    /// match their schema, so they always parse and validate.
+    pub fn calls_grammar(self, functions: &[(&str, &Value)], many: bool) -> String {
+        let key = match self {
+            ToolParser::Hermes => "arguments",
+            ToolParser::Llama3Json => "parameters",
+        };
+        let (one, sep) = match self {
+            ToolParser::Hermes => (r#""<tool_call>\n" call "\n</tool_call>""#, r#""\n""#),
+            ToolParser::Llama3Json => ("call", r#""; ""#),
+        };
+        let mut g = if many {
+            format!("start: one ({sep} one)*\none: {one}\n")
+        } else {
+            format!("start: {one}\n")
+        };
+        let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
+        g += &format!("call: {}\n", alternatives.join(" | "));
+        for (i, (name, schema)) in functions.iter().enumerate() {
+            // The name and key as JSON strings, then quoted again as Lark strings.
+            let head = format!("{{\"name\": {}, \"{key}\": ", json!(name));
+            let schema = match schema {
+                Value::Object(_) | Value::Bool(_) => schema.to_string(),
+                _ => r#"{"type": "object"}"#.to_owned(),
+            };
+            g += &format!("call_{i}: {} args_{i} \"}}\"\nargs_{i}: %json {schema}\n", json!(head));
+        }
+        g
+    }
+
     /// A tool's result as this parser's models read it, for a template that does not take tools.
     fn result_text(self, content: &str) -> String {
         match self {
