@@ -215,14 +215,8 @@ fn not_served(v: &Value, kind: Kind) -> Result<(), Response> {
             continue;
         }
         let what = match key.as_str() {
-            "logprobs"
-            | "top_logprobs"
-            | "echo"
-            | "best_of"
-            | "functions"
-            | "function_call"
-            | "response_format"
-            | "suffix" => "is not served by this server yet",
+            "logprobs" | "top_logprobs" | "echo" | "best_of" | "functions" | "function_call"
+            | "response_format" | "suffix" => "is not served by this server yet",
             _ => "is not a parameter this server knows",
         };
         return Err(bad(

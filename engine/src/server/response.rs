@@ -161,23 +161,22 @@ pub(crate) fn stream(
             let Some(u) = u else { break };
             let delta = |index: usize, d: Value| json!([{"index": index, "delta": d, "finish_reason": null}]);
             let piece = match u {
-                Update::Event(Event::Token { index, text, .. }) if !text.is_empty() => match (
-                    a.kind,
-                    calls.get_mut(index).and_then(Option::as_mut),
-                ) {
-                    (Kind::Completion, _) => {
-                        json!([{"index": index, "text": text, "finish_reason": null, "logprobs": null}])
-                    }
-                    (Kind::Chat, None) => delta(index, json!({"content": text})),
-                    (Kind::Chat, Some(c)) => {
-                        for d in c.push(&text) {
-                            if !send(chunk(delta(index, d))) {
-                                return;
-                            }
+                Update::Event(Event::Token { index, text, .. }) if !text.is_empty() => {
+                    match (a.kind, calls.get_mut(index).and_then(Option::as_mut)) {
+                        (Kind::Completion, _) => {
+                            json!([{"index": index, "text": text, "finish_reason": null, "logprobs": null}])
                         }
-                        continue;
+                        (Kind::Chat, None) => delta(index, json!({"content": text})),
+                        (Kind::Chat, Some(c)) => {
+                            for d in c.push(&text) {
+                                if !send(chunk(delta(index, d))) {
+                                    return;
+                                }
+                            }
+                            continue;
+                        }
                     }
-                },
+                }
                 Update::Event(Event::Finished {
                     index,
                     reason,

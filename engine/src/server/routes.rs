@@ -146,7 +146,8 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let calls = req.tools.as_ref().and_then(|t| t.output(app.tools.parser));
     if let Prompt::Chat { messages, tools } = &mut prompt {
         let offered = req.tools.as_ref().and_then(|t| t.for_template());
-        *tools = crate::tools::prepare_chat(messages, offered, app.tools.parser, app.tools.template);
+        *tools =
+            crate::tools::prepare_chat(messages, offered, app.tools.parser, app.tools.template);
     }
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {

@@ -52,6 +52,21 @@ impl ToolRequest {
         })
     }
 
+    /// The grammar `required` and a named function are held to (llguidance's Lark): calls of
+    /// the tools allowed, one or (`parallel_tool_calls` with `required`) more; `None` when the
+    /// model is free.
+    pub fn grammar(&self, parser: ToolParser) -> Option<String> {
+        let all: Vec<(&str, &Value)> = self.functions().collect();
+        match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => None,
+            ToolChoice::Required => Some(parser.calls_grammar(&all, self.parallel)),
+            ToolChoice::Function(name) => {
+                let one: Vec<(&str, &Value)> = all.into_iter().filter(|(n, _)| n == name).collect();
+                Some(parser.calls_grammar(&one, false))
+            }
+        }
+    }
+
     /// The tools the template gets (none with `tool_choice: "none"`: the model is not offered
     /// what it may not call).
     pub fn for_template(&self) -> Option<Vec<Value>> {
@@ -172,7 +187,10 @@ fn check_tool(t: &Value, i: usize) -> Result<&str, Response> {
         bad(format!("`{p}` {what}"), Some(&p))
     };
     if !t.is_object() {
-        return Err(fail("", "must be an object {\"type\": \"function\", \"function\": {...}}"));
+        return Err(fail(
+            "",
+            "must be an object {\"type\": \"function\", \"function\": {...}}",
+        ));
     }
     if t.get("type").and_then(Value::as_str) != Some("function") {
         return Err(fail(".type", "must be \"function\""));
@@ -195,10 +213,14 @@ fn check_tool(t: &Value, i: usize) -> Result<&str, Response> {
             "must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -",
         ));
     }
-    if f.get("description").is_some_and(|d| !d.is_string() && !d.is_null()) {
+    if f.get("description")
+        .is_some_and(|d| !d.is_string() && !d.is_null())
+    {
         return Err(fail(".function.description", "must be a string"));
     }
-    if f.get("strict").is_some_and(|d| !d.is_boolean() && !d.is_null()) {
+    if f.get("strict")
+        .is_some_and(|d| !d.is_boolean() && !d.is_null())
+    {
         return Err(fail(".function.strict", "must be a boolean"));
     }
     match f.get("parameters") {
@@ -226,79 +248,122 @@ const TYPES: [&str; 7] = [
     "object", "array", "string", "number", "integer", "boolean", "null",
 ];
 
-/// The shape of a JSON schema's keywords that decide what a call's arguments are (a wrong one
-/// would make the arguments' grammar meaningless); `at` is the JSON pointer of `s`.
+/// What a JSON schema keyword's value must be.
+#[derive(Clone, Copy)]
+enum Shape {
+    Schema,
+    /// A non-empty list of schemas (`items` may also be one schema).
+    Schemas,
+    /// An object of schemas.
+    SchemaMap,
+    Types,
+    Names,
+    List,
+    Number,
+    Count,
+    Text,
+}
+
+/// The keywords whose shape decides what a call's arguments are (a wrong one would make the
+/// arguments' grammar meaningless); others are let through.
+const KEYWORDS: [(&str, Shape); 32] = [
+    ("type", Shape::Types),
+    ("properties", Shape::SchemaMap),
+    ("patternProperties", Shape::SchemaMap),
+    ("$defs", Shape::SchemaMap),
+    ("definitions", Shape::SchemaMap),
+    ("items", Shape::Schemas),
+    ("additionalProperties", Shape::Schema),
+    ("additionalItems", Shape::Schema),
+    ("not", Shape::Schema),
+    ("contains", Shape::Schema),
+    ("propertyNames", Shape::Schema),
+    ("if", Shape::Schema),
+    ("then", Shape::Schema),
+    ("else", Shape::Schema),
+    ("anyOf", Shape::Schemas),
+    ("oneOf", Shape::Schemas),
+    ("allOf", Shape::Schemas),
+    ("prefixItems", Shape::Schemas),
+    ("required", Shape::Names),
+    ("enum", Shape::List),
+    ("minimum", Shape::Number),
+    ("maximum", Shape::Number),
+    ("exclusiveMinimum", Shape::Number),
+    ("exclusiveMaximum", Shape::Number),
+    ("multipleOf", Shape::Number),
+    ("pattern", Shape::Text),
+    ("minLength", Shape::Count),
+    ("maxLength", Shape::Count),
+    ("minItems", Shape::Count),
+    ("maxItems", Shape::Count),
+    ("minProperties", Shape::Count),
+    ("maxProperties", Shape::Count),
+];
+
+/// Checks the shape of a JSON schema's keywords; `at` is the JSON pointer of `s`.
 fn check_schema(s: &Value, at: &str) -> Result<(), String> {
     let o = match s {
         Value::Bool(_) => return Ok(()),
         Value::Object(o) => o,
-        _ => return Err(format!("at `{at}/`: a schema must be an object or a boolean")),
+        _ => {
+            return Err(format!(
+                "at `{at}/`: a schema must be an object or a boolean"
+            ))
+        }
     };
-    let err = |k: &str, what: &str| Err(format!("at `{at}/{k}`: {what}"));
     for (k, x) in o {
-        match k.as_str() {
-            "type" => {
-                let ok = |t: &Value| t.as_str().is_some_and(|t| TYPES.contains(&t));
-                let fine = match x {
-                    Value::Array(a) => !a.is_empty() && a.iter().all(ok),
-                    t => ok(t),
-                };
-                if !fine {
-                    return err(k, &format!("must be one of {} (or a list of them), got {x}", TYPES.join(", ")));
-                }
+        let Some(&(_, shape)) = KEYWORDS.iter().find(|(name, _)| name == k) else {
+            continue;
+        };
+        let here = format!("{at}/{k}");
+        let fault = match shape {
+            Shape::Schema => {
+                check_schema(x, &here)?;
+                None
             }
-            "properties" | "patternProperties" | "$defs" | "definitions" => {
-                let Some(p) = x.as_object() else {
-                    return err(k, "must be an object of schemas");
-                };
-                for (name, sub) in p {
-                    check_schema(sub, &format!("{at}/{k}/{name}"))?;
-                }
-            }
-            "items" | "additionalProperties" | "not" | "contains" | "propertyNames"
-            | "additionalItems" | "if" | "then" | "else" => match x {
-                Value::Array(a) if k == "items" => {
+            Shape::Schemas => match x {
+                Value::Array(a) if !a.is_empty() => {
                     for (j, sub) in a.iter().enumerate() {
-                        check_schema(sub, &format!("{at}/{k}/{j}"))?;
+                        check_schema(sub, &format!("{here}/{j}"))?;
                     }
+                    None
                 }
-                sub => check_schema(sub, &format!("{at}/{k}"))?,
+                Value::Object(_) | Value::Bool(_) if k == "items" => {
+                    check_schema(x, &here)?;
+                    None
+                }
+                _ => Some("must be a non-empty list of schemas"),
             },
-            "anyOf" | "oneOf" | "allOf" | "prefixItems" => {
-                let Some(a) = x.as_array().filter(|a| !a.is_empty()) else {
-                    return err(k, "must be a non-empty list of schemas");
+            Shape::SchemaMap => match x.as_object() {
+                Some(m) => {
+                    for (name, sub) in m {
+                        check_schema(sub, &format!("{here}/{name}"))?;
+                    }
+                    None
+                }
+                None => Some("must be an object of schemas"),
+            },
+            Shape::Types => {
+                let one = |t: &Value| t.as_str().is_some_and(|t| TYPES.contains(&t));
+                let fine = match x {
+                    Value::Array(a) => !a.is_empty() && a.iter().all(one),
+                    t => one(t),
                 };
-                for (j, sub) in a.iter().enumerate() {
-                    check_schema(sub, &format!("{at}/{k}/{j}"))?;
-                }
+                (!fine).then_some(
+                    "must be a JSON schema type (object, array, string, number, integer, \
+                     boolean, null) or a list of them",
+                )
             }
-            "required" => {
-                if !x.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
-                    return err(k, "must be a list of property names");
-                }
-            }
-            "enum" => {
-                if !x.is_array() {
-                    return err(k, "must be a list");
-                }
-            }
-            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf" => {
-                if !x.is_number() {
-                    return err(k, "must be a number");
-                }
-            }
-            "minLength" | "maxLength" | "minItems" | "maxItems" | "minProperties"
-            | "maxProperties" => {
-                if !x.is_u64() {
-                    return err(k, "must be a non-negative integer");
-                }
-            }
-            "pattern" => {
-                if !x.is_string() {
-                    return err(k, "must be a string (a regular expression)");
-                }
-            }
-            _ => {}
+            Shape::Names => (!x.as_array().is_some_and(|a| a.iter().all(Value::is_string)))
+                .then_some("must be a list of property names"),
+            Shape::List => (!x.is_array()).then_some("must be a list"),
+            Shape::Number => (!x.is_number()).then_some("must be a number"),
+            Shape::Count => (!x.is_u64()).then_some("must be a non-negative integer"),
+            Shape::Text => (!x.is_string()).then_some("must be a string"),
+        };
+        if let Some(what) = fault {
+            return Err(format!("at `{here}`: {what}, got {x}"));
         }
     }
     Ok(())
@@ -464,7 +529,10 @@ mod tests {
         let r = r.expect_err("refused");
         assert_eq!(r.status(), axum::http::StatusCode::BAD_REQUEST);
         let body = futures_body(r);
-        body["error"]["param"].as_str().unwrap_or_default().to_owned()
+        body["error"]["param"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
 
     fn futures_body(r: Response) -> Value {
@@ -486,18 +554,48 @@ mod tests {
         let ok = tool("f", json!({"type": "object"}));
         for (body, want) in [
             (json!({"tools": {"a": 1}}), "tools"),
-            (json!({"tools": [{"type": "function"}]}), "tools[0].function"),
-            (json!({"tools": [ok, {"type": "function", "function": {"description": "x"}}]}), "tools[1].function.name"),
-            (json!({"tools": [tool("a b", json!({}))]}), "tools[0].function.name"),
+            (
+                json!({"tools": [{"type": "function"}]}),
+                "tools[0].function",
+            ),
+            (
+                json!({"tools": [ok, {"type": "function", "function": {"description": "x"}}]}),
+                "tools[1].function.name",
+            ),
+            (
+                json!({"tools": [tool("a b", json!({}))]}),
+                "tools[0].function.name",
+            ),
             (json!({"tools": [ok, ok]}), "tools[1].function.name"),
-            (json!({"tools": [tool("f", json!(3))]}), "tools[0].function.parameters"),
-            (json!({"tools": [tool("f", json!({"type": "objekt"}))]}), "tools[0].function.parameters"),
-            (json!({"tools": [tool("f", json!({"properties": {"a": {"type": 1}}}))]}), "tools[0].function.parameters"),
-            (json!({"tools": [tool("f", json!({"required": "a"}))]}), "tools[0].function.parameters"),
-            (json!({"tools": [ok], "tool_choice": "sometimes"}), "tool_choice"),
-            (json!({"tools": [ok], "tool_choice": {"type": "function", "function": {"name": "g"}}}), "tool_choice"),
+            (
+                json!({"tools": [tool("f", json!(3))]}),
+                "tools[0].function.parameters",
+            ),
+            (
+                json!({"tools": [tool("f", json!({"type": "objekt"}))]}),
+                "tools[0].function.parameters",
+            ),
+            (
+                json!({"tools": [tool("f", json!({"properties": {"a": {"type": 1}}}))]}),
+                "tools[0].function.parameters",
+            ),
+            (
+                json!({"tools": [tool("f", json!({"required": "a"}))]}),
+                "tools[0].function.parameters",
+            ),
+            (
+                json!({"tools": [ok], "tool_choice": "sometimes"}),
+                "tool_choice",
+            ),
+            (
+                json!({"tools": [ok], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+                "tool_choice",
+            ),
             (json!({"tool_choice": "required"}), "tool_choice"),
-            (json!({"tools": [ok], "parallel_tool_calls": "yes"}), "parallel_tool_calls"),
+            (
+                json!({"tools": [ok], "parallel_tool_calls": "yes"}),
+                "parallel_tool_calls",
+            ),
         ] {
             assert_eq!(param(read(&body)), want, "{body}");
         }
@@ -518,7 +616,9 @@ mod tests {
         assert_eq!(r.choice, ToolChoice::Function("get-weather_2".into()));
         assert!(!r.parallel);
         assert_eq!(r.functions().next().map(|f| f.0), Some("get-weather_2"));
-        assert!(read(&json!({"tools": [], "tool_choice": "none"})).expect("read").is_none());
+        assert!(read(&json!({"tools": [], "tool_choice": "none"}))
+            .expect("read")
+            .is_none());
         let none = read(&json!({"tools": [tool("f", json!({}))], "tool_choice": "none"}))
             .expect("read")
             .expect("tools");
@@ -538,12 +638,21 @@ mod tests {
         assert_eq!(reason, "tool_calls");
         assert_eq!(m["content"], Value::Null);
         let calls = m["tool_calls"].as_array().expect("calls");
-        assert_eq!(calls[0]["function"], json!({"name": "f", "arguments": "{\"a\": 1}"}));
-        assert_eq!(calls[1]["function"], json!({"name": "g", "arguments": "{}"}));
+        assert_eq!(
+            calls[0]["function"],
+            json!({"name": "f", "arguments": "{\"a\": 1}"})
+        );
+        assert_eq!(
+            calls[1]["function"],
+            json!({"name": "g", "arguments": "{}"})
+        );
         assert_eq!(calls[0]["type"], "function");
         assert_ne!(calls[0]["id"], calls[1]["id"]);
         let (m, reason) = out.message("just text", FinishReason::Length);
-        assert_eq!((m["content"].as_str(), reason), (Some("just text"), "length"));
+        assert_eq!(
+            (m["content"].as_str(), reason),
+            (Some("just text"), "length")
+        );
         assert!(m.get("tool_calls").is_none());
     }
 }

@@ -156,7 +156,10 @@ impl ToolParser {
                 Value::Object(_) | Value::Bool(_) => schema.to_string(),
                 _ => r#"{"type": "object"}"#.to_owned(),
             };
-            g += &format!("call_{i}: {} args_{i} \"}}\"\nargs_{i}: %json {schema}\n", json!(head));
+            g += &format!(
+                "call_{i}: {} args_{i} \"}}\"\nargs_{i}: %json {schema}\n",
+                json!(head)
+            );
         }
         g
     }

@@ -151,11 +151,7 @@ impl CallStream {
                     return true;
                 }
                 // Hold back what may begin the tag, and the spaces before it.
-                let tail = if end {
-                    0
-                } else {
-                    held_tail(&self.buf, open)
-                };
+                let tail = if end { 0 } else { held_tail(&self.buf, open) };
                 let send: String = self.buf.drain(..self.buf.len() - tail).collect();
                 self.content(out, send);
                 false
@@ -555,7 +551,11 @@ mod tests {
             pieces.extend(s.push(&c.to_string()));
         }
         pieces.extend(s.finish());
-        assert_eq!(&assemble(pieces), expected, "a character at a time: {text:?}");
+        assert_eq!(
+            &assemble(pieces),
+            expected,
+            "a character at a time: {text:?}"
+        );
     }
 
     fn calls(list: &[(&str, &str)]) -> Vec<(String, String)> {
@@ -656,7 +656,12 @@ mod tests {
             None,
             &[("f", r#"{"a": [1, 2"#)],
         );
-        check(HERMES, "Hi <tool_call>{\"na", Some("Hi <tool_call>{\"na"), &[]);
+        check(
+            HERMES,
+            "Hi <tool_call>{\"na",
+            Some("Hi <tool_call>{\"na"),
+            &[],
+        );
     }
 
     #[test]
@@ -693,10 +698,7 @@ mod tests {
         let mut s = CallStream::new(HERMES, 1);
         let mut pieces = s.push("<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": 1}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>");
         pieces.extend(s.finish());
-        assert_eq!(
-            assemble(pieces),
-            (None, calls(&[("a", r#"{"x": 1}"#)]))
-        );
+        assert_eq!(assemble(pieces), (None, calls(&[("a", r#"{"x": 1}"#)])));
     }
 
     #[test]
