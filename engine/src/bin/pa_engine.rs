@@ -456,6 +456,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         stop_token_ids: None,
         ignore_eos: a.ignore_eos,
         n: a.n,
+        constraint: None,
     };
     // Requests in input order, each at its arrival time (tokenized on this thread); a refused
     // prompt fails alone.
