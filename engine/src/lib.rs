@@ -35,6 +35,7 @@ mod ov;
 pub mod request;
 mod sampling;
 pub mod server;
+pub mod structured;
 mod tokenizer;
 pub mod tools;
 
@@ -46,6 +47,8 @@ pub use error::{EngineError, Result};
 pub use input_processor::InputProcessor;
 pub use model_dir::{GenerationDefaults, ModelConfig, ModelDir};
 pub use paged_attention::cache::{EvictionPolicy, FinishReason};
-pub use request::{ChatMessage, Event, GenerationParams, Prompt, RequestError, RequestId, Update};
+pub use request::{
+    ChatMessage, Constraint, Event, GenerationParams, Prompt, RequestError, RequestId, Update,
+};
 pub use sampling::{Penalties, Sampling};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

@@ -26,6 +26,54 @@ pub struct GenerationParams {
     pub ignore_eos: bool,
     /// Outputs of the request (parallel samples sharing the prompt's blocks).
     pub n: usize,
+    /// What the output's text must be (structured output), enforced by a token mask; `None`:
+    /// free text.
+    pub constraint: Option<Constraint>,
+}
+
+/// A constraint on an output's text (structured output). The engine compiles it for its
+/// tokenizer when the request is added (`structured::Grammars::compile`), refusing a
+/// schema or grammar the library cannot compile with a [`RequestError`] blamed on
+/// [`Constraint::param`]; then each step masks the sampler's logits to the tokens the constraint
+/// allows, allows an end-of-sequence id only where the text is complete, and ends the output
+/// (reason `stop`) when nothing more may follow.
+#[derive(Clone, Debug)]
+pub enum Constraint {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON that a JSON Schema accepts.
+    JsonSchema(serde_json::Value),
+    /// Text that a regular expression matches as a whole.
+    Regex(String),
+    /// Text of a Lark grammar (llguidance's Lark dialect, `start` the start rule).
+    Lark(String),
+}
+
+impl Constraint {
+    /// The request field a fault in this constraint is blamed on, as the OpenAI server reads it
+    /// (a caller that takes it from another field rewrites `RequestError::param`).
+    pub fn param(&self) -> &'static str {
+        match self {
+            Constraint::JsonObject | Constraint::JsonSchema(_) => "response_format",
+            Constraint::Regex(_) => "guided_regex",
+            Constraint::Lark(_) => "guided_grammar",
+        }
+    }
+
+    /// Its own shape (what needs no tokenizer); compiling it checks the rest.
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let fault = |m: &str| Err(RequestError::param(self.param(), m));
+        match self {
+            Constraint::JsonObject => Ok(()),
+            Constraint::JsonSchema(s) if !(s.is_object() || s.is_boolean()) => {
+                fault("a JSON schema must be an object (or true/false)")
+            }
+            Constraint::JsonSchema(_) => Ok(()),
+            Constraint::Regex(r) if r.is_empty() => fault("the regular expression is empty"),
+            Constraint::Lark(g) if g.trim().is_empty() => fault("the grammar is empty"),
+            Constraint::Regex(_) | Constraint::Lark(_) => Ok(()),
+        }
+    }
 }
 
 impl Default for GenerationParams {
@@ -39,6 +87,7 @@ impl Default for GenerationParams {
             stop_token_ids: None,
             ignore_eos: false,
             n: 1,
+            constraint: None,
         }
     }
 }
@@ -54,6 +103,9 @@ impl GenerationParams {
                 "max_tokens",
                 "max_new_tokens must be at least 1",
             ));
+        }
+        if let Some(c) = &self.constraint {
+            c.validate()?;
         }
         let s = &self.sampling;
         if !(s.temperature >= 0.0 && s.temperature.is_finite()) {

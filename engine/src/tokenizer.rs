@@ -98,6 +98,15 @@ impl TextTokenizer {
         self.max_token_bytes
     }
 
+    /// The tokenizer as `tokenizer.json` holds it.
+    pub fn to_json(&self) -> std::result::Result<Value, String> {
+        let text = self
+            .inner
+            .to_string(false)
+            .map_err(|e| format!("cannot serialize the tokenizer: {e}"))?;
+        serde_json::from_str(&text).map_err(|e| format!("cannot read the tokenizer's JSON: {e}"))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -430,6 +430,7 @@ fn parse_params(
         stop_token_ids: None,
         ignore_eos,
         n,
+        constraint: None,
     };
     // The engine's own checks, on the values as it holds them (a top_p that rounds to 0 in f32).
     params.validate().map_err(|e| refused(&e, "prompt"))?;

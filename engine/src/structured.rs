@@ -1,0 +1,190 @@
+//! Structured output: a request's [`Constraint`] compiled by llguidance into a per-output
+//! matcher, which gives the tokens that may come next (a mask over the vocabulary) and consumes
+//! the token sampled. The token trie is built from the model's `tokenizer.json` (llguidance's own
+//! reader of it), so the engine's tokenizer is the only one.
+
+use crate::request::{Constraint, RequestError};
+use crate::tokenizer::TextTokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+/// The model's vocabulary as llguidance sees it: each token's bytes, and our tokenizer for text.
+struct Vocabulary {
+    trie: TokTrie,
+    tokenizer: Arc<TextTokenizer>,
+}
+
+impl TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |s| {
+            self.tokenizer.encode(s, false).unwrap_or_default()
+        })
+    }
+}
+
+/// Compiles constraints for one model (built once per engine: the trie of its vocabulary).
+pub struct Grammars {
+    factory: ParserFactory,
+}
+
+impl Grammars {
+    /// The grammars of `tokenizer`'s vocabulary; `eos` are the ids that end a text (allowed where
+    /// a constraint is complete).
+    pub fn new(tokenizer: Arc<TextTokenizer>, eos: &[u32]) -> Result<Grammars, String> {
+        let json = tokenizer.to_json()?;
+        // The reader asserts on malformed byte-fallback names: a panic here is a refusal.
+        let bytes = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
+            .map_err(|_| "cannot read the vocabulary of tokenizer.json".to_owned())?
+            .map_err(|e| format!("cannot read the vocabulary of tokenizer.json: {e}"))?;
+        let n = bytes.len().max(tokenizer.vocab_size());
+        let mut bytes = bytes;
+        // Ids the vocabulary skips: special tokens no text can produce.
+        for (i, b) in bytes.iter_mut().enumerate() {
+            if b.is_empty() {
+                *b = [
+                    &[TokTrie::SPECIAL_TOKEN_MARKER][..],
+                    format!("<[{i}]>").as_bytes(),
+                ]
+                .concat();
+            }
+        }
+        while bytes.len() < n {
+            let i = bytes.len();
+            bytes.push(
+                [
+                    &[TokTrie::SPECIAL_TOKEN_MARKER][..],
+                    format!("<[{i}]>").as_bytes(),
+                ]
+                .concat(),
+            );
+        }
+        let first_eos = eos.first().copied().unwrap_or(0);
+        let info = TokRxInfo::new(n as u32, first_eos);
+        let mut trie = TokTrie::from(&info, &bytes);
+        if eos.len() > 1 {
+            trie = trie.with_eos_tokens(eos);
+        }
+        let env: TokEnv = Arc::new(Vocabulary { trie, tokenizer });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        // Errors come back to the caller; nothing on stderr.
+        factory.quiet();
+        Ok(Grammars { factory })
+    }
+
+    /// A matcher of `c` at the start of a text, or why `c` does not compile (blamed on
+    /// [`Constraint::param`]).
+    pub fn compile(&self, c: &Constraint) -> Result<TokenMatcher, RequestError> {
+        c.validate()?;
+        let grammar = match c {
+            Constraint::JsonObject => {
+                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            }
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
+            Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        };
+        let what = match c {
+            Constraint::JsonObject | Constraint::JsonSchema(_) => "the JSON schema",
+            Constraint::Regex(_) => "the regular expression",
+            Constraint::Lark(_) => "the Lark grammar",
+        };
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(grammar)
+        }))
+        .map_err(|_| "the library failed on it".to_owned())
+        .and_then(|r| r.map_err(|e| e.to_string()))
+        .map_err(|e| RequestError::param(c.param(), format!("{what} does not compile: {e}")))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(RequestError::param(
+                c.param(),
+                format!("{what} does not compile: {e}"),
+            ));
+        }
+        Ok(TokenMatcher {
+            matcher,
+            mask: None,
+            mask_time: Duration::ZERO,
+        })
+    }
+}
+
+/// One output's place in its constraint.
+pub struct TokenMatcher {
+    matcher: Matcher,
+    /// The tokens allowed next, once computed for the current place.
+    mask: Option<SimpleVob>,
+    /// Time spent computing masks since the last [`TokenMatcher::take_mask_time`].
+    mask_time: Duration,
+}
+
+impl TokenMatcher {
+    /// Computes the mask of the next token, unless done already for this place.
+    pub fn prepare(&mut self) {
+        if self.mask.is_some() || self.matcher.is_stopped() {
+            return;
+        }
+        let t = Instant::now();
+        self.mask = self.matcher.compute_mask().ok();
+        self.mask_time += t.elapsed();
+    }
+
+    /// Sets every logit the constraint does not allow next to -inf (ids past the vocabulary
+    /// included). Returns false when no token at all is allowed (the constraint is stopped or
+    /// failed): the output must end.
+    pub fn apply(&mut self, logits: &mut [f32]) -> bool {
+        self.prepare();
+        let Some(mask) = &self.mask else {
+            return false;
+        };
+        let mut any = false;
+        let words = mask.as_slice();
+        for (i, chunk) in logits.chunks_mut(32).enumerate() {
+            let w = words.get(i).copied().unwrap_or(0);
+            if w == u32::MAX && chunk.len() == 32 {
+                any = true;
+                continue;
+            }
+            for (b, v) in chunk.iter_mut().enumerate() {
+                if w & (1 << b) == 0 {
+                    *v = f32::NEG_INFINITY;
+                } else {
+                    any = true;
+                }
+            }
+        }
+        any
+    }
+
+    /// Whether `token` is allowed next (computing the mask when needed).
+    pub fn allows(&mut self, token: u32) -> bool {
+        self.prepare();
+        self.mask.as_ref().is_some_and(|m| m.is_allowed(token))
+    }
+
+    /// Moves past `token`. Returns whether the constraint is now done (nothing more may follow,
+    /// or the token was refused: the output ends either way).
+    pub fn consume(&mut self, token: u32) -> bool {
+        self.mask = None;
+        if self.matcher.is_stopped() {
+            return true;
+        }
+        self.matcher.consume_token(token).is_err() || self.matcher.is_stopped()
+    }
+
+    /// Whether the text so far is complete under the constraint.
+    pub fn is_accepting(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+
+    /// The mask time since the last call.
+    pub fn take_mask_time(&mut self) -> Duration {
+        std::mem::take(&mut self.mask_time)
+    }
+}
