@@ -4,10 +4,10 @@
 
 use super::openai::{self, error, refused, Kind};
 use super::response;
-use super::tools::ToolSetup;
+use super::tools::{self, ToolSetup};
 use super::ServeConfig;
 use crate::client::EngineClient;
-use crate::request::{Prompt, Update};
+use crate::request::{RequestError, Update};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -142,13 +142,15 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let n = req.params.n;
     let client = app.client.clone();
-    let (mut prompt, params) = (req.prompt, req.params);
-    let calls = req.tools.as_ref().and_then(|t| t.output(app.tools.parser));
-    if let Prompt::Chat { messages, tools } = &mut prompt {
-        let offered = req.tools.as_ref().and_then(|t| t.for_template());
-        *tools =
-            crate::tools::prepare_chat(messages, offered, app.tools.parser, app.tools.template);
-    }
+    let (mut prompt, mut params) = (req.prompt, req.params);
+    let calls = match tools::apply(&app.tools, req.tools.as_ref(), &mut prompt, &mut params) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    // A fault of a constraint made from the tools is theirs.
+    let constraint = params.constraint.clone();
+    let refused =
+        |e: &RequestError, field: &str| refused(&tools::blame(e, constraint.as_ref()), field);
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {
         Ok(Ok(_)) => {}

@@ -4,7 +4,8 @@
 
 use super::openai::bad;
 use super::response::unique_id;
-use crate::tools::{CallStream, Piece, TemplateTools, ToolCall, ToolParser};
+use crate::request::{Constraint, GenerationParams, Prompt, RequestError};
+use crate::tools::{prepare_chat, CallStream, Piece, TemplateTools, ToolCall, ToolParser};
 use crate::FinishReason;
 use axum::response::Response;
 use serde_json::{json, Value};
@@ -98,6 +99,48 @@ impl ToolSetup {
 
 fn is_empty(x: &Value) -> bool {
     x.is_null() || x.as_array().is_some_and(Vec::is_empty)
+}
+
+/// A chat request's tools applied: the conversation as the template takes it (see
+/// [`prepare_chat`]), and for `required` or a named function the grammar of the calls as the
+/// request's constraint. Returns how the answers' text becomes calls.
+pub(crate) fn apply(
+    setup: &ToolSetup,
+    req: Option<&ToolRequest>,
+    prompt: &mut Prompt,
+    params: &mut GenerationParams,
+) -> Result<Option<CallOutput>, Response> {
+    if let Prompt::Chat { messages, tools } = prompt {
+        let offered = req.and_then(ToolRequest::for_template);
+        *tools = prepare_chat(messages, offered, setup.parser, setup.template);
+    }
+    let Some(req) = req else { return Ok(None) };
+    if let Some(grammar) = req.grammar(setup.parser) {
+        if params.constraint.is_some() {
+            return Err(bad(
+                "`tool_choice` \"required\" or a named function cannot be combined with another \
+                 constraint on the output (`response_format`)",
+                Some("tool_choice"),
+            ));
+        }
+        params.constraint = Some(Constraint::Lark(grammar));
+    }
+    Ok(req.output(setup.parser))
+}
+
+/// A refusal of the engine's for a request whose constraint [`apply`] made from its tools: a
+/// grammar that does not compile is the tools' schemas' fault.
+pub(crate) fn blame(e: &RequestError, constraint: Option<&Constraint>) -> RequestError {
+    match constraint {
+        Some(c @ Constraint::Lark(_)) if e.param == Some(c.param()) => RequestError::param(
+            "tools",
+            format!(
+                "the tools' parameter schemas cannot be enforced: {}",
+                e.message
+            ),
+        ),
+        _ => e.clone(),
+    }
 }
 
 /// The request's `tools`, `tool_choice` and `parallel_tool_calls`; `None` without tools.

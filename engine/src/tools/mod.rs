@@ -355,7 +355,7 @@ mod tests {
         assert_eq!(messages[0].role, "system");
         assert!(messages[0]
             .content
-            .contains(r#"{"function":{"name":"get_weather"},"type":"function"}"#));
+            .contains(r#"{"type":"function","function":{"name":"get_weather"}}"#));
         assert_eq!(
             messages[2].content,
             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call>"
@@ -365,6 +365,72 @@ mod tests {
             messages[3].content,
             "<tool_response>\nsunny\n</tool_response>"
         );
+    }
+
+    /// Whether llguidance, on a vocabulary of single bytes, takes `text` as a whole output of
+    /// `grammar` (which must compile).
+    fn grammar_takes(grammar: &str, text: &str) -> bool {
+        let env = toktrie::ApproximateTokEnv::single_byte_env();
+        let factory = llguidance::ParserFactory::new_simple(&env).expect("factory");
+        let g = llguidance::api::TopLevelGrammar::from_lark(grammar.to_owned());
+        let mut m = llguidance::Matcher::new(factory.create_parser(g));
+        assert_eq!(m.get_error(), None, "the grammar compiles:\n{grammar}");
+        let bytes: Vec<u32> = text.bytes().map(u32::from).collect();
+        m.consume_tokens(&bytes).is_ok() && m.is_accepting().unwrap_or(false)
+    }
+
+    #[test]
+    fn the_calls_grammar_takes_valid_calls_only() {
+        let weather = json!({"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": false});
+        let add = json!({"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer", "minimum": 0}},
+            "required": ["a", "b"]});
+        let tools: [(&str, &Value); 2] = [("get_weather", &weather), ("add", &add)];
+        let w = r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}"#;
+        let a = r#"{"name": "add", "arguments": {"a": -3, "b": 4}}"#;
+        let tag = |c: &str| format!("<tool_call>\n{c}\n</tool_call>");
+        let one = ToolParser::Hermes.calls_grammar(&tools, false);
+        let many = ToolParser::Hermes.calls_grammar(&tools, true);
+        assert!(grammar_takes(&one, &tag(w)));
+        assert!(grammar_takes(&one, &tag(a)));
+        let two = format!("{}\n{}", tag(w), tag(a));
+        assert!(grammar_takes(&many, &two));
+        assert!(!grammar_takes(&one, &two), "one call only");
+        for bad in [
+            r#"{"name": "get_time", "arguments": {}}"#,
+            r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}"#,
+            r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#,
+            r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "x": 1}}"#,
+            r#"{"name": "add", "arguments": {"a": 1.5, "b": 4}}"#,
+            r#"{"name": "add", "arguments": {"a": 1, "b": -4}}"#,
+            r#"{"arguments": {"a": 1, "b": 4}, "name": "add"}"#,
+        ] {
+            assert!(!grammar_takes(&many, &tag(bad)), "{bad}");
+        }
+        assert!(!grammar_takes(&many, &format!("Sure. {}", tag(w))));
+        // A named function: only it.
+        let only_add = ToolParser::Hermes.calls_grammar(&tools[1..], false);
+        assert!(grammar_takes(&only_add, &tag(a)) && !grammar_takes(&only_add, &tag(w)));
+        // Llama 3.x: the whole answer, `;` between calls, `parameters`.
+        let llama = ToolParser::Llama3Json.calls_grammar(&tools, true);
+        let l = r#"{"name": "add", "parameters": {"a": 1, "b": 2}}"#;
+        assert!(grammar_takes(&llama, l));
+        assert!(grammar_takes(&llama, &format!("{l}; {l}")));
+        assert!(!grammar_takes(&llama, a));
+        // What the grammar takes is what the parser reads, and how calls are written back.
+        for parser in [ToolParser::Hermes, ToolParser::Llama3Json] {
+            let text = parser.calls_text(&[ToolCall {
+                id: "call_1".into(),
+                name: "add".into(),
+                arguments: r#"{"a": 7, "b": 8}"#.into(),
+            }]);
+            assert!(
+                grammar_takes(&parser.calls_grammar(&tools, false), &text),
+                "{text}"
+            );
+        }
     }
 
     #[test]
