@@ -112,16 +112,22 @@ def user(q):
 
 
 def test_required_answers_are_calls_that_validate(client):
+    # One call each (parallel calls off): greedy and sampled, whole and streamed.
     settings = [dict(temperature=0), dict(temperature=1.0, seed=7)]
     jobs = [
         (lambda q=q, s=s, st=st: ask(client, user(q), stream=st, tools=TOOLS,
-                                     tool_choice="required", **s))
+                                     tool_choice="required", parallel_tool_calls=False, **s))
         for q in QUESTIONS for s in settings for st in (False, True)
     ]
+    # Parallel calls allowed (the default): the model may make several.
+    jobs += [(lambda st=st: ask(client, user(QUESTIONS[1]), stream=st, tools=TOOLS,
+                                tool_choice="required", temperature=0, max_tokens=160))
+             for st in (False, True)]
     answers = run_all(jobs)
     calls = [check_calls(a) for a in answers]
+    assert all(len(c) == 1 for c in calls[:-2]), calls
     # Greedy, the stream and the whole answer are the same tokens: the same calls.
-    for i in range(0, len(calls), 4):
+    for i in [*range(0, len(calls) - 2, 4), len(calls) - 2]:
         assert calls[i] == calls[i + 1], (calls[i], calls[i + 1])
 
 
