@@ -181,6 +181,10 @@ def tool(name="f", parameters=None):
      "tools[0].function.parameters"),
     ({"tools": [tool(parameters={"type": "object", "required": "x"})]},
      "tools[0].function.parameters"),
+    # A schema the grammar library cannot compile, where the calls are enforced.
+    ({"tools": [tool(parameters={"type": "object",
+                                 "properties": {"x": {"type": "string", "pattern": "(("}}})],
+      "tool_choice": "required"}, "tools"),
     ({"tools": [tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
