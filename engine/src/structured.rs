@@ -83,9 +83,9 @@ impl Grammars {
         c.validate()?;
         let grammar = match c {
             Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+                TopLevelGrammar::from_json_schema(compact(&serde_json::json!({"type": "object"})))
             }
-            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s)),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
             Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
@@ -113,6 +113,26 @@ impl Grammars {
             mask_time: Duration::ZERO,
         })
     }
+}
+
+/// `schema` with JSON written as Python's `json.dumps` writes it (`, ` and `: `, no other
+/// whitespace), unless the schema sets llguidance's own `x-guidance` options: free whitespace
+/// lets a small model run on in newlines until `max_tokens`.
+fn compact(schema: &serde_json::Value) -> serde_json::Value {
+    let mut s = match schema {
+        serde_json::Value::Bool(true) => serde_json::json!({}),
+        s => s.clone(),
+    };
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            })
+        });
+    }
+    s
 }
 
 /// One output's place in its constraint.

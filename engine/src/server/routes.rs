@@ -6,7 +6,7 @@ use super::openai::{self, error, refused, Kind};
 use super::response;
 use super::ServeConfig;
 use crate::client::EngineClient;
-use crate::request::Update;
+use crate::request::{RequestError, Update};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -141,10 +141,14 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let n = req.params.n;
     let client = app.client.clone();
     let (prompt, params) = (req.prompt, req.params);
+    let blame = |e: &RequestError| {
+        let e = openai::blame_constraint(e, req.constraint_field);
+        refused(&e, kind.prompt_field())
+    };
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return refused(&e, kind.prompt_field()),
+        Ok(Err(e)) => return blame(&e),
         Err(_) => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -155,7 +159,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     }
     let prompt_tokens = match rx.recv().await {
         Some(Update::Accepted { prompt_tokens, .. }) => prompt_tokens,
-        Some(Update::Refused { error: e, .. }) => return refused(&e, kind.prompt_field()),
+        Some(Update::Refused { error: e, .. }) => return blame(&e),
         _ => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
