@@ -83,9 +83,9 @@ impl Grammars {
         c.validate()?;
         let grammar = match c {
             Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+                TopLevelGrammar::from_json_schema(compact(&serde_json::json!({"type": "object"})))
             }
-            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s)),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
             Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
@@ -113,6 +113,26 @@ impl Grammars {
             mask_time: Duration::ZERO,
         })
     }
+}
+
+/// `schema` with JSON written as Python's `json.dumps` writes it (`, ` and `: `, no other
+/// whitespace), unless the schema sets llguidance's own `x-guidance` options: free whitespace
+/// lets a small model run on in newlines until `max_tokens`.
+fn compact(schema: &serde_json::Value) -> serde_json::Value {
+    let mut s = match schema {
+        serde_json::Value::Bool(true) => serde_json::json!({}),
+        s => s.clone(),
+    };
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            })
+        });
+    }
+    s
 }
 
 /// One output's place in its constraint.
@@ -186,5 +206,122 @@ impl TokenMatcher {
     /// The mask time since the last call.
     pub fn take_mask_time(&mut self) -> Duration {
         std::mem::take(&mut self.mask_time)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A byte-level BPE tokenizer: the 256 bytes (GPT-2's byte-to-character map), the merged
+    /// tokens "ab" and "12", and the special token "<eos>" (id 258).
+    fn tokenizer() -> Arc<TextTokenizer> {
+        let mut vocab = serde_json::Map::new();
+        let mut k = 0x100u32;
+        for b in 0..=255u32 {
+            let c = char::from_u32(b).unwrap();
+            let self_mapped = matches!(c, '!'..='~' | '\u{A1}'..='\u{AC}' | '\u{AE}'..='\u{FF}');
+            let ch = if self_mapped {
+                c
+            } else {
+                k += 1;
+                char::from_u32(k - 1).unwrap()
+            };
+            vocab.insert(ch.to_string(), json!(b));
+        }
+        vocab.insert("ab".into(), json!(256));
+        vocab.insert("12".into(), json!(257));
+        let tj = json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 258, "content": "<eos>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                              "use_regex": true},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                        "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": ["a b", "1 2"]}
+        });
+        let dir = std::env::temp_dir().join(format!("pa-structured-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), tj.to_string()).unwrap();
+        let t = TextTokenizer::from_dir(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        Arc::new(t)
+    }
+
+    const EOS: u32 = 258;
+
+    fn allowed(m: &mut TokenMatcher, n: u32) -> Vec<u32> {
+        (0..n).filter(|&t| m.allows(t)).collect()
+    }
+
+    #[test]
+    fn a_regex_allows_its_next_bytes_only_and_eos_where_complete() {
+        let g = Grammars::new(tokenizer(), &[EOS]).unwrap();
+        let mut m = g.compile(&Constraint::Regex("(ab|cd)x?".into())).unwrap();
+        // First: "a", "c" and the merged "ab"; not "b", not the end.
+        assert_eq!(allowed(&mut m, 259), vec![b'a' as u32, b'c' as u32, 256]);
+        assert!(!m.consume(256));
+        // After "ab" the text is complete ("x" may follow): "x" or the end.
+        assert_eq!(allowed(&mut m, 259), vec![b'x' as u32, EOS]);
+        assert!(m.is_accepting());
+        // After "x" nothing may follow: the constraint is done.
+        assert!(m.consume(b'x' as u32));
+    }
+
+    #[test]
+    fn apply_masks_the_row_to_minus_infinity_past_the_vocabulary_too() {
+        let g = Grammars::new(tokenizer(), &[EOS]).unwrap();
+        let mut m = g.compile(&Constraint::Regex("[0-9]+".into())).unwrap();
+        // A row longer than the vocabulary (padded logits): the extra ids are never allowed.
+        let mut row: Vec<f32> = (0..300).map(|i| i as f32).collect();
+        assert!(m.apply(&mut row));
+        for (t, v) in row.iter().enumerate() {
+            let digit = (b'0' as usize..=b'9' as usize).contains(&t) || t == 257;
+            assert_eq!(
+                *v,
+                if digit { t as f32 } else { f32::NEG_INFINITY },
+                "token {t}"
+            );
+        }
+    }
+
+    #[test]
+    fn json_schema_enum_steps_through_its_values() {
+        let g = Grammars::new(tokenizer(), &[EOS]).unwrap();
+        let c = Constraint::JsonSchema(json!({"enum": ["ab", "cd"]}));
+        let mut m = g.compile(&c).unwrap();
+        assert_eq!(allowed(&mut m, 259), vec![b'"' as u32]);
+        for t in [b'"' as u32, b'c' as u32, b'd' as u32] {
+            assert!(!m.consume(t));
+        }
+        assert_eq!(allowed(&mut m, 259), vec![b'"' as u32]);
+        // The closing quote completes the only value: nothing may follow.
+        assert!(m.consume(b'"' as u32) || allowed(&mut m, 259) == vec![EOS]);
+    }
+
+    #[test]
+    fn what_does_not_compile_is_refused_naming_the_field() {
+        let g = Grammars::new(tokenizer(), &[EOS]).unwrap();
+        for (c, param) in [
+            (
+                Constraint::JsonSchema(json!({"type": "integer", "minimum": 5, "maximum": 1})),
+                "response_format",
+            ),
+            (Constraint::JsonSchema(json!(3)), "response_format"),
+            (Constraint::Regex("(a".into()), "guided_regex"),
+            (Constraint::Lark("start: nowhere".into()), "guided_grammar"),
+            (Constraint::Lark("  ".into()), "guided_grammar"),
+        ] {
+            let e = g.compile(&c).err().expect("refused");
+            assert_eq!(e.param, Some(param), "{c:?}: {}", e.message);
+            assert!(!e.message.is_empty());
+        }
     }
 }

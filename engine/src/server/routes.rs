@@ -129,7 +129,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
         Err(r) => return r,
     };
     let context = app.client.inputs().context_len();
-    let req = match openai::parse(&v, kind, &app.cfg.model_name, context) {
+    let mut req = match openai::parse(&v, kind, &app.cfg.model_name, context) {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -142,19 +142,19 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let n = req.params.n;
     let client = app.client.clone();
-    let (mut prompt, mut params) = (req.prompt, req.params);
-    let calls = match tools::apply(&app.tools, req.tools.as_ref(), &mut prompt, &mut params) {
+    let calls = match tools::apply(&app.tools, &mut req) {
         Ok(c) => c,
         Err(r) => return r,
     };
-    // A fault of a constraint made from the tools is theirs.
-    let constraint = params.constraint.clone();
-    let refused =
-        |e: &RequestError, field: &str| refused(&tools::blame(e, constraint.as_ref()), field);
+    let (prompt, params) = (req.prompt, req.params);
+    let blame = |e: &RequestError| {
+        let e = openai::blame_constraint(e, req.constraint_field);
+        refused(&e, kind.prompt_field())
+    };
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return refused(&e, kind.prompt_field()),
+        Ok(Err(e)) => return blame(&e),
         Err(_) => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -165,7 +165,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     }
     let prompt_tokens = match rx.recv().await {
         Some(Update::Accepted { prompt_tokens, .. }) => prompt_tokens,
-        Some(Update::Refused { error: e, .. }) => return refused(&e, kind.prompt_field()),
+        Some(Update::Refused { error: e, .. }) => return blame(&e),
         _ => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -2,9 +2,9 @@
 //! `tools`, `tool_choice`, `parallel_tool_calls`, and messages' `tool_calls` and `tool_call_id`;
 //! and a model's calls in OpenAI's shapes: a message's `tool_calls`, or a stream's deltas.
 
-use super::openai::bad;
+use super::openai::{bad, Parsed};
 use super::response::unique_id;
-use crate::request::{Constraint, GenerationParams, Prompt, RequestError};
+use crate::request::{Constraint, Prompt};
 use crate::tools::{prepare_chat, CallStream, Piece, TemplateTools, ToolCall, ToolParser};
 use crate::FinishReason;
 use axum::response::Response;
@@ -103,44 +103,30 @@ fn is_empty(x: &Value) -> bool {
 
 /// A chat request's tools applied: the conversation as the template takes it (see
 /// [`prepare_chat`]), and for `required` or a named function the grammar of the calls as the
-/// request's constraint. Returns how the answers' text becomes calls.
-pub(crate) fn apply(
-    setup: &ToolSetup,
-    req: Option<&ToolRequest>,
-    prompt: &mut Prompt,
-    params: &mut GenerationParams,
-) -> Result<Option<CallOutput>, Response> {
-    if let Prompt::Chat { messages, tools } = prompt {
-        let offered = req.and_then(ToolRequest::for_template);
+/// request's constraint (its faults blamed on `tools`). Returns how the answers' text becomes
+/// calls.
+pub(crate) fn apply(setup: &ToolSetup, req: &mut Parsed) -> Result<Option<CallOutput>, Response> {
+    if let Prompt::Chat { messages, tools } = &mut req.prompt {
+        let offered = req.tools.as_ref().and_then(ToolRequest::for_template);
         *tools = prepare_chat(messages, offered, setup.parser, setup.template);
     }
-    let Some(req) = req else { return Ok(None) };
-    if let Some(grammar) = req.grammar(setup.parser) {
-        if params.constraint.is_some() {
+    let Some(tools) = &req.tools else {
+        return Ok(None);
+    };
+    if let Some(grammar) = tools.grammar(setup.parser) {
+        if let Some(other) = req.constraint_field {
             return Err(bad(
-                "`tool_choice` \"required\" or a named function cannot be combined with another \
-                 constraint on the output (`response_format`)",
+                format!(
+                    "`tool_choice` \"required\" or a named function cannot be combined with \
+                     `{other}`: both constrain the output"
+                ),
                 Some("tool_choice"),
             ));
         }
-        params.constraint = Some(Constraint::Lark(grammar));
+        req.params.constraint = Some(Constraint::Lark(grammar));
+        req.constraint_field = Some("tools");
     }
-    Ok(req.output(setup.parser))
-}
-
-/// A refusal of the engine's for a request whose constraint [`apply`] made from its tools: a
-/// grammar that does not compile is the tools' schemas' fault.
-pub(crate) fn blame(e: &RequestError, constraint: Option<&Constraint>) -> RequestError {
-    match constraint {
-        Some(c @ Constraint::Lark(_)) if e.param == Some(c.param()) => RequestError::param(
-            "tools",
-            format!(
-                "the tools' parameter schemas cannot be enforced: {}",
-                e.message
-            ),
-        ),
-        _ => e.clone(),
-    }
+    Ok(tools.output(setup.parser))
 }
 
 /// The request's `tools`, `tool_choice` and `parallel_tool_calls`; `None` without tools.
