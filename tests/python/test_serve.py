@@ -185,7 +185,6 @@ NOT_SERVED = [  # (endpoint, extra fields, the field the 400 must name)
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("chat/completions", {"logprobs": True}, "logprobs"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("completions", {"tools": [TOOL]}, "tools"),
     ("completions", {"tool_choice": "auto"}, "tool_choice"),
     ("chat/completions", {"functions": [TOOL["function"]]}, "functions"),
