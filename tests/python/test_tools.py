@@ -188,6 +188,8 @@ def tool(name="f", parameters=None):
     ({"tools": [tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [tool()], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
     ({"tools": [tool()], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"messages": user("hi") + [{"role": "tool", "content": "42"}]},
      "messages.[1].tool_call_id"),
