@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use paged_attention_cli::case::{find_cases, Case, OvEnv};
+use paged_attention_cli::case::{find_cases, Actual, Case, OvEnv};
 use paged_attention_cli::ir::Model;
 
 const MIN_CASES: usize = 30;
@@ -30,11 +30,12 @@ fn cases() -> Vec<Case> {
     dirs.iter().map(|d| Case::load(d).unwrap()).collect()
 }
 
-#[test]
-fn golden_suite_passes_through_our_executor() {
+/// Fails, naming each, unless every case's run (`runs`, in the order of `cases`) matches its
+/// golden outputs.
+fn assert_all_pass(cases: &[Case], runs: impl IntoIterator<Item = Result<Actual, String>>) {
     let mut failures = Vec::new();
-    for case in cases() {
-        match case.run_ours().and_then(|a| case.compare(&a)) {
+    for (case, res) in cases.iter().zip(runs) {
+        match res.and_then(|a| case.compare(&a)) {
             Ok(v) if v.pass => {}
             Ok(v) => failures.push(format!("{}: {}", case.name, v.notes.join("; "))),
             Err(e) => failures.push(format!("{}: {e}", case.name)),
@@ -47,29 +48,26 @@ fn golden_suite_passes_through_our_executor() {
     );
 }
 
+/// OpenVINO with our extension, or `None` after saying on stderr that `what` is not run.
+fn openvino(what: &str) -> Option<OvEnv> {
+    OvEnv::detect(&root(), None, None)
+        .inspect_err(|why| eprintln!("openvino: not available ({why}); {what} not run"))
+        .ok()
+}
+
+#[test]
+fn golden_suite_passes_through_our_executor() {
+    let cases = cases();
+    assert_all_pass(&cases, cases.iter().map(Case::run_ours));
+}
+
 #[test]
 fn golden_suite_passes_through_openvino_with_our_extension() {
-    let env = match OvEnv::detect(&root(), None, None) {
-        Ok(env) => env,
-        Err(why) => {
-            eprintln!("openvino: not available ({why}); this path is not run");
-            return;
-        }
+    let Some(env) = openvino("this path is") else {
+        return;
     };
     let cases = cases();
-    let mut failures = Vec::new();
-    for (case, res) in cases.iter().zip(env.run(&cases)) {
-        match res.and_then(|a| case.compare(&a)) {
-            Ok(v) if v.pass => {}
-            Ok(v) => failures.push(format!("{}: {}", case.name, v.notes.join("; "))),
-            Err(e) => failures.push(format!("{}: {e}", case.name)),
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "failed cases:\n{}",
-        failures.join("\n")
-    );
+    assert_all_pass(&cases, env.run(&cases));
 }
 
 /// Runs `xml` on the inputs of `case` and returns what the comparison looks at.
@@ -87,12 +85,8 @@ fn run_with(xml: &Path, case: &Case) -> Vec<Option<Vec<f64>>> {
 
 #[test]
 fn an_ir_saved_by_openvino_reads_back_and_runs_the_same() {
-    let env = match OvEnv::detect(&root(), None, None) {
-        Ok(env) => env,
-        Err(why) => {
-            eprintln!("openvino: not available ({why}); round trip not run");
-            return;
-        }
+    let Some(env) = openvino("round trip") else {
+        return;
     };
     let script = root().join("tools/ov_save_roundtrip.py");
     // Cases with Consts, Converts, rotation, bf16 and shuffled layer ids.

@@ -106,28 +106,53 @@ fn first_diff(ours: &[u8], theirs: &[u8]) -> Option<(usize, u8, u8)> {
         .map(|(i, (a, b))| (i, *a, *b))
 }
 
+/// The inputs of step `step` of a case: keys, values, sequences, block indices.
+struct Step {
+    key: Vec<f32>,
+    value: Vec<f32>,
+    plan: Vec<SeqPlan>,
+    bi: Vec<i32>,
+}
+
+impl Case {
+    fn step(&self, step: usize) -> Step {
+        let get = |n: &str| load(&self.dir, &format!("step{step}_{n}"));
+        Step {
+            key: f32s(&get("key")),
+            value: f32s(&get("value")),
+            plan: seqs(
+                &i32s(&get("past_lens")),
+                &i32s(&get("subsequence_begins")),
+                &i32s(&get("block_indices_begins")),
+            ),
+            bi: i32s(&get("block_indices")),
+        }
+    }
+
+    /// The zeroed key and value caches every replay starts from, with their dims.
+    fn zeroed_caches(&self) -> ([usize; 4], [usize; 4], Vec<u8>, Vec<u8>) {
+        let kd = self.layout.key_cache_dims(self.nb).unwrap();
+        let vd = self.layout.value_cache_dims(self.nb).unwrap();
+        let (kc, vc) = (
+            vec![0u8; kd.iter().product()],
+            vec![0u8; vd.iter().product()],
+        );
+        (kd, vd, kc, vc)
+    }
+}
+
 /// Replays a case's steps through `insert`; returns (case, step, cache, first differing byte).
 fn replay(
     case: &Case,
     insert: impl Fn(&QuantLayout, &[SeqPlan], &[i32], &[f32], &[f32], &mut [u8], &mut [u8]),
 ) -> Vec<String> {
     let l = &case.layout;
-    let kd = l.key_cache_dims(case.nb).unwrap();
-    let vd = l.value_cache_dims(case.nb).unwrap();
-    let mut kc = vec![0u8; kd.iter().product()];
-    let mut vc = vec![0u8; vd.iter().product()];
+    let (kd, vd, mut kc, mut vc) = case.zeroed_caches();
     let mut failures = Vec::new();
     for step in 0..case.steps {
         let get = |n: &str| load(&case.dir, &format!("step{step}_{n}"));
-        let key = f32s(&get("key"));
-        let value = f32s(&get("value"));
-        let plan = seqs(
-            &i32s(&get("past_lens")),
-            &i32s(&get("subsequence_begins")),
-            &i32s(&get("block_indices_begins")),
-        );
-        let bi = i32s(&get("block_indices"));
-        insert(l, &plan, &bi, &key, &value, &mut kc, &mut vc);
+        let s = case.step(step);
+        insert(l, &s.plan, &s.bi, &s.key, &s.value, &mut kc, &mut vc);
         let k_ov = get("key_cache_after");
         let v_ov = get("value_cache_after");
         assert_eq!(k_ov.shape, kd.to_vec(), "{}: key cache shape", case.name);
@@ -236,22 +261,16 @@ fn dequantized_rows_are_within_the_step() {
     for case in cases() {
         let l = case.layout;
         let (d, bs) = (l.d, l.bs);
-        let kd = l.key_cache_dims(case.nb).unwrap();
-        let vd = l.value_cache_dims(case.nb).unwrap();
-        let mut kc = vec![0u8; kd.iter().product()];
-        let mut vc = vec![0u8; vd.iter().product()];
+        let (_, _, mut kc, mut vc) = case.zeroed_caches();
         // logical position -> (key, value) as given, per sequence
         let mut given: Vec<Vec<(Vec<f32>, Vec<f32>)>> = Vec::new();
         for step in 0..case.steps {
-            let get = |n: &str| load(&case.dir, &format!("step{step}_{n}"));
-            let key = f32s(&get("key"));
-            let value = f32s(&get("value"));
-            let plan = seqs(
-                &i32s(&get("past_lens")),
-                &i32s(&get("subsequence_begins")),
-                &i32s(&get("block_indices_begins")),
-            );
-            let bi = i32s(&get("block_indices"));
+            let Step {
+                key,
+                value,
+                plan,
+                bi,
+            } = case.step(step);
             quant::insert_u8(&l, &plan, &bi, &key, &value, &mut kc, &mut vc);
             given.resize(plan.len(), Vec::new());
             for (s, sp) in plan.iter().enumerate() {

@@ -9,6 +9,8 @@
 //! - [`engine_core`]: `add_request`, `abort`, `step` (schedule, run, sample, update);
 //! - [`client`]: the one driver, which owns the engine thread; `pa generate` and `pa serve` use it;
 //! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client;
+//! - [`metrics`]: the client's figures and their Prometheus text; [`kv_events`]: the prefix
+//!   cache's changes published for routers in vLLM's format;
 //! - [`tools`]: tool calls: the parsers of a model's calls, and the conversation a template gets.
 //!
 //! ```no_run
@@ -27,6 +29,7 @@ pub mod engine_core;
 mod error;
 pub mod input_processor;
 mod kv_cache;
+pub mod kv_events;
 pub mod metrics;
 mod model_dir;
 mod model_runner;
@@ -39,7 +42,7 @@ pub mod structured;
 mod tokenizer;
 pub mod tools;
 
-pub use client::{EngineClient, Loading, Prepared, Reply};
+pub use client::{CacheBlocks, EngineClient, Loading, Prepared, Reply};
 pub use config::{EngineConfig, Precision};
 pub use convert::{convert_ir, Conversion};
 pub use engine_core::{EngineCore, EngineStats};

@@ -39,13 +39,7 @@ fn main() {
 fn read_bandwidth() -> f64 {
     let n = (1usize << 30) / 4;
     let data: Vec<f32> = (0..n).into_par_iter().map(|i| (i & 7) as f32).collect();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let s: f32 = data.par_chunks(1 << 16).map(sum_chunk).sum();
-        std::hint::black_box(s);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
+    let best = best_secs(|| data.par_chunks(1 << 16).map(sum_chunk).sum::<f32>());
     (n * 4) as f64 / best / 1e9
 }
 
@@ -63,13 +57,6 @@ fn sum_chunk(c: &[f32]) -> f32 {
 /// 12 accumulators x 16 lanes; AVX2: x 8 lanes), best of 5.
 fn fma_peak(threads: usize) -> f64 {
     let iters = 20_000_000usize;
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let r: f32 = (0..threads).into_par_iter().map(|_| fma_loop(iters)).sum();
-        std::hint::black_box(r);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
     let lanes = if avx512() {
         16.0
     } else if avx2() {
@@ -78,7 +65,7 @@ fn fma_peak(threads: usize) -> f64 {
         1.0
     };
     let flops_per_iter = 12.0 * lanes * 2.0;
-    threads as f64 * iters as f64 * flops_per_iter / best / 1e9
+    best_gflops(threads, iters as f64 * flops_per_iter, || fma_loop(iters))
 }
 
 /// GFLOP/s of `vdpbf16ps` on every thread (16 independent accumulators of 16 lanes x 2
@@ -98,16 +85,25 @@ fn amx_peak(threads: usize) -> Option<f64> {
 }
 
 /// GFLOP/s of `run` (`flops` each) on every thread of the pool at once, best of 5.
-fn best_gflops(threads: usize, flops: f64, run: impl Fn() -> bool + Sync) -> f64 {
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        (0..threads).into_par_iter().for_each(|_| {
-            run();
-        });
-        best = best.min(t.elapsed().as_secs_f64());
-    }
+fn best_gflops<R: Send>(threads: usize, flops: f64, run: impl Fn() -> R + Sync) -> f64 {
+    let best = best_secs(|| {
+        (0..threads)
+            .into_par_iter()
+            .map(|_| run())
+            .collect::<Vec<R>>()
+    });
     threads as f64 * flops / best / 1e9
+}
+
+/// Seconds of the fastest of 5 runs of `run` (its result kept, so the work is not dropped).
+fn best_secs<R>(mut run: impl FnMut() -> R) -> f64 {
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(run());
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
 }
 
 fn avx512() -> bool {

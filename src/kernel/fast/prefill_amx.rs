@@ -313,42 +313,51 @@ fn pack_keys<M: TileMicro, Q: Float, C: Source>(
 }
 
 /// Where an item's products run: AMX tiles (their configuration loaded while this lives), or
-/// `vdpbf16ps` on CPUs without AMX. Both compute the same sums (`Bf16::qk_t`, `Tiles::qk_t`).
+/// `vdpbf16ps` on CPUs without AMX. Both compute the same sums (`Bf16::qk_t`, `Tiles::qk_t`);
+/// `vdpbf16ps` scales the logits and corrects the accumulator in registers, tiles in a pass of
+/// their own.
 enum Products {
-    Tiles(Tiles),
+    Tiles(Tiles, Bf16),
     Dot(Bf16),
 }
 
 impl Products {
+    /// `Bf16::qk_t`: the logits of keys `0..n32`, scaled as `TileMicro::scale_logits` scales.
     #[allow(clippy::too_many_arguments)]
     fn qk_t(
         &self,
+        m: impl TileMicro,
         t: &[(&[u16], &[u32])],
-        ldk: usize,
-        dp: usize,
-        n32: usize,
-        r32: usize,
+        (ldk, dp, n32, r32): (usize, usize, usize, usize),
+        scale: f32,
         st: &mut [f32],
     ) {
         match self {
-            Products::Tiles(tl) => tl.qk_t(t, ldk, dp, n32, r32, st),
-            Products::Dot(bf) => bf.qk_t(t, ldk, dp, n32, r32, st),
+            Products::Tiles(tl, _) => {
+                tl.qk_t(t, ldk, dp, n32, r32, st);
+                m.scale_logits(&mut st[..n32 * r32], scale);
+            }
+            Products::Dot(bf) => bf.qk_t(t, ldk, dp, n32, r32, scale, st),
         }
     }
 
+    /// `Bf16::pv_t`: the accumulator corrected by `corr` (when given), then the products added.
     #[allow(clippy::too_many_arguments)]
     fn pv_t(
         &self,
         t: &[(&[u16], &[u32])],
-        ldv: usize,
-        dp: usize,
-        n32: usize,
-        r32: usize,
+        (ldv, dp, n32, r32): (usize, usize, usize, usize),
+        corr: Option<&[f32]>,
         acc: &mut [f32],
     ) {
         match self {
-            Products::Tiles(tl) => tl.pv_t(t, ldv, dp, n32, r32, acc),
-            Products::Dot(bf) => bf.pv_t(t, ldv, dp, n32, r32, acc),
+            Products::Tiles(tl, bf) => {
+                if let Some(c) = corr.filter(|c| c.iter().any(|&c| c != 1.0)) {
+                    bf.mul_rows(acc, c);
+                }
+                tl.pv_t(t, ldv, dp, n32, r32, acc)
+            }
+            Products::Dot(bf) => bf.pv_t(t, ldv, dp, n32, r32, corr, acc),
         }
     }
 }
@@ -437,7 +446,7 @@ pub(crate) fn run_item<M: TileMicro, Q: Float, C: Source>(
     (packed, src): (Option<&Packed>, &impl PanelRows),
 ) {
     let tl = match tier.amx {
-        Some(a) => Products::Tiles(a.tiles()),
+        Some(a) => Products::Tiles(a.tiles(), tier.bf),
         None => Products::Dot(tier.bf),
     };
     SCRATCH.with(|s| {
@@ -598,8 +607,7 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
             .iter()
             .map(|&(a, b)| (&ks[a * dp..], &qt[b * qplane..]))
             .collect();
-        tl.qk_t(&qk_terms, kw, dp, n32, r32, st);
-        m.scale_logits(&mut st[..n * r32], plan.scale);
+        tl.qk_t(m, &qk_terms, (kw, dp, n32, r32), plan.scale, st);
         // A block's worth of keys at a time, so only the pieces the causal edge or the window
         // cuts take the per-element path (one span may cover the whole diagonal).
         for off in (0..n).step_by(32) {
@@ -617,16 +625,27 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
         } else if let Some(sw) = sw {
             stash_logits(ctx, &ir, kvh, st, r32, j0, n, sw);
         }
-        m.softmax_t(st, r32, rows, n, mb, lb, cb);
-        if cb.iter().any(|&c| c != 1.0) {
-            bf.mul_rows(acc_t, cb);
-        }
-        if pre.is_none() {
+        // Prepacked spans (no value to clean) correct the accumulator inside the PV product,
+        // and with one weight part take the weights from the softmax straight into pairs.
+        let corr = if pre.is_some() {
+            if parts.p == 1 {
+                bf.softmax_pairs(st, r32, (rows, n, n32), mb, lb, cb, pt);
+            } else {
+                m.softmax_t(st, r32, rows, n, mb, lb, cb);
+                bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
+            }
+            Some(&cb[..])
+        } else {
+            m.softmax_t(st, r32, rows, n, mb, lb, cb);
+            if cb.iter().any(|&c| c != 1.0) {
+                bf.mul_rows(acc_t, cb);
+            }
             let vt = aligned(vt, parts.v * dp * SPAN);
             let vparts = (parts.v, dp);
             masked_non_finite(ctx, &ir, j0, (lo, hi), j1, st, r32, vt, SPAN, vparts, acc_t);
-        }
-        bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
+            bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
+            None
+        };
         let (vs, ldv): (&[u16], usize) = match pre {
             Some((_, v)) => (&v[j0..], ldp),
             None => (aligned(vt, parts.v * dp * SPAN), SPAN),
@@ -635,7 +654,7 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
             .iter()
             .map(|&(a, b)| (&vs[a * dp * ldv..], &pt[b * plane..]))
             .collect();
-        tl.pv_t(&terms, ldv, dp, n32, r32, acc_t);
+        tl.pv_t(&terms, (ldv, dp, n32, r32), corr, acc_t);
         j0 = j1;
     }
     let acc = aligned(acc, r32 * dp);

@@ -388,11 +388,7 @@ mod tests {
     use crate::kernel::fast::micro::x86::bf16::tests::{check_pv, check_qk};
 
     fn amx() -> Option<Amx> {
-        let a = Amx::detect();
-        if a.is_none() {
-            eprintln!("AMX not available on this machine: tile tests skipped");
-        }
-        a
+        super::super::detected(Amx::detect(), "AMX", "tile")
     }
 
     /// The peak probe runs exactly where AMX is granted (`pa_machine` reports null elsewhere).

@@ -266,7 +266,54 @@ unsafe fn softmax_rows<const RV: usize>(
     last: __mmask16,
 ) {
     let z = _mm512_setzero_ps();
-    let mask = |i: usize| if i + 1 == RV { last } else { ALL };
+    // SAFETY (whole block): the caller's contract, as `softmax_step`'s and `softmax_end`'s.
+    unsafe {
+        let (rows, sub) = softmax_step::<RV>(st, ldt, n, m, l, c, last);
+        let mut sum = [z; RV];
+        for j in 0..n {
+            for i in 0..RV {
+                let p = st.add(j * ldt + 16 * i);
+                let x = _mm512_maskz_loadu_ps(row_mask::<RV>(i, last), p);
+                let e = exp16_nonpos(_mm512_sub_ps(x, sub[i]));
+                _mm512_mask_storeu_ps(p, row_mask::<RV>(i, last), e);
+                sum[i] = _mm512_add_ps(sum[i], e);
+            }
+        }
+        softmax_end::<RV>(rows, sum, m, l, last);
+    }
+}
+
+/// The mask of row vector `i` of `RV`, the last one `last`.
+#[inline(always)]
+pub(super) fn row_mask<const RV: usize>(i: usize, last: __mmask16) -> __mmask16 {
+    if i + 1 == RV {
+        last
+    } else {
+        ALL
+    }
+}
+
+/// The first half of a softmax step over `16*RV` rows (lanes; the last vector masked by
+/// `last`) of the logits `st[j*ldt + r]`, `j < n`: the rows' running max and sum from `m`
+/// and `l`, updated by the step's max, the factor `c` the old accumulator needs (stored), and
+/// the value each row's logits are reduced by before `exp` (`sub`).
+///
+/// # Safety
+/// AVX-512F/BW/VL/DQ, AVX2, FMA; the masked lanes of `m`, `l`, `c` and of every st row
+/// `j < n` (stride `ldt`) are inside live allocations.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub(super) unsafe fn softmax_step<const RV: usize>(
+    st: *const f32,
+    ldt: usize,
+    n: usize,
+    m: *const f32,
+    l: *const f32,
+    c: *mut f32,
+    last: __mmask16,
+) -> ([OnlineSoftmax<F32x16>; RV], [__m512; RV]) {
+    let z = _mm512_setzero_ps();
+    let mask = |i: usize| row_mask::<RV>(i, last);
     // SAFETY (whole block): the masked lanes 16i.. of m, l, c and of every st row j < n are
     // inside the ranges the caller asserted.
     unsafe {
@@ -289,16 +336,27 @@ unsafe fn softmax_rows<const RV: usize>(
             sub[i] = step.sub.0;
             _mm512_mask_storeu_ps(c.add(16 * i), mask(i), step.rescale.0);
         }
-        let mut sum = [z; RV];
-        for j in 0..n {
-            for i in 0..RV {
-                let p = st.add(j * ldt + 16 * i);
-                let x = _mm512_maskz_loadu_ps(mask(i), p);
-                let e = exp16_nonpos(_mm512_sub_ps(x, sub[i]));
-                _mm512_mask_storeu_ps(p, mask(i), e);
-                sum[i] = _mm512_add_ps(sum[i], e);
-            }
-        }
+        (rows, sub)
+    }
+}
+
+/// The second half of a softmax step ([`softmax_step`]): adds the step's sums of weights to
+/// the rows' running sums and stores the rows' max and sum in `m` and `l`.
+///
+/// # Safety
+/// As [`softmax_step`] (for `m` and `l`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub(super) unsafe fn softmax_end<const RV: usize>(
+    mut rows: [OnlineSoftmax<F32x16>; RV],
+    sum: [__m512; RV],
+    m: *mut f32,
+    l: *mut f32,
+    last: __mmask16,
+) {
+    let mask = |i: usize| row_mask::<RV>(i, last);
+    // SAFETY (whole block): the masked lanes 16i.. of m and l, as the caller asserted.
+    unsafe {
         for (i, row) in rows.iter_mut().enumerate() {
             row.add(F32x16(sum[i]));
             _mm512_mask_storeu_ps(m.add(16 * i), mask(i), row.max.0);

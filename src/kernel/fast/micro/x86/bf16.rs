@@ -13,7 +13,10 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-/// Proof that this CPU has AVX-512F/BW/VL and AVX512-BF16 (with AVX2, FMA and F16C).
+use super::avx512::{exp16_nonpos, tail};
+use super::avx512_tile::{row_mask, softmax_end, softmax_step};
+
+/// Proof that this CPU has AVX-512F/BW/VL/DQ and AVX512-BF16 (with AVX2, FMA and F16C).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Bf16(());
 
@@ -29,6 +32,17 @@ pub(crate) struct Bf16Tier {
 /// accumulators.
 const JB: usize = 8;
 
+/// What a register block does with its output `c` (see [`block`]).
+#[derive(Clone, Copy)]
+enum Acc {
+    /// QK: the sums, times the scale and capped as `TileMicro::scale_logits` leaves logits,
+    /// overwrite `c`.
+    Scaled(f32),
+    /// PV: the sums are added to `c`, first multiplied by the 32 factors at the pointer (one
+    /// a column: the softmax step's correction of the rows) when there is one.
+    Add(Option<*const f32>),
+}
+
 impl Bf16 {
     /// Checks once per process.
     pub(crate) fn detect() -> Option<Bf16> {
@@ -37,6 +51,7 @@ impl Bf16 {
             is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512dq")
                 && is_x86_feature_detected!("avx512bf16")
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
@@ -53,8 +68,9 @@ impl Bf16 {
         unsafe { dot_products(rounds) }
     }
 
-    /// QK by `vdpbf16ps`, as [`super::amx::Tiles::qk_t`] computes it: `st[j*r32 + r] =
-    /// sum_t sum_x kp_t[j*ldk + x] * q_t[r][x]` for `j < n32`, `r < r32`, `x < dp`.
+    /// QK by `vdpbf16ps`, as [`super::amx::Tiles::qk_t`] computes it, then scaled as
+    /// `TileMicro::scale_logits` scales it while still in registers: `st[j*r32 + r] =
+    /// cap(scale * sum_t sum_x kp_t[j*ldk + x] * q_t[r][x])` for `j < n32`, `r < r32`, `x < dp`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn qk_t(
         self,
@@ -63,6 +79,7 @@ impl Bf16 {
         dp: usize,
         n32: usize,
         r32: usize,
+        scale: f32,
         st: &mut [f32],
     ) {
         assert_qk(terms, ldk, dp, n32, r32, st);
@@ -78,15 +95,17 @@ impl Bf16 {
                         (rb, r32),
                         dp / 2,
                         (st.as_mut_ptr().add(jb * r32 + rb), r32),
-                        false,
+                        Acc::Scaled(scale),
                     )
                 };
             }
         }
     }
 
-    /// PV by `vdpbf16ps`, as [`super::amx::Tiles::pv_t`] computes it: `acc[x*r32 + r] +=
-    /// sum_t sum_j vt_t[x*ldv + j] * p_t[j][r]` for `x < dp`, `r < r32`, `j < n32`.
+    /// PV by `vdpbf16ps`, as [`super::amx::Tiles::pv_t`] computes it, on an accumulator
+    /// first corrected as [`Bf16::mul_rows`] corrects it (when `corr` is given) while in
+    /// registers: `acc[x*r32 + r] = acc[x*r32 + r] * corr[r] + sum_t sum_j vt_t[x*ldv + j] *
+    /// p_t[j][r]` for `x < dp`, `r < r32`, `j < n32`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn pv_t(
         self,
@@ -95,9 +114,11 @@ impl Bf16 {
         dp: usize,
         n32: usize,
         r32: usize,
+        corr: Option<&[f32]>,
         acc: &mut [f32],
     ) {
         assert_pv(terms, ldv, dp, n32, r32, acc);
+        assert!(corr.is_none_or(|c| c.len() >= r32));
         for xb in (0..dp).step_by(JB) {
             for rb in (0..r32).step_by(32) {
                 // SAFETY: `self` proves AVX512-BF16; value rows xb..xb+JB <= dp (keys
@@ -110,7 +131,8 @@ impl Bf16 {
                         (rb, r32),
                         n32 / 2,
                         (acc.as_mut_ptr().add(xb * r32 + rb), r32),
-                        true,
+                        // SAFETY (the offset): rb + 32 <= r32 <= corr.len() (asserted).
+                        Acc::Add(corr.map(|c| c.as_ptr().add(rb))),
                     )
                 };
             }
@@ -155,6 +177,48 @@ impl Bf16 {
         assert!(pt.len() >= (parts - 1) * plane + n32 / 2 * ldt);
         // SAFETY: `self` proves AVX-512F/BW/VL/BF16; the asserts bound every access.
         unsafe { pair_rows(st.as_ptr(), ldt, n, n32, parts, pt.as_mut_ptr(), plane) }
+    }
+
+    /// `TileMicro::softmax_t` of the logits `st[j*ldt + r]` (`j < n`, rows `r < rows`),
+    /// with the weights paired as [`Bf16::pair_rows`] pairs them into one part, fused: each
+    /// weight goes from its `exp` into `pt[j2*ldt + r]` without a round trip through `st`
+    /// (which keeps the logits). `m`, `l` and `c` as `softmax_t` leaves them; pairs of keys
+    /// `n..n32` and of lanes `rows.div_ceil(8)*8..ldt` are 0. `ldt` a multiple of 16, `n32`
+    /// of 32.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn softmax_pairs(
+        self,
+        st: &[f32],
+        ldt: usize,
+        (rows, n, n32): (usize, usize, usize),
+        m: &mut [f32],
+        l: &mut [f32],
+        c: &mut [f32],
+        pt: &mut [u32],
+    ) {
+        let rows8 = rows.div_ceil(8) * 8;
+        assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32 && rows8 <= ldt);
+        assert!(st.len() >= n * ldt && pt.len() >= n32 / 2 * ldt);
+        assert!(m.len() >= rows8 && l.len() >= rows8 && c.len() >= rows8);
+        let (sp, pp) = (st.as_ptr(), pt.as_mut_ptr());
+        let (mp, lp, cp) = (m.as_mut_ptr(), l.as_mut_ptr(), c.as_mut_ptr());
+        let mut r = 0;
+        while r < ldt {
+            let left = rows8.saturating_sub(r);
+            // SAFETY: `self` proves AVX-512F/BW/VL/DQ/BF16, AVX2, FMA; lanes r..r+16*RV <=
+            // ldt of st rows j < n and of pt rows j2 < n32/2, and the masked lanes of m, l, c
+            // (< rows8) are inside the slices (asserted above).
+            unsafe {
+                let at = (sp.add(r), pp.add(r), mp.add(r), lp.add(r), cp.add(r));
+                if left > 16 {
+                    softmax_pairs_rows::<2>(at, ldt, n, n32, tail((left - 16).min(16)));
+                    r += 32;
+                } else {
+                    softmax_pairs_rows::<1>(at, ldt, n, n32, tail(left));
+                    r += 16;
+                }
+            }
+        }
     }
 
     /// Rows `r0..r0 + 16` of the query pairs of QK, cut into `parts` bf16 parts (as
@@ -234,12 +298,14 @@ pub(crate) fn assert_pv(
 /// One register block of a product: `c[i*ldc + r] (+)= sum_t sum_k A_t[i][k] * B_t[k][r]` for
 /// `i < JB`, `r < 32`, `k < kpairs`: A row `i`'s pair `k` is the two bf16 at `t.0[ao + i*lda +
 /// 2k..]` (read unaligned and broadcast), B's pair row `k` the 32 pairs at `t.1[bo + k*ldb..]`.
-/// Terms in order, pairs in order, f32; `load`: add to `c` (PV) rather than overwrite it (QK).
+/// Terms in order, pairs in order, f32; `acc` says whether the sums overwrite `c` scaled
+/// (QK) or are added to it (PV, `c` first corrected).
 ///
 /// # Safety
 /// AVX512-BF16; for every term, A rows `i < JB` hold `2*kpairs` elements from `ao + i*lda`,
-/// B pair rows `k < kpairs` hold 32 pairs from `bo + k*ldb`, and the `JB` rows of 32 f32 at
-/// `c` (stride `ldc`) are inside one live allocation.
+/// B pair rows `k < kpairs` hold 32 pairs from `bo + k*ldb`, the `JB` rows of 32 f32 at
+/// `c` (stride `ldc`) are inside one live allocation, and so are the 32 factors of
+/// `Acc::Add(Some(_))`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn block(
@@ -248,16 +314,22 @@ unsafe fn block(
     (bo, ldb): (usize, usize),
     kpairs: usize,
     (c, ldc): (*mut f32, usize),
-    load: bool,
+    acc: Acc,
 ) {
     let mut lo = [_mm512_setzero_ps(); JB];
     let mut hi = [_mm512_setzero_ps(); JB];
-    if load {
+    if let Acc::Add(corr) = acc {
+        // SAFETY: the caller's contract.
+        let (cl, ch) = unsafe {
+            corr.map_or((_mm512_set1_ps(1.0), _mm512_set1_ps(1.0)), |f| {
+                (_mm512_loadu_ps(f), _mm512_loadu_ps(f.add(16)))
+            })
+        };
         for i in 0..JB {
             // SAFETY: the caller's contract.
             unsafe {
-                lo[i] = _mm512_loadu_ps(c.add(i * ldc));
-                hi[i] = _mm512_loadu_ps(c.add(i * ldc + 16));
+                lo[i] = _mm512_mul_ps(_mm512_loadu_ps(c.add(i * ldc)), cl);
+                hi[i] = _mm512_mul_ps(_mm512_loadu_ps(c.add(i * ldc + 16)), ch);
             }
         }
     }
@@ -278,6 +350,14 @@ unsafe fn block(
                     hi[i] = _mm512_dpbf16_ps(hi[i], av, bh);
                 }
             }
+        }
+    }
+    if let Acc::Scaled(s) = acc {
+        let (s, max) = (_mm512_set1_ps(s), _mm512_set1_ps(f32::MAX));
+        // `cap`: +inf becomes f32::MAX; `min` returns its second operand, the sum, for NaN.
+        let cap = |v: __m512| _mm512_min_ps(max, _mm512_mul_ps(v, s));
+        for i in 0..JB {
+            (lo[i], hi[i]) = (cap(lo[i]), cap(hi[i]));
         }
     }
     for i in 0..JB {
@@ -348,6 +428,17 @@ unsafe fn residual(x: *mut f32, n: usize) {
     }
 }
 
+/// The permutation (`permutexvar_epi16`) that interleaves the 16 low (even key) and 16 high
+/// (odd key) bf16 of `cvtne2ps` into 16 pairs.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn pair_index() -> __m512i {
+    _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+        19, 3, 18, 2, 17, 1, 16, 0,
+    )
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn pair_rows(
     st: *const f32,
@@ -358,11 +449,7 @@ unsafe fn pair_rows(
     pt: *mut u32,
     plane: usize,
 ) {
-    // Interleaves the 16 low (even key) and 16 high (odd key) bf16 of `cvtne2ps`.
-    let idx = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-        19, 3, 18, 2, 17, 1, 16, 0,
-    );
+    let idx = pair_index();
     let z = _mm512_setzero_ps();
     for j2 in 0..n32 / 2 {
         let (j0, j1) = (2 * j2, 2 * j2 + 1);
@@ -391,6 +478,62 @@ unsafe fn pair_rows(
                     }
                 }
             }
+        }
+    }
+}
+
+/// [`Bf16::softmax_pairs`] for lanes `0..16*RV` of `(st, pt, m, l, c)` (the last vector
+/// masked by `last`; a lane outside the mask pairs 0 and its m, l, c are neither read nor
+/// written): `softmax_step`, the weights of each key pair into a pair row, `softmax_end`.
+///
+/// # Safety
+/// AVX-512F/BW/VL/DQ/BF16, AVX2, FMA; lanes `0..16*RV` of st rows `j < n` and of pt rows
+/// `j2 < n32/2` (stride `ldt`), and the masked lanes of m, l, c are inside live allocations.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn softmax_pairs_rows<const RV: usize>(
+    (st, pt, m, l, c): (*const f32, *mut u32, *mut f32, *mut f32, *mut f32),
+    ldt: usize,
+    n: usize,
+    n32: usize,
+    last: __mmask16,
+) {
+    let z = _mm512_setzero_ps();
+    let idx = pair_index();
+    // SAFETY (whole block): the caller's contract.
+    unsafe {
+        let (rows, sub) = if last == 0 {
+            // No lane to compute (only padding lanes): nothing is read, the pairs are 0.
+            (None, [z; RV])
+        } else {
+            let (rows, sub) = softmax_step::<RV>(st, ldt, n, m, l, c, last);
+            (Some(rows), sub)
+        };
+        let mut sum = [z; RV];
+        // The weight of key j in row vector i (0 past n and outside the mask), summed in key
+        // order as `softmax_t` sums it.
+        let mut weight = |j: usize, i: usize| {
+            let mask = row_mask::<RV>(i, last);
+            if j >= n || mask == 0 {
+                return z;
+            }
+            let x = _mm512_maskz_loadu_ps(mask, st.add(j * ldt + 16 * i));
+            let e = exp16_nonpos(_mm512_sub_ps(x, sub[i]));
+            sum[i] = _mm512_add_ps(sum[i], e);
+            _mm512_maskz_mov_ps(mask, e)
+        };
+        for j2 in 0..n32 / 2 {
+            for i in 0..RV {
+                let e = weight(2 * j2, i);
+                let o = weight(2 * j2 + 1, i);
+                // Rounds as `pair_rows` does.
+                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(o, e));
+                let p = _mm512_permutexvar_epi16(idx, h);
+                _mm512_storeu_si512(pt.add(j2 * ldt + 16 * i) as *mut _, p);
+            }
+        }
+        if let Some(rows) = rows {
+            softmax_end::<RV>(rows, sum, m, l, last);
         }
     }
 }
@@ -501,6 +644,7 @@ pub(crate) mod tests {
     //! product checks serve the AMX tiles' tests too (`amx`).
     use super::*;
     use crate::kernel::fast::micro::scalar_amx::{pv_t_bf16, qk_t_bf16, round_bf16, split_bf16};
+    use crate::kernel::fast::micro::{Micro, TileMicro};
 
     struct Rng(u64);
     impl Rng {
@@ -528,11 +672,7 @@ pub(crate) mod tests {
     }
 
     fn bf16() -> Option<Bf16> {
-        let a = Bf16::detect();
-        if a.is_none() {
-            eprintln!("AVX512-BF16 not available on this machine: bf16 tests skipped");
-        }
-        a
+        super::super::detected(Bf16::detect(), "AVX512-BF16", "bf16")
     }
 
     #[test]
@@ -692,6 +832,26 @@ pub(crate) mod tests {
     const ROWS: [usize; 6] = [1, 15, 16, 17, 33, 64];
     const KEYS: [usize; 10] = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48];
 
+    /// The operands of a QK product as the prefill items pack them: the keys `k` (`d` each)
+    /// rounded into a panel of `n32` rows of stride `ldk`, the query rows `q` (`d` each)
+    /// paired by `pair_cols` into `dp/2` rows of `r32`.
+    fn pack_qk(
+        a: Bf16,
+        (q, k, d): (&[f32], &[f32], usize),
+        (ldk, dp, n32, r32): (usize, usize, usize, usize),
+    ) -> (Vec<u16>, Vec<u32>) {
+        let mut kp = vec![0u16; n32 * ldk];
+        for (j, key) in k.chunks_exact(d).enumerate() {
+            a.round(key, &mut kp[j * ldk..]);
+        }
+        let mut qt = vec![0u32; dp / 2 * r32];
+        let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
+        for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
+            a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
+        }
+        (kp, qt)
+    }
+
     /// `qk` (keys rounded into a panel of stride wider than dp, query rows paired by
     /// `pair_cols`, both as the prefill items pack them) against the twin on edge shapes, summed
     /// over two equal terms for odd key counts.
@@ -708,15 +868,7 @@ pub(crate) mod tests {
                         n.div_ceil(32) * 32,
                     );
                     let ldk = dp + 32;
-                    let mut kp = vec![0u16; n32 * ldk];
-                    for j in 0..n {
-                        a.round(&k[j * d..(j + 1) * d], &mut kp[j * ldk..]);
-                    }
-                    let mut qt = vec![0u32; dp / 2 * r32];
-                    let qrows: Vec<&[f32]> = q.chunks_exact(d).collect();
-                    for (r0, group) in (0..).step_by(16).zip(qrows.chunks(16)) {
-                        a.pair_cols(group, d, 1, &mut qt, r32, dp / 2 * r32, r0);
-                    }
+                    let (kp, qt) = pack_qk(a, (&q, &k, d), (ldk, dp, n32, r32));
                     let reps = 1 + n % 2;
                     let mut got = vec![f32::NAN; n32 * r32];
                     qk(&vec![(&kp[..], &qt[..]); reps], ldk, dp, n32, r32, &mut got);
@@ -795,7 +947,7 @@ pub(crate) mod tests {
     fn qk_dot_products_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = bf16() else { return };
         check_qk(a, 21, &|t, ld, dp, n32, r32, out| {
-            a.qk_t(t, ld, dp, n32, r32, out)
+            a.qk_t(t, ld, dp, n32, r32, 1.0, out)
         });
     }
 
@@ -803,7 +955,171 @@ pub(crate) mod tests {
     fn pv_dot_products_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = bf16() else { return };
         check_pv(a, 22, &|t, ld, dp, n32, r32, out| {
-            a.pv_t(t, ld, dp, n32, r32, out)
+            a.pv_t(t, ld, dp, n32, r32, None, out)
+        });
+    }
+
+    /// The fused softmax-and-pairing equals the softmax step (`softmax_t`) followed by
+    /// `pair_rows` bit for bit (running max, sum, correction and the weight pairs of every
+    /// computed row; 0 pairs for padding keys and lanes), and its weights are those of a
+    /// float64 softmax within a bf16 rounding: on masked keys, rows masked in full, a second
+    /// step on the state the first left, and row counts that are not whole vectors.
+    #[test]
+    fn fused_softmax_pairs_match_the_two_passes_and_float64() {
+        let Some(a) = bf16() else { return };
+        let m = super::super::avx512::Avx512::detect().expect("AVX512-BF16 implies AVX-512");
+        let mut rng = Rng(31);
+        for (rows, ldt) in [
+            (1usize, 16usize),
+            (5, 32),
+            (16, 32),
+            (17, 32),
+            (33, 64),
+            (64, 64),
+        ] {
+            for n in [1usize, 2, 17, 32, 45, 64] {
+                let n32 = n.div_ceil(32) * 32;
+                let rows8 = rows.div_ceil(8) * 8;
+                let (mut m1, mut l1, mut c1) = (vec![0f32; ldt], vec![0f32; ldt], vec![1f32; ldt]);
+                m1.fill(f32::NEG_INFINITY);
+                l1.fill(0.0);
+                let (mut m2, mut l2, mut c2) = (m1.clone(), l1.clone(), c1.clone());
+                for step in 0..2 {
+                    let mut st: Vec<f32> = rng.v(n * ldt).iter().map(|x| x * 9.0).collect();
+                    for (i, x) in st.iter_mut().enumerate() {
+                        // Row 2 masked in full in the first step; scattered masked keys.
+                        if (i % ldt == 2 && step == 0) || i % 7 == 3 {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                    let mut pt1 = vec![0xDEAD_BEEFu32; n32 / 2 * ldt];
+                    let mut pt2 = pt1.clone();
+                    let mut st1 = st.clone();
+                    m.softmax_t(&mut st1, ldt, rows, n, &mut m1, &mut l1, &mut c1);
+                    a.pair_rows(&st1, ldt, n, n32, 1, &mut pt1, n32 / 2 * ldt);
+                    let before = (m2.clone(), l2.clone());
+                    a.softmax_pairs(
+                        &st,
+                        ldt,
+                        (rows, n, n32),
+                        &mut m2,
+                        &mut l2,
+                        &mut c2,
+                        &mut pt2,
+                    );
+                    let what = format!("rows={rows} ldt={ldt} n={n} step={step}");
+                    for r in 0..ldt {
+                        let bits = |v: &[f32]| v[r].to_bits();
+                        assert_eq!(bits(&m1), bits(&m2), "{what}: max of row {r}");
+                        assert_eq!(bits(&l1), bits(&l2), "{what}: sum of row {r}");
+                        assert_eq!(bits(&c1), bits(&c2), "{what}: correction of row {r}");
+                    }
+                    for (i, (&p1, &p2)) in pt1.iter().zip(&pt2).enumerate() {
+                        let want = if i % ldt < rows8 { p1 } else { 0 };
+                        assert_eq!(p2, want, "{what}: pair {} lane {}", i / ldt, i % ldt);
+                    }
+                    // float64: exp(s - max) of the step's max (the old max when larger).
+                    for r in 0..rows {
+                        let mx = (0..n)
+                            .map(|j| st[j * ldt + r] as f64)
+                            .fold(before.0[r] as f64, f64::max);
+                        for j in 0..n {
+                            let w = if mx == f64::NEG_INFINITY {
+                                0.0
+                            } else {
+                                (st[j * ldt + r] as f64 - mx).exp()
+                            };
+                            let pair = pt2[j / 2 * ldt + r];
+                            let half = if j % 2 == 0 {
+                                pair & 0xFFFF
+                            } else {
+                                pair >> 16
+                            };
+                            let got = f32::from_bits(half << 16) as f64;
+                            assert!(
+                                (got - w).abs() <= w * 2f64.powi(-8) + 1e-30,
+                                "{what}: weight of key {j} row {r}: {got:e}, float64 {w:e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scale QK applies in registers is `scale_logits`'s, bit for bit (a scaled logit that
+    /// overflows to +inf capped).
+    #[test]
+    fn qk_scaled_in_registers_equals_the_scaling_pass() {
+        let Some(a) = bf16() else { return };
+        let m = super::super::avx512::Avx512::detect().expect("AVX512-BF16 implies AVX-512");
+        let mut rng = Rng(41);
+        let (d, rows, n) = (64usize, 20usize, 40usize);
+        let (dp, r32, n32) = (64usize, 32usize, 64usize);
+        let q: Vec<f32> = rng.v(rows * d).iter().map(|x| x * 3.0).collect();
+        let mut k = rng.v(n * d);
+        // Key 3 against row 0 is about 1e38, finite, and overflows to +inf when scaled by 4.
+        k[3 * d..4 * d].fill(1.25e18);
+        let mut q = q;
+        q[..d].fill(1.25e18);
+        let (kp, qt) = pack_qk(a, (&q, &k, d), (dp, dp, n32, r32));
+        let terms = [(&kp[..], &qt[..])];
+        let mut want = vec![0f32; n32 * r32];
+        a.qk_t(&terms, dp, dp, n32, r32, 1.0, &mut want);
+        let big = want[3 * r32];
+        assert!(
+            big.is_finite() && big as f64 * 4.0 > f32::MAX as f64,
+            "{big:e}"
+        );
+        m.scale_logits(&mut want, 4.0);
+        let mut got = vec![f32::NAN; n32 * r32];
+        a.qk_t(&terms, dp, dp, n32, r32, 4.0, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "logit {} row {}",
+                i / r32,
+                i % r32
+            );
+        }
+        assert_eq!(got[3 * r32], f32::MAX);
+    }
+
+    /// The correction PV applies in registers is `mul_rows`'s, bit for bit.
+    #[test]
+    fn pv_corrected_in_registers_equals_the_correction_pass() {
+        let Some(a) = bf16() else { return };
+        let mut rng = Rng(43);
+        let (d, n, r32) = (96usize, 50usize, 64usize);
+        let (dp, n32) = (96usize, 64usize);
+        let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
+        let v = rng.v(n * d);
+        let mut vt = vec![0u16; dp * n32];
+        let mut col = vec![0f32; n];
+        for x in 0..dp {
+            for j in 0..n {
+                col[j] = v[j * d + x];
+            }
+            a.round(&col, &mut vt[x * n32..]);
+        }
+        let mut pt = vec![0u32; n32 / 2 * r32];
+        a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
+        let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
+        let acc0 = rng.v(dp * r32);
+        let terms = [(&vt[..], &pt[..])];
+        let mut want = acc0.clone();
+        a.mul_rows(&mut want, &corr);
+        a.pv_t(&terms, n32, dp, n32, r32, None, &mut want);
+        let mut got = acc0.clone();
+        a.pv_t(&terms, n32, dp, n32, r32, Some(&corr), &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "acc[{}][{}]", i / r32, i % r32);
+        }
+        assert_ne!(got, {
+            let mut plain = acc0.clone();
+            a.pv_t(&terms, n32, dp, n32, r32, None, &mut plain);
+            plain
         });
     }
 

@@ -33,6 +33,17 @@ mod bounds;
 mod prefetch;
 mod u8_loops;
 
+/// A tier's proof from its `detect()`, or `None` after saying on stderr that `name` (the
+/// instruction set) is missing here and the tests of `what` are skipped: the guard every
+/// test of a tier the test machine may lack starts with.
+#[cfg(test)]
+pub(crate) fn detected<T>(proof: Option<T>, name: &str, what: &str) -> Option<T> {
+    if proof.is_none() {
+        eprintln!("{name} not available on this machine: {what} tests skipped");
+    }
+    proof
+}
+
 /// Cephes `expf`, the one exp every vector width evaluates: `x = n*ln2 + r` (ln2 split in a
 /// high part exact in few bits and a low correction), `exp(r) ~ 1 + r + r^2*P(r)` with `P`
 /// in Horner order; about 1 ulp on `[X_MIN, X_MAX]`.
