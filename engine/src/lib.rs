@@ -8,9 +8,10 @@
 //! - `output_processor`: tokens to text, stop strings, finish reasons;
 //! - [`engine_core`]: `add_request`, `abort`, `step` (schedule, run, sample, update);
 //! - [`client`]: the one driver, which owns the engine thread; `pa generate` and `pa serve` use it;
-//! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client.
+//! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client;
 //! - [`metrics`]: the client's figures and their Prometheus text; [`kv_events`]: the prefix
-//!   cache's changes published for routers in vLLM's format.
+//!   cache's changes published for routers in vLLM's format;
+//! - [`tools`]: tool calls: the parsers of a model's calls, and the conversation a template gets.
 //!
 //! ```no_run
 //! use paged_attention_engine::{EngineConfig, EngineCore, Event, GenerationParams};
@@ -38,7 +39,9 @@ mod ov;
 pub mod request;
 mod sampling;
 pub mod server;
+pub mod structured;
 mod tokenizer;
+pub mod tools;
 
 pub use client::{CacheBlocks, EngineClient, Loading, Prepared, Reply};
 pub use config::{EngineConfig, KvCacheSize, Precision, KV_AUTO_SHARE};
@@ -49,6 +52,8 @@ pub use input_processor::InputProcessor;
 pub use kv_cache::KvCachePlan;
 pub use model_dir::{GenerationDefaults, ModelConfig, ModelDir};
 pub use paged_attention::cache::{EvictionPolicy, FinishReason};
-pub use request::{ChatMessage, Event, GenerationParams, Prompt, RequestError, RequestId, Update};
+pub use request::{
+    ChatMessage, Constraint, Event, GenerationParams, Prompt, RequestError, RequestId, Update,
+};
 pub use sampling::{Penalties, Sampling, TokenLogprobs};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

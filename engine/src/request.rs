@@ -3,6 +3,7 @@
 //! updates an engine client sends a request's caller.
 
 use crate::sampling::{Penalties, Sampling, TokenLogprobs, MAX_TOP_LOGPROBS};
+use crate::tools::ToolCall;
 use paged_attention::cache::FinishReason;
 
 /// A request's id, unique in its engine (the engine client hands them out).
@@ -30,6 +31,54 @@ pub struct GenerationParams {
     pub logprobs: Option<usize>,
     /// The same for the prompt's tokens ([`Event::PromptLogprobs`]); `None`: none computed.
     pub prompt_logprobs: Option<usize>,
+    /// What the output's text must be (structured output), enforced by a token mask; `None`:
+    /// free text.
+    pub constraint: Option<Constraint>,
+}
+
+/// A constraint on an output's text (structured output). The engine compiles it for its
+/// tokenizer when the request is added (`structured::Grammars::compile`), refusing a
+/// schema or grammar the library cannot compile with a [`RequestError`] blamed on
+/// [`Constraint::param`]; then each step masks the sampler's logits to the tokens the constraint
+/// allows, allows an end-of-sequence id only where the text is complete, and ends the output
+/// (reason `stop`) when nothing more may follow.
+#[derive(Clone, Debug)]
+pub enum Constraint {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON that a JSON Schema accepts.
+    JsonSchema(serde_json::Value),
+    /// Text that a regular expression matches as a whole.
+    Regex(String),
+    /// Text of a Lark grammar (llguidance's Lark dialect, `start` the start rule).
+    Lark(String),
+}
+
+impl Constraint {
+    /// The request field a fault in this constraint is blamed on, as the OpenAI server reads it
+    /// (a caller that takes it from another field rewrites `RequestError::param`).
+    pub fn param(&self) -> &'static str {
+        match self {
+            Constraint::JsonObject | Constraint::JsonSchema(_) => "response_format",
+            Constraint::Regex(_) => "guided_regex",
+            Constraint::Lark(_) => "guided_grammar",
+        }
+    }
+
+    /// Its own shape (what needs no tokenizer); compiling it checks the rest.
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let fault = |m: &str| Err(RequestError::param(self.param(), m));
+        match self {
+            Constraint::JsonObject => Ok(()),
+            Constraint::JsonSchema(s) if !(s.is_object() || s.is_boolean()) => {
+                fault("a JSON schema must be an object (or true/false)")
+            }
+            Constraint::JsonSchema(_) => Ok(()),
+            Constraint::Regex(r) if r.is_empty() => fault("the regular expression is empty"),
+            Constraint::Lark(g) if g.trim().is_empty() => fault("the grammar is empty"),
+            Constraint::Regex(_) | Constraint::Lark(_) => Ok(()),
+        }
+    }
 }
 
 impl Default for GenerationParams {
@@ -45,6 +94,7 @@ impl Default for GenerationParams {
             n: 1,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -60,6 +110,9 @@ impl GenerationParams {
                 "max_tokens",
                 "max_new_tokens must be at least 1",
             ));
+        }
+        if let Some(c) = &self.constraint {
+            c.validate()?;
         }
         let s = &self.sampling;
         if !(s.temperature >= 0.0 && s.temperature.is_finite()) {
@@ -152,11 +205,22 @@ impl std::fmt::Display for RequestError {
     }
 }
 
-/// One chat message (`role`: system, user, assistant, ...).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+/// One chat message (`role`: system, user, assistant, tool, ...), as a chat template gets it
+/// (the fields a message does not have are absent, not null, so `'tool_calls' in message` holds
+/// only where there are calls).
+#[derive(Clone, Debug, Default, serde::Serialize, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A tool message's answer to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The author's name (OpenAI's `name`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// A prompt before tokenizing.
@@ -164,8 +228,12 @@ pub struct ChatMessage {
 pub enum Prompt {
     /// Plain text (the tokenizer's special tokens added, as GenAI does).
     Text(String),
-    /// A conversation, through the chat template.
-    Chat(Vec<ChatMessage>),
+    /// A conversation, through the chat template, with the `tools` it is given (OpenAI's tool
+    /// objects).
+    Chat {
+        messages: Vec<ChatMessage>,
+        tools: Option<Vec<serde_json::Value>>,
+    },
     /// Token ids as they are.
     Ids(Vec<u32>),
 }

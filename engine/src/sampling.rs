@@ -231,7 +231,8 @@ pub fn sample(
         logits
             .iter()
             .enumerate()
-            .filter(|(_, v)| !v.is_nan())
+            // -inf (a token masked out) has probability 0: left out, the sort stays short.
+            .filter(|(_, v)| !v.is_nan() && **v != f32::NEG_INFINITY)
             .map(|(i, &v)| (v, i as u32)),
     );
     if scratch.is_empty() {

@@ -104,6 +104,15 @@ impl TextTokenizer {
         self.max_token_bytes
     }
 
+    /// The tokenizer as `tokenizer.json` holds it.
+    pub fn to_json(&self) -> std::result::Result<Value, String> {
+        let text = self
+            .inner
+            .to_string(false)
+            .map_err(|e| format!("cannot serialize the tokenizer: {e}"))?;
+        serde_json::from_str(&text).map_err(|e| format!("cannot read the tokenizer's JSON: {e}"))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -112,13 +121,20 @@ impl TextTokenizer {
         self.chat_template.is_some()
     }
 
-    /// Renders the chat template (`messages`, `add_generation_prompt`, `bos_token`,
-    /// `eos_token`) into at most `max_bytes` bytes: a template whose output would be longer is
-    /// stopped there and refused (the request's text alone decides how long it runs). The result
-    /// already holds the template's special tokens: encode it with `add_special_tokens = false`.
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Renders the chat template (`messages`, `tools` (none when `None`), `add_generation_prompt`,
+    /// `bos_token`, `eos_token`, as transformers passes them) into at most `max_bytes` bytes: a
+    /// template whose output would be longer is stopped there and refused (the request's text
+    /// alone decides how long it runs). The result already holds the template's special tokens:
+    /// encode it with `add_special_tokens = false`.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&[Value]>,
         add_generation_prompt: bool,
         max_bytes: usize,
     ) -> Result<String> {
@@ -141,6 +157,7 @@ impl TextTokenizer {
         );
         let ctx = minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_deref().unwrap_or(""),
             eos_token => self.eos_token.as_deref().unwrap_or(""),
@@ -223,5 +240,82 @@ impl StreamDecoder {
         self.prefix = self.read;
         self.read = self.ids.len();
         Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::ToolCall;
+    use serde_json::json;
+
+    /// A one-word tokenizer with `template` as its chat template, in a fresh directory.
+    fn with_template(template: &str) -> TextTokenizer {
+        let dir = std::env::temp_dir().join(format!(
+            "pa-template-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let tokenizer = json!({"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [], "normalizer": null, "pre_tokenizer": null,
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}});
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("write");
+        let cfg = json!({"chat_template": template, "eos_token": "a"});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).expect("write");
+        let t = TextTokenizer::from_dir(&dir).expect("tokenizer");
+        let _ = std::fs::remove_dir_all(&dir);
+        t
+    }
+
+    #[test]
+    fn tools_and_tool_messages_reach_the_template_as_transformers_passes_them() {
+        // What tool templates (Qwen2.5's, Llama 3.1's) read: `tools` (none without them),
+        // `'tool_calls' in message` only on messages with calls, arguments as a mapping, and a
+        // tool message's `tool_call_id`.
+        let t = with_template(concat!(
+            "{% if tools is none %}no tools{% else %}{% for t in tools %}{{ t.function.name }};",
+            "{% endfor %}{% endif %}",
+            "{% for m in messages %}[{{ m.role }}",
+            "{% if 'tool_calls' in m %} calls:{% for c in m.tool_calls %}",
+            "{{ c.function.name }}/{{ c.function.arguments.city }}/{{ c.id }}{% endfor %}{% endif %}",
+            "{% if m.tool_call_id is defined %} for {{ m.tool_call_id }}{% endif %}",
+            "] {{ m.content }}{% endfor %}"
+        ));
+        let messages = vec![
+            ChatMessage {
+                role: "user".into(),
+                content: "Weather?".into(),
+                ..ChatMessage::default()
+            },
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: Some(vec![ToolCall {
+                    id: "call_9".into(),
+                    name: "get_weather".into(),
+                    arguments: r#"{"city": "Oslo"}"#.into(),
+                }]),
+                ..ChatMessage::default()
+            },
+            ChatMessage {
+                role: "tool".into(),
+                content: "cold".into(),
+                tool_call_id: Some("call_9".into()),
+                ..ChatMessage::default()
+            },
+        ];
+        let tools = [json!({"type": "function", "function": {"name": "get_weather"}})];
+        let out = t
+            .apply_chat_template(&messages, Some(&tools), false, 1 << 20)
+            .expect("renders");
+        assert_eq!(
+            out,
+            "get_weather;[user] Weather?[assistant calls:get_weather/Oslo/call_9] [tool for call_9] cold"
+        );
+        let out = t
+            .apply_chat_template(&messages[..1], None, false, 1 << 20)
+            .expect("renders");
+        assert_eq!(out, "no tools[user] Weather?");
     }
 }

@@ -183,9 +183,9 @@ NOT_SERVED = [  # (endpoint, extra fields, the field the 400 must name)
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("chat/completions", {"echo": True}, "echo"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat/completions", {"tools": [TOOL]}, "tools"),
-    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("completions", {"tools": [TOOL]}, "tools"),
+    ("completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat/completions", {"functions": [TOOL["function"]]}, "functions"),
     ("chat/completions", {"prompt": "x"}, "prompt"),
 ]
 ASKS_NOTHING = {  # OpenAI's own defaults, spelled out: served as if absent

@@ -6,9 +6,11 @@ use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
 use paged_attention_engine::kv_events::{KvEventsConfig, Shape};
 use paged_attention_engine::metrics::Naming;
+use paged_attention_engine::tools::ToolParser;
 use paged_attention_engine::{
-    convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
-    KvCacheSize, ModelDir, Penalties, Precision, Prompt, Reply, Sampling, TokenLogprobs, Update,
+    convert_ir, Constraint, Conversion, EngineClient, EngineConfig, Event, FinishReason,
+    GenerationParams, KvCacheSize, ModelDir, Penalties, Precision, Prompt, Reply, Sampling,
+    TokenLogprobs, Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -79,6 +81,10 @@ struct ServeArgs {
     /// Seconds a request's head, and then its body, may take to arrive.
     #[arg(long, default_value = "30", value_parser = positive_seconds)]
     read_timeout: Duration,
+    /// How the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5, SmolLM2) or
+    /// llama3_json (Llama 3.x). Default: as the chat template writes them, else hermes.
+    #[arg(long, value_name = "NAME", value_parser = ToolParser::from_name)]
+    tool_call_parser: Option<ToolParser>,
     /// How /metrics spells the names vLLM also has: `pa` (pa_num_requests_waiting; passes
     /// promtool) or `vllm` (vllm:num_requests_waiting, what routers read by default).
     #[arg(long, default_value = "pa")]
@@ -193,6 +199,18 @@ struct GenerateArgs {
     /// Outputs per prompt (parallel samples sharing the prompt's KV blocks).
     #[arg(long, default_value_t = 1)]
     n: usize,
+    /// Structured output: the text is JSON that this JSON Schema file accepts.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    json_schema: Option<PathBuf>,
+    /// Structured output: the text is a JSON object.
+    #[arg(long, group = "constraint")]
+    json_object: bool,
+    /// Structured output: the text matches this regular expression as a whole.
+    #[arg(long, group = "constraint")]
+    regex: Option<String>,
+    /// Structured output: the text follows this Lark grammar file (llguidance's Lark).
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    grammar: Option<PathBuf>,
     /// One JSON object per prompt and line.
     #[arg(long)]
     json: bool,
@@ -301,6 +319,7 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         read_timeout: a.read_timeout,
         shutdown_timeout: a.shutdown_timeout,
         model_name: name,
+        tool_call_parser: a.tool_call_parser,
         metric_names: a.metric_names,
     };
     paged_attention_engine::server::serve(a.model_dir, engine, cfg)
@@ -418,10 +437,14 @@ impl PromptSpec {
     /// A text prompt (one user message through the chat template with `chat`), at the start.
     fn text(t: &str, chat: bool) -> PromptSpec {
         let prompt = if chat {
-            Prompt::Chat(vec![paged_attention_engine::ChatMessage {
-                role: "user".into(),
-                content: t.into(),
-            }])
+            Prompt::Chat {
+                messages: vec![paged_attention_engine::ChatMessage {
+                    role: "user".into(),
+                    content: t.into(),
+                    ..Default::default()
+                }],
+                tools: None,
+            }
         } else {
             Prompt::Text(t.into())
         };
@@ -474,6 +497,25 @@ struct Run {
     logprobs: HashMap<usize, Vec<TokenLogprobs>>,
 }
 
+/// The structured-output constraint the flags ask for.
+fn constraint(a: &GenerateArgs) -> Result<Option<Constraint>, String> {
+    let read =
+        |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()));
+    Ok(if let Some(p) = &a.json_schema {
+        let schema = serde_json::from_str(&read(p)?)
+            .map_err(|e| format!("{}: not JSON: {e}", p.display()))?;
+        Some(Constraint::JsonSchema(schema))
+    } else if a.json_object {
+        Some(Constraint::JsonObject)
+    } else if let Some(r) = &a.regex {
+        Some(Constraint::Regex(r.clone()))
+    } else if let Some(p) = &a.grammar {
+        Some(Constraint::Lark(read(p)?))
+    } else {
+        None
+    })
+}
+
 fn generate(a: GenerateArgs) -> Result<(), String> {
     let prompts: Vec<PromptSpec> = match (&a.prompt, &a.prompts) {
         (Some(p), _) => vec![PromptSpec::text(p, a.chat)],
@@ -491,6 +533,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         }
         (None, None) => unreachable!("clap requires --prompt or --prompts"),
     };
+    let constraint = constraint(&a)?;
     let cfg = engine_config(&a.engine)?;
     let t_load = Instant::now();
     let md = ModelDir::open(&a.model_dir).map_err(|e| e.to_string())?;
@@ -522,6 +565,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         n: a.n,
         logprobs: a.logprobs,
         prompt_logprobs: None,
+        constraint,
     };
     // Requests in input order, each at its arrival time (tokenized on this thread); a refused
     // prompt fails alone.
@@ -732,6 +776,16 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             c.evicted_blocks,
             c.rotated_blocks,
         );
+        if s.mask_time > Duration::ZERO {
+            eprintln!(
+                "structured output: {:.1} us of mask computation a step ({:.1}% of step time), \
+                 {:.1} us a step on the step's own path ({:.1}%)",
+                1e6 * s.mask_time.as_secs_f64() / (s.steps.max(1) as f64),
+                100.0 * s.mask_time.as_secs_f64() / s.step_time.as_secs_f64().max(1e-9),
+                1e6 * s.mask_critical_time.as_secs_f64() / (s.steps.max(1) as f64),
+                100.0 * s.mask_critical_time.as_secs_f64() / s.step_time.as_secs_f64().max(1e-9),
+            );
+        }
     }
     if failed > 0 {
         return Err(format!("{failed} of {n} prompts were refused"));

@@ -18,6 +18,7 @@ mod logprobs;
 mod openai;
 mod response;
 mod routes;
+mod tools;
 
 use crate::client::EngineClient;
 use crate::config::EngineConfig;
@@ -49,6 +50,8 @@ pub struct ServeConfig {
     pub shutdown_timeout: Duration,
     /// The name `/v1/models` lists and requests must use (and `/metrics`' `model_name` label).
     pub model_name: String,
+    /// How the model's tool calls are parsed (`None`: as its chat template calls for).
+    pub tool_call_parser: Option<crate::tools::ToolParser>,
     /// How `/metrics` spells the names vLLM also has.
     pub metric_names: crate::metrics::Naming,
 }
@@ -65,8 +68,15 @@ pub fn serve(dir: PathBuf, engine_cfg: EngineConfig, cfg: ServeConfig) -> Result
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
     let (client, loading) = EngineClient::start(&dir, engine_cfg).map_err(|e| e.to_string())?;
     let client = Arc::new(client);
+    let template = client.inputs().tokenizer().chat_template();
+    let (tools, how) = tools::ToolSetup::new(cfg.tool_call_parser, template);
+    eprintln!(
+        "pa serve: tool calls are read as `{}` (from {how})",
+        tools.parser.name()
+    );
     let app = Arc::new(App {
         cfg,
+        tools,
         client: client.clone(),
         ready: AtomicBool::new(false),
         shutting_down: AtomicBool::new(false),

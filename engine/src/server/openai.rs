@@ -1,7 +1,8 @@
 //! OpenAI's API: its error JSON (on every error status), and its completion and chat requests
 //! read into a prompt and generation parameters, each fault blamed on its field.
 
-use crate::request::{ChatMessage, GenerationParams, Prompt, RequestError};
+use super::tools::{self, ToolRequest};
+use crate::request::{ChatMessage, Constraint, GenerationParams, Prompt, RequestError};
 use crate::sampling::{Penalties, Sampling, MAX_TOP_LOGPROBS};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
@@ -44,6 +45,18 @@ pub(crate) fn refused(e: &RequestError, prompt_field: &str) -> Response {
     bad(e.message.clone(), Some(e.param.unwrap_or(prompt_field)))
 }
 
+/// `e` blamed on `field` when it is the constraint's fault and the constraint came from `field`
+/// (the engine blames [`Constraint::param`]).
+pub(crate) fn blame_constraint(e: &RequestError, field: Option<&'static str>) -> RequestError {
+    let mut e = e.clone();
+    if let (Some(f), Some(p)) = (field, e.param) {
+        if ["response_format", "guided_regex", "guided_grammar"].contains(&p) {
+            e.param = Some(f);
+        }
+    }
+    e
+}
+
 /// Which endpoint a request came to.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Kind {
@@ -70,6 +83,10 @@ pub(crate) struct Parsed {
     /// Completions' `echo`: the prompt's text (and with `logprobs`, its tokens' log-probabilities)
     /// comes before the completion.
     pub echo: bool,
+    /// A chat request's tools (`None`: it offers none).
+    pub tools: Option<ToolRequest>,
+    /// The field the structured-output constraint came from.
+    pub constraint_field: Option<&'static str>,
 }
 
 /// The body as a JSON object: at most `max_bytes`, all of it within `timeout`.
@@ -130,7 +147,10 @@ pub(crate) fn parse(
         Kind::Completion => (Prompt::Text(completion_prompt(v)?), &["max_tokens"], 16),
         // No max_tokens: up to the context, as OpenAI does.
         Kind::Chat => (
-            Prompt::Chat(chat_messages(v)?),
+            Prompt::Chat {
+                messages: chat_messages(v)?,
+                tools: None,
+            },
             &["max_tokens", "max_completion_tokens"],
             context.unwrap_or(4096),
         ),
@@ -142,6 +162,9 @@ pub(crate) fn parse(
     // Echo with logprobs: the prompt's tokens get theirs too.
     p.params.prompt_logprobs = logprobs.filter(|_| echo);
     p.echo = echo;
+    if kind == Kind::Chat {
+        p.tools = tools::read(v)?;
+    }
     Ok(p)
 }
 
@@ -190,7 +213,7 @@ const MAX_COMPLETION_LOGPROBS: u64 = 5;
 
 /// The request fields this server serves, on both endpoints (`user` is OpenAI's end-user id for
 /// abuse monitoring: accepted, and changes nothing) and on one of them.
-const SERVED: [&str; 16] = [
+const SERVED: [&str; 22] = [
     "model",
     "max_tokens",
     "temperature",
@@ -207,13 +230,22 @@ const SERVED: [&str; 16] = [
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
 ];
 const SERVED_COMPLETION: [&str; 3] = ["prompt", "logprobs", "echo"];
-const SERVED_CHAT: [&str; 4] = [
+const SERVED_CHAT: [&str; 7] = [
     "messages",
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ];
 
 /// OpenAI fields not served yet, each with the one value that asks for nothing (so a client that
@@ -229,12 +261,8 @@ fn asks_nothing(key: &str, x: &Value, v: &Value) -> bool {
         "best_of" => x
             .as_u64()
             .is_some_and(|b| Some(b) == v.get("n").and_then(Value::as_u64).or(Some(1))),
-        "tools" | "functions" => empty(x),
-        "tool_choice" | "function_call" => x == "none",
-        "parallel_tool_calls" => {
-            x.is_boolean() && v.get("tools").is_none_or(|t| t.is_null() || empty(t))
-        }
-        "response_format" => x.get("type").and_then(Value::as_str) == Some("text"),
+        "functions" => empty(x),
+        "function_call" => x == "none",
         "suffix" => x == "",
         _ => false,
     }
@@ -259,16 +287,13 @@ fn not_served(v: &Value, kind: Kind) -> Result<(), Response> {
             continue;
         }
         let what = match key.as_str() {
-            // Served on the other endpoint (chat's `top_logprobs`, completions' `echo`).
-            "top_logprobs" | "echo" => "is not a parameter of this endpoint",
-            "best_of"
-            | "tools"
-            | "functions"
-            | "tool_choice"
-            | "function_call"
-            | "parallel_tool_calls"
-            | "response_format"
-            | "suffix" => "is not served by this server yet",
+            // Served on the other endpoint (chat's `top_logprobs` and tools, completions' `echo`).
+            "top_logprobs" | "echo" | "tools" | "tool_choice" | "parallel_tool_calls" => {
+                "is not a parameter of this endpoint"
+            }
+            "best_of" | "functions" | "function_call" | "suffix" => {
+                "is not served by this server yet"
+            }
             _ => "is not a parameter this server knows",
         };
         return Err(bad(
@@ -303,8 +328,9 @@ fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, Response> {
             )
         })?;
     let mut out = Vec::with_capacity(msgs.len());
-    for m in msgs {
+    for (i, m) in msgs.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
+        let (tool_calls, tool_call_id) = tools::message_fields(m, i)?;
         let content = match m.get("content") {
             Some(Value::String(s)) => Some(s.clone()),
             // Content parts: the text ones, joined.
@@ -315,12 +341,17 @@ fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, Response> {
                     .collect::<Vec<_>>()
                     .join(""),
             ),
+            // An assistant's calls stand for its content.
+            None | Some(Value::Null) if tool_calls.is_some() => Some(String::new()),
             _ => None,
         };
         match (role, content) {
             (Some(r), Some(c)) => out.push(ChatMessage {
                 role: r.to_owned(),
                 content: c,
+                tool_calls,
+                tool_call_id,
+                name: m.get("name").and_then(Value::as_str).map(str::to_owned),
             }),
             _ => {
                 return Err(bad(
@@ -463,6 +494,10 @@ fn parse_params(
     let ignore_eos = field(v, "ignore_eos")
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let (constraint, constraint_field) = match constraint(v)? {
+        Some((c, f)) => (Some(c), Some(f)),
+        None => (None, None),
+    };
     let params = GenerationParams {
         max_new_tokens: max_new,
         sampling: Sampling {
@@ -478,14 +513,154 @@ fn parse_params(
         n,
         logprobs: None,
         prompt_logprobs: None,
+        constraint,
     };
     // The engine's own checks, on the values as it holds them (a top_p that rounds to 0 in f32).
-    params.validate().map_err(|e| refused(&e, "prompt"))?;
+    params
+        .validate()
+        .map_err(|e| refused(&blame_constraint(&e, constraint_field), "prompt"))?;
     Ok(Parsed {
         prompt: Prompt::Ids(Vec::new()),
         params,
         stream,
         include_usage,
         echo: false,
+        tools: None,
+        constraint_field,
     })
+}
+
+/// The structured-output constraint of a request, and the field it came from: OpenAI's
+/// `response_format`, or vLLM's `structured_outputs` ({json, regex, choice, grammar}) or its
+/// older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. At most one.
+fn constraint(v: &Value) -> Result<Option<(Constraint, &'static str)>, Response> {
+    let mut found: Option<(Constraint, &'static str)> = None;
+    let mut take = |c: Option<Constraint>, f: &'static str| -> Result<(), Response> {
+        let Some(c) = c else { return Ok(()) };
+        if let Some((_, first)) = &found {
+            return Err(bad(
+                format!("`{f}` and `{first}` both constrain the output; give one"),
+                Some(f),
+            ));
+        }
+        found = Some((c, f));
+        Ok(())
+    };
+    if let Some(rf) = field(v, "response_format") {
+        take(response_format(rf)?, "response_format")?;
+    }
+    if let Some(so) = field(v, "structured_outputs") {
+        let Some(o) = so.as_object() else {
+            return Err(bad(
+                "`structured_outputs` must be an object",
+                Some("structured_outputs"),
+            ));
+        };
+        for (k, x) in o.iter().filter(|(_, x)| !x.is_null()) {
+            let c = match k.as_str() {
+                "json" => Some(json_schema(x, "structured_outputs")?),
+                "regex" => Some(Constraint::Regex(string(x, "structured_outputs", k)?)),
+                "grammar" => Some(Constraint::Lark(string(x, "structured_outputs", k)?)),
+                "choice" => Some(choice(x, "structured_outputs")?),
+                "json_object" if x.as_bool() == Some(true) => Some(Constraint::JsonObject),
+                "json_object" if x.as_bool() == Some(false) => None,
+                _ => {
+                    return Err(bad(
+                        format!("`structured_outputs.{k}` is not served (json, regex, choice, grammar and json_object are)"),
+                        Some("structured_outputs"),
+                    ))
+                }
+            };
+            take(c, "structured_outputs")?;
+        }
+    }
+    if let Some(x) = field(v, "guided_json") {
+        take(Some(json_schema(x, "guided_json")?), "guided_json")?;
+    }
+    if let Some(x) = field(v, "guided_regex") {
+        let r = string(x, "guided_regex", "guided_regex")?;
+        take(Some(Constraint::Regex(r)), "guided_regex")?;
+    }
+    if let Some(x) = field(v, "guided_grammar") {
+        let g = string(x, "guided_grammar", "guided_grammar")?;
+        take(Some(Constraint::Lark(g)), "guided_grammar")?;
+    }
+    if let Some(x) = field(v, "guided_choice") {
+        take(Some(choice(x, "guided_choice")?), "guided_choice")?;
+    }
+    Ok(found)
+}
+
+fn string(x: &Value, f: &'static str, what: &str) -> Result<String, Response> {
+    x.as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| bad(format!("`{what}` must be a string"), Some(f)))
+}
+
+/// A JSON schema given as an object (or a string holding one, as vLLM takes it).
+fn json_schema(x: &Value, f: &'static str) -> Result<Constraint, Response> {
+    let schema = match x {
+        Value::String(s) => serde_json::from_str(s)
+            .map_err(|e| bad(format!("the JSON schema is not JSON: {e}"), Some(f)))?,
+        x => x.clone(),
+    };
+    Ok(Constraint::JsonSchema(schema))
+}
+
+/// One of a list of strings, exactly.
+fn choice(x: &Value, f: &'static str) -> Result<Constraint, Response> {
+    let list: Option<Vec<&str>> = x
+        .as_array()
+        .filter(|a| !a.is_empty())
+        .and_then(|a| a.iter().map(Value::as_str).collect());
+    let list =
+        list.ok_or_else(|| bad("the choice must be a non-empty list of strings", Some(f)))?;
+    let alternatives: Vec<String> = list.iter().map(|s| regex_syntax::escape(s)).collect();
+    Ok(Constraint::Regex(format!("({})", alternatives.join("|"))))
+}
+
+/// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
+/// `json_schema.schema` (`name` and `strict` accepted; the schema is always enforced).
+fn response_format(rf: &Value) -> Result<Option<Constraint>, Response> {
+    let f = Some("response_format");
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let Some(js) = rf.get("json_schema").filter(|j| j.is_object()) else {
+                return Err(bad(
+                    "`response_format.json_schema` must be an object {name, schema, strict}",
+                    f,
+                ));
+            };
+            if js.get("name").is_some_and(|n| !n.is_string()) {
+                return Err(bad(
+                    "`response_format.json_schema.name` must be a string",
+                    f,
+                ));
+            }
+            if js
+                .get("strict")
+                .is_some_and(|s| !(s.is_boolean() || s.is_null()))
+            {
+                return Err(bad(
+                    "`response_format.json_schema.strict` must be a boolean",
+                    f,
+                ));
+            }
+            match js.get("schema").filter(|s| !s.is_null()) {
+                Some(s) => Ok(Some(Constraint::JsonSchema(s.clone()))),
+                // No schema: any JSON object.
+                None => Ok(Some(Constraint::JsonObject)),
+            }
+        }
+        Some(t) => Err(bad(
+            format!("`response_format.type` `{t}` is not one of text, json_object, json_schema"),
+            f,
+        )),
+        None => Err(bad(
+            "`response_format` must be an object with a `type` (text, json_object, json_schema)",
+            f,
+        )),
+    }
 }

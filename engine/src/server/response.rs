@@ -5,6 +5,7 @@
 
 use super::logprobs::{self, Entry};
 use super::openai::{error, Kind};
+use super::tools::{CallDeltas, CallOutput};
 use crate::request::{Event, Update};
 use crate::tokenizer::TextTokenizer;
 use crate::FinishReason;
@@ -29,10 +30,14 @@ pub(crate) fn now_secs() -> u64 {
 /// Should the OS refuse randomness, the bits are the clock's nanoseconds, the process id and a
 /// counter: unique within a machine, and the request is still served.
 pub(crate) fn new_id(kind: Kind) -> String {
-    let prefix = match kind {
-        Kind::Completion => "cmpl",
-        Kind::Chat => "chatcmpl",
-    };
+    unique_id(match kind {
+        Kind::Completion => "cmpl-",
+        Kind::Chat => "chatcmpl-",
+    })
+}
+
+/// `prefix` and 128 random bits (see [`new_id`]).
+pub(crate) fn unique_id(prefix: &str) -> String {
     let mut bits = [0u8; 16];
     if getrandom::fill(&mut bits).is_err() {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -44,7 +49,7 @@ pub(crate) fn new_id(kind: Kind) -> String {
         bits[..8].copy_from_slice(&nanos.to_le_bytes());
         bits[8..].copy_from_slice(&tail.to_le_bytes());
     }
-    format!("{prefix}-{:032x}", u128::from_le_bytes(bits))
+    format!("{prefix}{:032x}", u128::from_le_bytes(bits))
 }
 
 /// What every answer of a request names.
@@ -60,6 +65,8 @@ pub(crate) struct Answer {
     pub echo: Option<String>,
     /// Names the tokens of the logprobs.
     pub tokenizer: Arc<TextTokenizer>,
+    /// How a chat answer's text becomes tool calls (`None`: it is all content).
+    pub calls: Option<CallOutput>,
 }
 
 impl Answer {
@@ -179,9 +186,13 @@ pub(crate) async fn whole(mut rx: UnboundedReceiver<Update>, a: Answer) -> Respo
         completion_tokens += ntok;
         let logprobs = a.logprobs(g);
         let text = std::mem::take(&mut g.text);
-        choices.push(match a.kind {
-            Kind::Completion => json!({"index": i, "text": text, "finish_reason": reason.as_str(), "logprobs": logprobs}),
-            Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason.as_str(), "logprobs": logprobs}),
+        choices.push(match (a.kind, a.calls) {
+            (Kind::Completion, _) => json!({"index": i, "text": text, "finish_reason": reason.as_str(), "logprobs": logprobs}),
+            (Kind::Chat, None) => json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason.as_str(), "logprobs": logprobs}),
+            (Kind::Chat, Some(calls)) => {
+                let (message, finish) = calls.message(&text, reason);
+                json!({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs})
+            }
         });
     }
     let object = match a.kind {
@@ -233,6 +244,9 @@ pub(crate) fn stream(
         let mut got = a.choices();
         let mut left = a.n;
         let mut completion_tokens = 0;
+        // Per output, its text turned into content and call deltas.
+        let mut calls: Vec<Option<CallDeltas>> =
+            (0..a.n).map(|_| a.calls.map(|c| c.deltas())).collect();
         loop {
             // The client leaving ends the stream now, not at the next text it would have got.
             let u = tokio::select! {
@@ -257,7 +271,7 @@ pub(crate) fn stream(
             }
             let (i, reason) = match &e {
                 Event::Token { index, .. } if got[*index].text.is_empty() => continue,
-                Event::Token { index, .. } => (*index, Value::Null),
+                Event::Token { index, .. } => (*index, None),
                 Event::Finished {
                     index,
                     reason,
@@ -266,24 +280,44 @@ pub(crate) fn stream(
                 } => {
                     left -= 1;
                     completion_tokens += token_ids.len();
-                    (*index, json!(reason.as_str()))
+                    (*index, Some(*reason))
                 }
                 Event::PromptLogprobs { .. } => continue,
             };
             let Some(g) = got.get_mut(i) else { continue };
-            let logprobs = a.logprobs(g);
             let text = std::mem::take(&mut g.text);
-            let piece = match a.kind {
-                Kind::Completion => {
-                    json!([{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}])
+            let finish = reason.map(|r| r.as_str());
+            let piece = match (a.kind, calls.get_mut(i).and_then(Option::as_mut)) {
+                (Kind::Completion, _) => {
+                    json!([{"index": i, "text": text, "finish_reason": finish, "logprobs": a.logprobs(g)}])
                 }
-                Kind::Chat => {
+                (Kind::Chat, None) => {
                     let delta = if text.is_empty() {
                         json!({})
                     } else {
                         json!({ "content": text })
                     };
-                    json!([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+                    json!([{"index": i, "delta": delta, "logprobs": a.logprobs(g), "finish_reason": finish}])
+                }
+                // Tool calls: the text becomes content and call deltas as the parser reads it;
+                // the logprobs of its tokens ride on the chunk that ends the choice.
+                (Kind::Chat, Some(c)) => {
+                    let mut deltas = c.push(&text);
+                    let mut finish = None;
+                    if let Some(r) = reason {
+                        let (more, f) = c.finish(r);
+                        deltas.extend(more);
+                        finish = Some(f);
+                    }
+                    for d in deltas {
+                        if !send(chunk(
+                            json!([{"index": i, "delta": d, "logprobs": null, "finish_reason": null}]),
+                        )) {
+                            return;
+                        }
+                    }
+                    let Some(f) = finish else { continue };
+                    json!([{"index": i, "delta": {}, "logprobs": a.logprobs(g), "finish_reason": f}])
                 }
             };
             if !send(chunk(piece)) {

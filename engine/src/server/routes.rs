@@ -4,9 +4,10 @@
 
 use super::openai::{self, error, refused, Kind};
 use super::response;
+use super::tools::{self, ToolSetup};
 use super::ServeConfig;
 use crate::client::EngineClient;
-use crate::request::{Prompt, Update};
+use crate::request::{Prompt, RequestError, Update};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -19,6 +20,7 @@ use std::sync::Arc;
 
 pub(crate) struct App {
     pub cfg: ServeConfig,
+    pub tools: ToolSetup,
     pub client: Arc<EngineClient>,
     pub ready: AtomicBool,
     pub shutting_down: AtomicBool,
@@ -128,7 +130,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
         Err(r) => return r,
     };
     let context = app.client.inputs().context_len();
-    let req = match openai::parse(&v, kind, &app.cfg.model_name, context) {
+    let mut req = match openai::parse(&v, kind, &app.cfg.model_name, context) {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -141,16 +143,24 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let n = req.params.n;
     let client = app.client.clone();
+    let calls = match tools::apply(&app.tools, &mut req) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
     let logprobs = req.params.logprobs.is_some();
     let echo = match (&req.prompt, req.echo) {
         (Prompt::Text(t), true) => Some(t.clone()),
         _ => None,
     };
     let (prompt, params) = (req.prompt, req.params);
+    let blame = |e: &RequestError| {
+        let e = openai::blame_constraint(e, req.constraint_field);
+        refused(&e, kind.prompt_field())
+    };
     let submitted = tokio::task::spawn_blocking(move || client.submit(prompt, params, tx)).await;
     match submitted {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return refused(&e, kind.prompt_field()),
+        Ok(Err(e)) => return blame(&e),
         Err(_) => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -161,7 +171,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
     }
     let prompt_tokens = match rx.recv().await {
         Some(Update::Accepted { prompt_tokens, .. }) => prompt_tokens,
-        Some(Update::Refused { error: e, .. }) => return refused(&e, kind.prompt_field()),
+        Some(Update::Refused { error: e, .. }) => return blame(&e),
         _ => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -179,6 +189,7 @@ async fn serve_request(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind
         logprobs,
         echo,
         tokenizer: app.client.inputs().tokenizer().clone(),
+        calls,
     };
     if req.stream {
         response::stream(slot, rx, answer, req.include_usage)
