@@ -1,5 +1,6 @@
 //! How an engine is set up: cache type and size, the scheduler's budgets, OpenVINO's options.
 
+use crate::speculative::SpeculativeConfig;
 use paged_attention::cache::EvictionPolicy;
 use paged_attention::dtype::DEFAULT_CACHE_TYPE;
 use paged_attention::ElemType;
@@ -63,6 +64,8 @@ pub struct EngineConfig {
     /// keeping `start` leading and `recent` trailing ones; kept keys that move are re-rotated
     /// by the op. The graph then also has the scores outputs and the rotation inputs.
     pub eviction: Option<EvictionPolicy>,
+    /// Speculative decoding (not with `eviction`).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +81,7 @@ impl Default for EngineConfig {
             threads: None,
             device: "CPU".into(),
             eviction: None,
+            speculative: None,
         }
     }
 }

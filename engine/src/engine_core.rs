@@ -6,6 +6,10 @@
 //! id, a stop string or `max_new_tokens`). A request with `n` > 1 prefills once; its other
 //! outputs are forks of the first (sharing its blocks, copy-on-write) from its first token on.
 //!
+//! With speculative decoding, each decoding sequence first proposes draft tokens (prompt
+//! lookup, `speculative`), the step verifies them with its other work, and the update applies
+//! the accepted tokens one at a time through the same path as a sampled token.
+//!
 //! The core knows no threads, channels or HTTP: an engine client drives it.
 
 use crate::config::EngineConfig;
@@ -14,7 +18,8 @@ use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
-use crate::sampling::sample;
+use crate::sampling::{sample, verify_draft};
+use crate::speculative::{self, SpeculativeConfig};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
     CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters, SeqId,
@@ -36,6 +41,9 @@ pub struct EngineStats {
     pub infer_time: Duration,
     /// In whole steps (scheduling, copies, inputs, infer, sampling, detokenization).
     pub step_time: Duration,
+    /// Speculative decoding: draft tokens verified, and those accepted.
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
 }
 
 /// One output of a request.
@@ -68,6 +76,9 @@ pub struct EngineCore {
     /// A logits row with the penalties applied, and the token counts they use.
     penalized: Vec<f32>,
     counts: Vec<(u32, u32)>,
+    /// An output's tokens so far plus those accepted in this step (for the penalties).
+    so_far: Vec<u32>,
+    speculative: Option<SpeculativeConfig>,
     stats: EngineStats,
 }
 
@@ -82,6 +93,11 @@ impl EngineCore {
         if cfg.block_size == 0 || cfg.max_batched_tokens == 0 || cfg.max_seqs == 0 {
             return Err(EngineError::Config(
                 "block size, max batched tokens and max sequences must be positive".into(),
+            ));
+        }
+        if cfg.speculative.is_some() && cfg.eviction.is_some() {
+            return Err(EngineError::Config(
+                "speculative decoding does not combine with cache eviction".into(),
             ));
         }
         let (runner, num_blocks) = ModelRunner::load(&md, cfg)?;
@@ -106,6 +122,8 @@ impl EngineCore {
             scratch: Vec::new(),
             penalized: Vec::new(),
             counts: Vec::new(),
+            so_far: Vec::new(),
+            speculative: cfg.speculative,
             stats: EngineStats::default(),
         })
     }
@@ -290,6 +308,7 @@ impl EngineCore {
             return Ok(events);
         }
         let t0 = Instant::now();
+        self.propose_drafts()?;
         let step = self.schedule()?;
         if let Err(e) = self.run(&step) {
             // The step's tokens were not computed: end its requests with the error rather than
@@ -297,8 +316,8 @@ impl EngineCore {
             let _ = self.sched.complete_step(&[]);
             return Err(e);
         }
-        let (sampled, forks) = self.sample(&step)?;
-        self.update(&sampled, forks, &mut events)?;
+        let (accepted, forks) = self.sample(&step)?;
+        self.update(&accepted, forks, &mut events)?;
         self.stats.step_time += t0.elapsed();
         Ok(events)
     }
@@ -325,19 +344,53 @@ impl EngineCore {
         Ok(())
     }
 
-    /// One token per emitting sequence, in batch order; and for an n > 1 request sampling its
-    /// first token now, the first tokens of its other outputs (from the same logits row, each
-    /// with its own seed): (parent sequence, output index, token).
+    /// Drafts for every decoding sequence (speculative decoding), sized by the batch.
+    fn propose_drafts(&mut self) -> Result<()> {
+        let Some(spec) = self.speculative else {
+            return Ok(());
+        };
+        let decoding: Vec<SeqId> = self
+            .seqs
+            .keys()
+            .copied()
+            .filter(|&s| self.sched.is_decoding(s))
+            .collect();
+        let k = spec.draft_len(decoding.len());
+        if k == 0 {
+            return Ok(());
+        }
+        let mut draft = Vec::with_capacity(k);
+        for seq in decoding {
+            draft.clear();
+            draft.extend_from_slice(speculative::propose(
+                self.sched.tokens(seq)?,
+                spec.max_ngram,
+                k,
+            ));
+            if !draft.is_empty() {
+                self.sched.set_draft(seq, &draft)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The accepted tokens of each emitting sequence, in batch order: one sampled token, or
+    /// with drafts the longest verified prefix of them plus the model's own next token (cut at
+    /// a stop id and at `max_new_tokens`); and for an n > 1 request sampling its first token
+    /// now, the first tokens of its other outputs (from the same logits row, each with its own
+    /// seed): (parent sequence, output index, token).
     #[allow(clippy::type_complexity)]
-    fn sample(&mut self, step: &Step) -> Result<(Vec<(SeqId, u32)>, Vec<(SeqId, usize, u32)>)> {
-        let (logits, rows) = self.runner.logits(step)?;
-        let mut sampled = Vec::with_capacity(rows.len());
+    fn sample(
+        &mut self,
+        step: &Step,
+    ) -> Result<(Vec<(SeqId, Vec<u32>)>, Vec<(SeqId, usize, u32)>)> {
+        let (logits, ranges) = self.runner.logits(step)?;
+        let mut accepted = Vec::with_capacity(ranges.len());
         let mut forks = Vec::new();
-        for (s, rows) in step.seqs.iter().zip(rows) {
+        for (i, (s, rows)) in step.seqs.iter().zip(ranges).enumerate() {
             if !s.emits {
                 continue;
             }
-            let row = rows.end - 1;
             let Some(&(req, index)) = self.seqs.get(&s.id) else {
                 return Err(EngineError::Config(format!(
                     "sequence {} has no request",
@@ -350,53 +403,78 @@ impl EngineCore {
                 .ok_or_else(|| EngineError::Config(format!("request {req} is gone")))?;
             let sampling = state.params.sampling;
             let first = index == 0 && state.outputs[0].text.generated.is_empty();
-            let mut row = logits.row(row);
-            if !state.params.penalties.is_neutral() {
-                self.penalized.clear();
-                self.penalized.extend_from_slice(row);
-                state.params.penalties.apply(
-                    &mut self.penalized,
-                    &state.prompt_tokens,
-                    &state.outputs[index].text.generated,
-                    &mut self.counts,
-                );
-                row = &self.penalized;
-            }
-            let token = sample(
-                row,
-                &sampling,
-                &mut state.outputs[index].rng,
-                &mut self.scratch,
-            );
-            sampled.push((s.id, token));
-            if first {
-                for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
-                    forks.push((
-                        s.id,
-                        i,
-                        sample(row, &sampling, &mut o.rng, &mut self.scratch),
-                    ));
+            let end = step.subsequence_begins[i + 1] as usize;
+            let drafts = &step.token_ids[end - s.draft_len..end];
+            let room = state
+                .params
+                .max_new_tokens
+                .saturating_sub(state.outputs[index].text.generated.len())
+                .max(1);
+            let mut toks = Vec::with_capacity(1 + s.draft_len);
+            // The sampled rows end the sequence's rows (prompt rows may come before them).
+            for (j, r) in (rows.end - 1 - s.draft_len..rows.end).enumerate() {
+                let mut row = logits.row(r);
+                if !state.params.penalties.is_neutral() {
+                    self.so_far.clear();
+                    self.so_far
+                        .extend_from_slice(&state.outputs[index].text.generated);
+                    self.so_far.extend_from_slice(&toks);
+                    self.penalized.clear();
+                    self.penalized.extend_from_slice(row);
+                    state.params.penalties.apply(
+                        &mut self.penalized,
+                        &state.prompt_tokens,
+                        &self.so_far,
+                        &mut self.counts,
+                    );
+                    row = &self.penalized;
+                }
+                let rng = &mut state.outputs[index].rng;
+                let (token, agreed) = match drafts.get(j) {
+                    Some(&d) => match verify_draft(row, &sampling, d, rng, &mut self.scratch) {
+                        None => (d, true),
+                        Some(t) => (t, false),
+                    },
+                    None => (sample(row, &sampling, rng, &mut self.scratch), false),
+                };
+                toks.push(token);
+                if first {
+                    for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
+                        forks.push((
+                            s.id,
+                            i,
+                            sample(row, &sampling, &mut o.rng, &mut self.scratch),
+                        ));
+                    }
+                }
+                if !agreed || toks.len() >= room || state.stop_ids.contains(&token) {
+                    break;
                 }
             }
+            self.stats.draft_tokens += s.draft_len as u64;
+            self.stats.accepted_draft_tokens += (toks.len() - 1) as u64;
+            accepted.push((s.id, toks));
         }
-        Ok((sampled, forks))
+        Ok((accepted, forks))
     }
 
     fn update(
         &mut self,
-        sampled: &[(SeqId, u32)],
+        accepted: &[(SeqId, Vec<u32>)],
         forks: Vec<(SeqId, usize, u32)>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
-        self.sched.complete_step(sampled)?;
+        let refs: Vec<(SeqId, &[u32])> = accepted.iter().map(|(s, t)| (*s, &t[..])).collect();
+        self.sched.complete_step_accepted(&refs)?;
         self.stats.steps += 1;
-        self.stats.generated_tokens += sampled.len() as u64;
         // Forks of n > 1 requests at their first token, before their parent can end.
         for (parent, child_index, token) in forks {
             self.fork(parent, child_index, token, events)?;
         }
-        for &(seq, token) in sampled {
-            self.accept(seq, token, events)?;
+        for (seq, toks) in accepted {
+            for &token in toks {
+                self.accept(*seq, token, events)?;
+            }
         }
         self.drain_finished(events)
     }
@@ -438,6 +516,7 @@ impl EngineCore {
         }
         let is_stop_id = state.stop_ids.contains(&token);
         let a = o.accept(&self.tokenizer, token, is_stop_id, &state.params.stop)?;
+        self.stats.generated_tokens += 1;
         events.push(Event::Token {
             request: req,
             index,

@@ -87,7 +87,7 @@ impl Snapshot {
             self.counters.prefix_hit_tokens as f64 / self.stats.prompt_tokens as f64
         };
         #[rustfmt::skip]
-        let rows: [(&str, &str, &str, f64); 14] = [
+        let rows: [(&str, &str, &str, f64); 16] = [
             ("pa_requests_running", "Requests whose sequences are running.", "gauge", self.running as f64),
             ("pa_requests_waiting", "Requests waiting to start.", "gauge", self.waiting as f64),
             ("pa_requests_in_flight", "HTTP requests admitted and not answered yet.", "gauge", in_flight as f64),
@@ -102,6 +102,8 @@ impl Snapshot {
             ("pa_requests_aborted_total", "Requests aborted (client gone, shutdown).", "counter", self.aborted as f64),
             ("pa_engine_steps_total", "Engine steps.", "counter", self.stats.steps as f64),
             ("pa_engine_infer_seconds_total", "Time in OpenVINO's infer().", "counter", self.stats.infer_time.as_secs_f64()),
+            ("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified (speculative decoding).", "counter", self.stats.draft_tokens as f64),
+            ("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted (speculative decoding).", "counter", self.stats.accepted_draft_tokens as f64),
         ];
         for (name, help, kind, v) in rows {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");

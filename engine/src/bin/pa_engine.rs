@@ -6,7 +6,8 @@ use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
-    ModelDir, Penalties, Precision, Prompt, Reply, Sampling, Update,
+    ModelDir, Penalties, Precision, Prompt, Reply, Sampling, SpeculativeConfig, SpeculativeMethod,
+    Update,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -125,6 +126,20 @@ struct EngineArgs {
     /// between them the blocks its attention scores rank highest (kept keys are re-rotated).
     #[arg(long, value_name = "START,RECENT,MAX")]
     cache_eviction: Option<String>,
+    /// Speculative decoding: `prompt-lookup` drafts each sequence's next tokens from n-grams of
+    /// its own prompt and output, and verifies them in one step (greedy output unchanged).
+    #[arg(long, value_parser = parse_speculative)]
+    speculative: Option<SpeculativeMethod>,
+    /// Draft tokens per sequence and step at most (with --speculative).
+    #[arg(long, default_value_t = 4)]
+    num_speculative_tokens: usize,
+    /// Longest n-gram prompt lookup matches (with --speculative prompt-lookup).
+    #[arg(long, default_value_t = 3)]
+    max_ngram_size: usize,
+}
+
+fn parse_speculative(s: &str) -> Result<SpeculativeMethod, String> {
+    s.parse()
 }
 
 #[derive(Args)]
@@ -315,6 +330,17 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
             })
         }
     };
+    if a.speculative.is_some() && (a.num_speculative_tokens == 0 || a.max_ngram_size == 0) {
+        return Err("--num-speculative-tokens and --max-ngram-size must be positive".into());
+    }
+    if a.speculative.is_some() && eviction.is_some() {
+        return Err("--speculative does not combine with --cache-eviction".into());
+    }
+    let speculative = a.speculative.map(|method| SpeculativeConfig {
+        method,
+        num_tokens: a.num_speculative_tokens,
+        max_ngram: a.max_ngram_size,
+    });
     Ok(EngineConfig {
         cache_type: a.cache_type,
         kv_cache_bytes: (a.kv_cache_size * 1e9) as usize,
@@ -326,6 +352,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         threads: a.threads,
         device: "CPU".into(),
         eviction,
+        speculative,
     })
 }
 
@@ -638,7 +665,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         eprintln!(
             "load {:.2} s; {} prompts, {} prompt tokens, {} generated in {:.3} s ({:.1} tokens/s), first token after {:.1} ms; \
              {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks, \
-             {} evictions ({} blocks), {} blocks rotated",
+             {} evictions ({} blocks), {} blocks rotated; {} draft tokens, {} accepted ({:.1}%)",
             load_time.as_secs_f64(),
             n,
             s.prompt_tokens,
@@ -659,6 +686,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             c.evictions,
             c.evicted_blocks,
             c.rotated_blocks,
+            s.draft_tokens,
+            s.accepted_draft_tokens,
+            100.0 * s.accepted_draft_tokens as f64 / s.draft_tokens.max(1) as f64,
         );
     }
     if failed > 0 {
