@@ -665,7 +665,8 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         eprintln!(
             "load {:.2} s; {} prompts, {} prompt tokens, {} generated in {:.3} s ({:.1} tokens/s), first token after {:.1} ms; \
              {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks, \
-             {} evictions ({} blocks), {} blocks rotated; {} draft tokens, {} accepted ({:.1}%)",
+             {} evictions ({} blocks), {} blocks rotated; {} draft tokens, {} accepted ({:.1}%); \
+             after the run {} blocks used, prefix cache {} blocks (digest {:016x})",
             load_time.as_secs_f64(),
             n,
             s.prompt_tokens,
@@ -689,6 +690,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             s.draft_tokens,
             s.accepted_draft_tokens,
             100.0 * s.accepted_draft_tokens as f64 / s.draft_tokens.max(1) as f64,
+            m.cache.used_blocks,
+            m.cache.prefix_blocks,
+            m.cache.prefix_digest,
         );
     }
     if failed > 0 {
