@@ -9,17 +9,18 @@
 //!
 //! **When drafts shrink.** On a CPU a decode step is bound by reading the weights, so extra
 //! rows are nearly free while the step is small, and cost full compute once the matrix products
-//! are compute-bound. A step verifies at most [`VERIFY_ROWS`] rows over its decoding sequences:
-//! with `b` of them, each gets `min(k, VERIFY_ROWS / b - 1)` drafts, so `k` falls to 0 at
-//! `b > VERIFY_ROWS / 2`. Drafts also count against the step's token budget and shrink before a
+//! are compute-bound. A step verifies at most `max_rows` rows over its decoding sequences
+//! (default [`VERIFY_ROWS`]): with `b` of them, each gets `min(k, max_rows / b - 1)` drafts, so
+//! `k` falls to 0 at `b > max_rows / 2`. Drafts also count against the step's token budget and shrink before a
 //! sequence would be preempted for their blocks (the scheduler's part).
 
 use std::str::FromStr;
 
-/// Rows (decode tokens plus drafts) a step verifies at most; see the module comment.
-/// Measured on the 2-core Zen 4 with SmolLM2-135M at f32: a step of up to ~32 rows costs
-/// little more than a 1-row decode step.
-pub const VERIFY_ROWS: usize = 32;
+/// Rows (decode tokens plus drafts) a step verifies at most, by default; see the module
+/// comment. With SmolLM2-135M at f32 on 2 busy Zen 4 cores, 8 sequences with 3 drafts each
+/// (32 rows) made steps about 2.7 times as long as 8-row decode steps, eating the gain; 16 rows
+/// (1 draft each at 8 sequences) is the default until a quiet machine tunes it.
+pub const VERIFY_ROWS: usize = 16;
 
 /// How drafts are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,13 +61,15 @@ pub struct SpeculativeConfig {
     pub num_tokens: usize,
     /// Longest n-gram looked up (`--max-ngram-size`).
     pub max_ngram: usize,
+    /// Rows a step verifies at most (`--speculative-max-rows`, default [`VERIFY_ROWS`]).
+    pub max_rows: usize,
 }
 
 impl SpeculativeConfig {
     /// Draft tokens each of `decoding` sequences may propose this step (the rule above).
     pub fn draft_len(&self, decoding: usize) -> usize {
         self.num_tokens
-            .min((VERIFY_ROWS / decoding.max(1)).saturating_sub(1))
+            .min((self.max_rows / decoding.max(1)).saturating_sub(1))
     }
 }
 
@@ -123,12 +126,19 @@ mod tests {
             method: SpeculativeMethod::PromptLookup,
             num_tokens: 4,
             max_ngram: 3,
+            max_rows: 32,
         };
         let got: Vec<usize> = [1, 4, 8, 10, 16, 17, 64]
             .iter()
             .map(|&b| c.draft_len(b))
             .collect();
         assert_eq!(got, vec![4, 4, 3, 2, 1, 0, 0]);
+        let c = SpeculativeConfig {
+            max_rows: VERIFY_ROWS,
+            ..c
+        };
+        assert_eq!(c.draft_len(8), 1);
+        assert_eq!(c.draft_len(9), 0);
         assert_eq!("prompt-lookup".parse(), Ok(SpeculativeMethod::PromptLookup));
         assert!("draft".parse::<SpeculativeMethod>().is_err());
     }

@@ -17,7 +17,9 @@ from smollm2_model import smollm2  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(os.environ.get("PA_ENGINE", ROOT / "target/release/pa-engine"))
-SPEC = ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4", "--max-ngram-size", "3"]
+# 40 rows: ten sequences still draft (up to 3 each); the default backs off at this batch size.
+SPEC = ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4", "--max-ngram-size", "3",
+        "--speculative-max-rows", "40"]
 BASE = ["--cache-type", "f32", "--precision", "f32", "--threads", "2", "--kv-cache-size", "1",
         "--json", "--stats", "--chat"]
 

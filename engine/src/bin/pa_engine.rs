@@ -7,7 +7,7 @@ use paged_attention::ElemType;
 use paged_attention_engine::{
     convert_ir, Conversion, EngineClient, EngineConfig, Event, FinishReason, GenerationParams,
     ModelDir, Penalties, Precision, Prompt, Reply, Sampling, SpeculativeConfig, SpeculativeMethod,
-    Update,
+    Update, VERIFY_ROWS,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -136,6 +136,10 @@ struct EngineArgs {
     /// Longest n-gram prompt lookup matches (with --speculative prompt-lookup).
     #[arg(long, default_value_t = 3)]
     max_ngram_size: usize,
+    /// Token rows a step verifies at most (decode tokens plus drafts): with B decoding
+    /// sequences each drafts at most ROWS / B - 1 tokens, none once B > ROWS / 2.
+    #[arg(long, value_name = "ROWS", default_value_t = VERIFY_ROWS)]
+    speculative_max_rows: usize,
 }
 
 fn parse_speculative(s: &str) -> Result<SpeculativeMethod, String> {
@@ -340,6 +344,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         method,
         num_tokens: a.num_speculative_tokens,
         max_ngram: a.max_ngram_size,
+        max_rows: a.speculative_max_rows,
     });
     Ok(EngineConfig {
         cache_type: a.cache_type,
