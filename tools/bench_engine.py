@@ -53,6 +53,18 @@ Metrics, computed the same way for both engines from per-request times:
   each), and the mean fraction of tokens before the first difference (f32 should give 100%; a u8
   cache quantizes the same way in both but near-ties may flip).
 
+Speculative decoding: ``--speculative`` runs ours with ``--speculative prompt-lookup`` (k =
+``--num-speculative-tokens``, n = ``--max-ngram-size``), GenAI's pipeline with prompt lookup (its
+``prompt_lookup`` property, ``num_assistant_tokens`` k and ``max_ngram_size`` n), and ours without
+speculation as a third engine ``plain`` in the same rotation (paired runs: ours / plain per row);
+each run line gives our acceptance rate (accepted / drafted tokens). Its workloads, on SmolLM2
+with the chat template:
+
+- ``grounded``: 8 prompts of 200 to 800 tokens asking to repeat, edit or summarise a given text or
+  code (slices of this repository's sources), 256 new tokens, all at once (8 concurrent);
+- ``grounded1``: the first two of them one after the other (batch 1), 256 new tokens;
+- ``norep``: 8 open questions with nothing to copy, 256 new tokens, all at once.
+
 ``--baseline PATH`` runs a second pa-engine build (another checkout's, say) as a third engine in
 every repetition, in rotating order with the other two, and prints ours / baseline per row
 (tokens/s, TTFT and TPOT p50, GenAI's convention: > 1 means ours is better): paired runs, so
@@ -93,16 +105,46 @@ TINY_LENGTHS = [4, 7, 12, 40, 9, 23, 31, 5, 18, 27, 36, 14, 8, 21, 33, 11]
 ATTN_LENGTHS = [1024, 1024, 2048, 2048, 3072, 1024, 4096, 2048]
 
 
+GROUNDED_ASKS = [
+    ("Repeat the following text exactly, then stop.", "engine/src/sampling.rs", 200),
+    ("Rewrite the following code with every comment removed.", "src/cache/pool.rs", 400),
+    ("Copy the following code, renaming `cfg` to `config`.", "engine/src/config.rs", 600),
+    ("Summarise the following text, quoting its key sentences.", "docs/cache.md", 800),
+    ("Repeat the following code exactly.", "src/cache/manager.rs", 300),
+    ("Rewrite the following code, adding a comment above each function.", "engine/src/metrics.rs", 500),
+    ("Copy the following text and fix any typos.", "src/cache/scheduler.rs", 700),
+    ("Repeat the following code exactly.", "engine/src/tokenizer.rs", 250),
+]
+NOREP_ASKS = [
+    "Write a short story about a lighthouse keeper who finds a strange map.",
+    "Explain how photosynthesis works to a ten year old.",
+    "List creative names for a coffee shop and explain each.",
+    "Describe the history of the bicycle.",
+    "What are the pros and cons of remote work?",
+    "Write a poem about autumn in the mountains.",
+    "Explain the difference between weather and climate.",
+    "Give advice to someone starting to learn the piano.",
+]
+
+
 def workloads(quick: bool) -> dict:
-    """name -> model variant, prompt lengths, arrival spread (s), new tokens, cache types."""
+    """name -> model variant, prompt lengths, arrival spread (s), new tokens, cache types; the
+    speculative workloads name chat prompts (``texts``) instead of lengths."""
+    new = 16 if quick else 256
+    spec = {
+        "grounded": dict(variant="smollm2", texts="grounded", spread=0.0, new=new, caches=["f32"]),
+        "grounded1": dict(variant="smollm2", texts="grounded", count=1 if quick else 2, spread=0.0,
+                          new=new, caches=["f32"], serial=True),
+        "norep": dict(variant="smollm2", texts="norep", spread=0.0, new=new, caches=["f32"]),
+    }
     if quick:
-        return {
+        return spec | {
             "tiny": dict(variant="gqa4", lengths=TINY_LENGTHS[:8], spread=0.1, new=16, caches=["f32"]),
             "attn": dict(variant="attn", lengths=[256, 512, 384, 256], spread=0.3, new=16,
                          caches=["u8", "f32"]),
             "smollm2": dict(variant="smollm2", lengths=[64], spread=0.0, new=16, caches=["f32"]),
         }
-    return {
+    return spec | {
         "tiny": dict(variant="gqa4", lengths=TINY_LENGTHS, spread=0.2, new=64, caches=["f32"]),
         "attn": dict(variant="attn", lengths=ATTN_LENGTHS, spread=2.0, new=256, caches=["u8", "f32"]),
         "smollm2": dict(variant="smollm2", lengths=[128], spread=0.0, new=128, caches=["f32", "u8"]),
@@ -152,6 +194,27 @@ def prompt_ids(work: Path, model_dir: Path, lengths) -> list[list[int]]:
     return ids
 
 
+def chat_prompt_ids(model_dir: Path, which: str, count: int | None) -> list[list[int]]:
+    """Token ids of the speculative workloads' prompts, as one user message each under the
+    model's chat template (GenAI's tokenizer renders it; tokenizer.json encodes the text)."""
+    import openvino_genai as ov_genai
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if which == "grounded":
+        texts = []
+        for ask, path, n in GROUNDED_ASKS:
+            body = tk.decode(tk.encode((ROOT / path).read_text(), add_special_tokens=False).ids[:n])
+            texts.append(f"{ask}\n\n{body}")
+    else:
+        texts = list(NOREP_ASKS)
+    texts = texts[:count] if count else texts
+    chat = ov_genai.Tokenizer(str(model_dir))
+    return [tk.encode(chat.apply_chat_template([{"role": "user", "content": t}],
+                                               add_generation_prompt=True),
+                      add_special_tokens=False).ids for t in texts]
+
+
 # ----------------------------------------------------------------------------------------------
 # Runs
 
@@ -167,6 +230,10 @@ def run_ours(binary: Path, spec: dict, tmp: Path) -> dict:
            str(spec["max_batched_tokens"]), "--kv-cache-size", str(spec["kv_cache_gb"])]
     if not spec["prefix_caching"]:
         cmd.append("--no-prefix-caching")
+    if spec.get("speculative"):
+        k, n = spec["speculative"]
+        cmd += ["--speculative", "prompt-lookup", "--num-speculative-tokens", str(k),
+                "--max-ngram-size", str(n)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=spec["timeout"])
     proc_s = time.perf_counter() - t0
@@ -200,6 +267,8 @@ STATS_RES = {
     "steps": r"(\d+) steps",
     "infer_pct": r"([\d.]+)% of step time in infer\(\)",
     "preemptions": r"(\d+) preemptions",
+    "drafted": r"(\d+) draft tokens",
+    "accepted": r"(\d+) accepted \(",
 }
 
 
@@ -245,9 +314,14 @@ def genai_worker(spec_path: str) -> None:
     sc.dynamic_split_fuse = True
     sc.max_num_seqs = 256  # as pa-engine's --max-seqs default
     sc.cache_size = int(spec["kv_cache_gb"])  # GenAI takes whole GB
-    pipe = ov_genai.ContinuousBatchingPipeline(spec["model_dir"], sc, "CPU", properties(opts))
+    props = properties(opts)
+    if spec.get("speculative"):
+        props["prompt_lookup"] = True
+    pipe = ov_genai.ContinuousBatchingPipeline(spec["model_dir"], sc, "CPU", props)
     load_s = time.perf_counter() - t0
     cfg = generation_config(pipe, opts)
+    if spec.get("speculative"):
+        cfg.num_assistant_tokens, cfg.max_ngram_size = spec["speculative"]
     prompts, arrivals = spec["prompts"], spec["arrivals"]
     tensors = [ov.Tensor(np.array([ids], dtype=np.int64)) for ids in prompts]
     n = len(prompts)
@@ -323,11 +397,13 @@ def metrics(run: dict, arrivals) -> dict:
         "steps": st.get("steps"),
         "outside_infer_pct": (100.0 - st["infer_pct"]) if st.get("infer_pct") is not None else None,
         "load_s": st.get("load_s"), "process_s": run.get("process_s"),
+        "acceptance": (st["accepted"] / st["drafted"]) if st.get("drafted") else None,
     }
 
 
 METRIC_KEYS = ["tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "ttft_add_p50",
-               "ttft_add_p99", "wall_s", "steps", "outside_infer_pct", "load_s", "process_s"]
+               "ttft_add_p99", "wall_s", "steps", "outside_infer_pct", "load_s", "process_s",
+               "acceptance"]
 
 
 def median_metrics(runs) -> dict | None:
@@ -467,7 +543,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["tiny", "attn", "smollm2", "all"], default="all")
+    ap.add_argument("--workload", default="all",
+                    help="tiny, attn, smollm2, grounded, grounded1, norep, comma-separated, or all "
+                         "(the first three)")
     ap.add_argument("--repeats", type=int, default=None, help="repetitions per engine (default 2, --quick 1)")
     ap.add_argument("--precision", default="f32", help="INFERENCE_PRECISION_HINT for both (default f32)")
     ap.add_argument("--threads", type=int, default=2, help="INFERENCE_NUM_THREADS for both (default 2)")
@@ -486,6 +564,10 @@ def main():
     ap.add_argument("--json", type=Path, help="write every figure to this file")
     ap.add_argument("--chart", type=Path, help="draw tokens/s, TTFT and TPOT p50 to this .svg/.png")
     ap.add_argument("--from-json", type=Path, help="no run: table (and --chart) from a --json file")
+    ap.add_argument("--speculative", action="store_true",
+                    help="prompt lookup in ours and GenAI, and ours without it as engine `plain`")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
+    ap.add_argument("--max-ngram-size", type=int, default=3, help="n (default 3)")
     ap.add_argument("--genai-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -513,10 +595,13 @@ def main():
     if args.baseline:
         base_binary = tmp / "pa-engine-baseline"
         shutil.copy2(args.baseline, base_binary)
-    engines = ["ours", "genai"] + (["base"] if base_binary else [])
+    engines = (["ours", "genai"] + (["base"] if base_binary else [])
+               + (["plain"] if args.speculative else []))
+    speculative = (args.num_speculative_tokens, args.max_ngram_size) if args.speculative else None
     eng_mtime = datetime.datetime.fromtimestamp(args.engine.stat().st_mtime).isoformat(timespec="seconds")
     wls = workloads(args.quick)
-    names = list(wls) if args.workload == "all" else [args.workload]
+    names = ([n for n in wls if "texts" not in wls[n]] if args.workload == "all"
+             else args.workload.split(","))
     ver = versions()
     config = {"precision": args.precision, "threads": args.threads,
               "max_batched_tokens": args.max_batched_tokens, "kv_cache_gb": args.kv_cache_gb,
@@ -534,16 +619,19 @@ def main():
     for name in names:
         w = wls[name]
         model_dir = ensure_model_dir(work, w["variant"])
-        ids = prompt_ids(work, model_dir, w["lengths"])
-        n = len(ids)
-        arrivals = [w["spread"] * i / (n - 1) if n > 1 else 0.0 for i in range(n)]
+        ids = (chat_prompt_ids(model_dir, w["texts"], w.get("count")) if "texts" in w
+               else prompt_ids(work, model_dir, w["lengths"]))
+        # Batch 1 (serial): a row per prompt, each run alone.
+        groups = [[x] for x in ids] if w.get("serial") else [ids]
         caches = args.caches.split(",") if args.caches else w["caches"]
-        for cache in caches:
+        for ids, cache in ((g, c) for g in groups for c in caches):
+            n = len(ids)
+            arrivals = [w["spread"] * i / (n - 1) if n > 1 else 0.0 for i in range(n)]
             spec = {"model_dir": str(model_dir), "prompts": ids, "arrivals": arrivals,
                     "max_new_tokens": w["new"], "cache_type": cache, "precision": args.precision,
                     "threads": args.threads, "max_batched_tokens": args.max_batched_tokens,
                     "kv_cache_gb": args.kv_cache_gb, "prefix_caching": args.prefix_caching,
-                    "timeout": args.timeout}
+                    "timeout": args.timeout, "speculative": speculative}
             row = {"workload": name, "cache": cache, "variant": w["variant"],
                    "prompt_lens": [len(x) for x in ids], "arrivals": arrivals,
                    "max_new_tokens": w["new"], "runs": []}
@@ -556,7 +644,9 @@ def main():
                            "load_avg": os.getloadavg()[0]}
                     try:
                         res = (run_genai(spec, tmp) if eng == "genai"
-                               else run_ours(binary if eng == "ours" else base_binary, spec, tmp))
+                               else run_ours(base_binary, spec, tmp) if eng == "base"
+                               else run_ours(binary, spec if eng == "ours" else
+                                             spec | {"speculative": None}, tmp))
                         rec.update(res)
                         rec["metrics"] = metrics(res, arrivals)
                         m = rec["metrics"]
@@ -565,6 +655,8 @@ def main():
                               f"{m['steps']} steps"
                               + (f", {m['outside_infer_pct']:.1f}% outside infer()"
                                  if m.get("outside_infer_pct") is not None else "")
+                              + (f", acceptance {100 * m['acceptance']:.1f}%"
+                                 if m.get("acceptance") is not None else "")
                               + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
                     except Exception as e:  # noqa: BLE001  (reported in the table; other runs go on)
                         rec["error"] = str(e)
@@ -592,6 +684,12 @@ def main():
           f"Total {total:.0f} s; load average at start/end {config['load_avg_start'][0]:.2f} / "
           f"{config['load_avg_end'][0]:.2f}.")
     for row in rows:
+        o, p = row["median"].get("ours"), row["median"].get("plain")
+        if o and p:
+            print(f"speculation, {row['workload']} {row['cache']}: tokens/s ours / plain "
+                  f"{o['tokens_per_s'] / p['tokens_per_s']:.3f}, TPOT p50 plain / ours "
+                  f"{p['tpot_p50'] / o['tpot_p50']:.3f}, acceptance "
+                  f"{100 * (o.get('acceptance') or 0):.1f}%")
         o, b = row["median"].get("ours"), row["median"].get("base")
         if o and b:
             ratio = lambda k, up: (o[k] / b[k]) if up else (b[k] / o[k])  # noqa: E731

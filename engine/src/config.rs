@@ -1,5 +1,6 @@
 //! How an engine is set up: cache type and size, the scheduler's budgets, OpenVINO's options.
 
+use crate::speculative::SpeculativeConfig;
 use paged_attention::cache::EvictionPolicy;
 use paged_attention::dtype::DEFAULT_CACHE_TYPE;
 use paged_attention::ElemType;
@@ -114,6 +115,8 @@ pub struct EngineConfig {
     pub eviction: Option<EvictionPolicy>,
     /// Publish the prefix cache's changes for routers (`pa serve --kv-events-endpoint`).
     pub kv_events: Option<crate::kv_events::KvEventsConfig>,
+    /// Speculative decoding (not with `eviction`).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl Default for EngineConfig {
@@ -130,6 +133,7 @@ impl Default for EngineConfig {
             device: "CPU".into(),
             eviction: None,
             kv_events: None,
+            speculative: None,
         }
     }
 }

@@ -6,6 +6,10 @@
 //! id, a stop string or `max_new_tokens`). A request with `n` > 1 prefills once; its other
 //! outputs are forks of the first (sharing its blocks, copy-on-write) from its first token on.
 //!
+//! With speculative decoding, each decoding sequence first proposes draft tokens (prompt
+//! lookup, `speculative`), the step verifies them with its other work, and the update applies
+//! the accepted tokens one at a time through the same path as a sampled token.
+//!
 //! The core knows no threads, channels or HTTP: an engine client drives it.
 
 use crate::config::EngineConfig;
@@ -15,7 +19,8 @@ use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
-use crate::sampling::{logprobs, sample, TokenLogprobs};
+use crate::sampling::{logprobs, sample, verify_draft, TokenLogprobs};
+use crate::speculative::{self, SpeculativeConfig};
 use crate::structured::{Grammars, TokenMatcher};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
@@ -42,6 +47,9 @@ pub struct EngineStats {
     pub mask_time: Duration,
     /// What masks cost the step itself: waiting for them after `infer()`, and applying them.
     pub mask_critical_time: Duration,
+    /// Speculative decoding: draft tokens verified, and those accepted.
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
 }
 
 /// One output of a request.
@@ -56,8 +64,8 @@ struct Output {
 /// A token sampled for a sequence in a step.
 struct Sampled {
     seq: SeqId,
-    token: u32,
-    logprobs: Option<TokenLogprobs>,
+    /// Its accepted tokens (one, or more with drafts), each with its log-probabilities.
+    tokens: Vec<(u32, Option<TokenLogprobs>)>,
 }
 
 /// The first token of output `index` (> 0) of an n > 1 request, forked from `parent`'s row.
@@ -102,6 +110,9 @@ pub struct EngineCore {
     /// Structured output's compiler, built at the first constrained request (`Err`: it cannot
     /// be built for this tokenizer, and why).
     grammars: Option<std::result::Result<Grammars, String>>,
+    /// An output's tokens so far plus those accepted in this step (for the penalties).
+    so_far: Vec<u32>,
+    speculative: Option<SpeculativeConfig>,
     stats: EngineStats,
 }
 
@@ -116,6 +127,11 @@ impl EngineCore {
         if cfg.block_size == 0 || cfg.max_batched_tokens == 0 || cfg.max_seqs == 0 {
             return Err(EngineError::Config(
                 "block size, max batched tokens and max sequences must be positive".into(),
+            ));
+        }
+        if cfg.speculative.is_some() && cfg.eviction.is_some() {
+            return Err(EngineError::Config(
+                "speculative decoding does not combine with cache eviction".into(),
             ));
         }
         let (runner, kv_plan) = ModelRunner::load(&md, cfg)?;
@@ -145,6 +161,8 @@ impl EngineCore {
             penalized: Vec::new(),
             counts: Vec::new(),
             grammars: None,
+            so_far: Vec::new(),
+            speculative: cfg.speculative,
             stats: EngineStats::default(),
         })
     }
@@ -376,6 +394,7 @@ impl EngineCore {
             return Ok(events);
         }
         let t0 = Instant::now();
+        self.propose_drafts()?;
         let step = self.schedule()?;
         if let Err(e) = self.run_with_masks(&step) {
             // The step's tokens were not computed: end its requests with the error rather than
@@ -445,15 +464,54 @@ impl EngineCore {
         ran
     }
 
-    /// One token per emitting sequence, in batch order; and for an n > 1 request sampling its
-    /// first token now, the first tokens of its other outputs (from the same logits row, each
-    /// with its own seed). Each with its log-probabilities (of the row before any penalty)
-    /// when its request asks for them.
+    /// Drafts for every decoding sequence (speculative decoding), sized by the batch.
+    fn propose_drafts(&mut self) -> Result<()> {
+        let Some(spec) = self.speculative else {
+            return Ok(());
+        };
+        let decoding: Vec<SeqId> = self
+            .seqs
+            .keys()
+            .copied()
+            .filter(|&s| self.sched.is_decoding(s))
+            // A constrained output's mask follows its tokens one at a time: it is not drafted.
+            .filter(|s| {
+                self.seqs
+                    .get(s)
+                    .and_then(|(r, _)| self.requests.get(r))
+                    .is_some_and(|st| st.params.constraint.is_none())
+            })
+            .collect();
+        let k = spec.draft_len(decoding.len());
+        if k == 0 {
+            return Ok(());
+        }
+        let mut draft = Vec::with_capacity(k);
+        for seq in decoding {
+            draft.clear();
+            draft.extend_from_slice(speculative::propose(
+                self.sched.tokens(seq)?,
+                spec.max_ngram,
+                k,
+            ));
+            if !draft.is_empty() {
+                self.sched.set_draft(seq, &draft)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The accepted tokens of each emitting sequence, in batch order: one sampled token, or
+    /// with drafts the longest verified prefix of them plus the model's own next token (cut at
+    /// a stop id and at `max_new_tokens`), each with its log-probabilities (of the row before
+    /// any penalty) when its request asks for them; and for an n > 1 request sampling its first
+    /// token now, the first tokens of its other outputs (from the same logits row, each with its
+    /// own seed).
     fn sample(&mut self, step: &Step) -> Result<(Vec<Sampled>, Vec<Fork>)> {
-        let (logits, rows) = self.runner.logits(step)?;
-        let mut sampled = Vec::with_capacity(rows.len());
+        let (logits, ranges) = self.runner.logits(step)?;
+        let mut sampled = Vec::with_capacity(ranges.len());
         let mut forks = Vec::new();
-        for (s, rows) in step.seqs.iter().zip(rows) {
+        for (i, (s, rows)) in step.seqs.iter().zip(ranges).enumerate() {
             if !s.emits && rows.is_empty() {
                 continue;
             }
@@ -491,61 +549,88 @@ impl EngineCore {
             if !s.emits {
                 continue;
             }
-            let row = rows.end - 1;
             let sampling = state.params.sampling;
             let top_n = state.params.logprobs;
-            let raw = logits.row(row);
-            let mut row = raw;
-            let constrained = state.outputs[index].matcher.is_some();
-            if !state.params.penalties.is_neutral() || constrained {
-                self.penalized.clear();
-                self.penalized.extend_from_slice(row);
-                state.params.penalties.apply(
-                    &mut self.penalized,
-                    &state.prompt_tokens,
-                    &state.outputs[index].text.generated,
-                    &mut self.counts,
-                );
-            }
-            // Structured output: only the tokens its constraint allows (forks of an n > 1
-            // request take their first token from this row: every output starts at the same
-            // place). None allowed (the library failed): the output ends at a stop id.
-            let mut forced = None;
-            if let Some(m) = state.outputs[index].matcher.as_mut() {
-                let t = Instant::now();
-                if !m.apply(&mut self.penalized) {
-                    forced = Some(state.stop_ids.first().copied().unwrap_or(0));
+            let end = step.subsequence_begins[i + 1] as usize;
+            let drafts = &step.token_ids[end - s.draft_len..end];
+            let room = state
+                .params
+                .max_new_tokens
+                .saturating_sub(state.outputs[index].text.generated.len())
+                .max(1);
+            let mut toks: Vec<(u32, Option<TokenLogprobs>)> = Vec::with_capacity(1 + s.draft_len);
+            // The sampled rows end the sequence's rows (prompt rows may come before them).
+            for (j, r) in (rows.end - 1 - s.draft_len..rows.end).enumerate() {
+                let raw = logits.row(r);
+                let mut row = raw;
+                let constrained = state.outputs[index].matcher.is_some();
+                let modified = !state.params.penalties.is_neutral() || constrained;
+                if modified {
+                    self.so_far.clear();
+                    self.so_far
+                        .extend_from_slice(&state.outputs[index].text.generated);
+                    self.so_far.extend(toks.iter().map(|t| t.0));
+                    self.penalized.clear();
+                    self.penalized.extend_from_slice(raw);
+                    state.params.penalties.apply(
+                        &mut self.penalized,
+                        &state.prompt_tokens,
+                        &self.so_far,
+                        &mut self.counts,
+                    );
                 }
-                self.stats.mask_critical_time += t.elapsed();
-                self.stats.mask_time += m.take_mask_time();
+                // Structured output: only the tokens its constraint allows (a constrained
+                // output has no drafts; forks of an n > 1 request take their first token from
+                // this row: every output starts at the same place). None allowed (the library
+                // failed): the output ends at a stop id.
+                let mut forced = None;
+                if let Some(m) = state.outputs[index].matcher.as_mut() {
+                    let t = Instant::now();
+                    if !m.apply(&mut self.penalized) {
+                        forced = Some(state.stop_ids.first().copied().unwrap_or(0));
+                    }
+                    self.stats.mask_critical_time += t.elapsed();
+                    self.stats.mask_time += m.take_mask_time();
+                }
+                if modified {
+                    row = &self.penalized;
+                }
+                let rng = &mut state.outputs[index].rng;
+                let (token, agreed) = match (forced, drafts.get(j)) {
+                    (Some(t), _) => (t, false),
+                    (None, Some(&d)) => {
+                        match verify_draft(row, &sampling, d, rng, &mut self.scratch) {
+                            None => (d, true),
+                            Some(t) => (t, false),
+                        }
+                    }
+                    (None, None) => (sample(row, &sampling, rng, &mut self.scratch), false),
+                };
+                toks.push((
+                    token,
+                    top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+                ));
+                if first {
+                    for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
+                        let token = sample(row, &sampling, &mut o.rng, &mut self.scratch);
+                        forks.push(Fork {
+                            parent: s.id,
+                            index: i,
+                            token,
+                            logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+                        });
+                    }
+                }
+                if !agreed || toks.len() >= room || state.stop_ids.contains(&token) {
+                    break;
+                }
             }
-            if !state.params.penalties.is_neutral() || constrained {
-                row = &self.penalized;
-            }
-            let token = forced.unwrap_or_else(|| {
-                sample(
-                    row,
-                    &sampling,
-                    &mut state.outputs[index].rng,
-                    &mut self.scratch,
-                )
-            });
+            self.stats.draft_tokens += s.draft_len as u64;
+            self.stats.accepted_draft_tokens += (toks.len() - 1) as u64;
             sampled.push(Sampled {
                 seq: s.id,
-                token,
-                logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
+                tokens: toks,
             });
-            if first {
-                for (i, o) in state.outputs.iter_mut().enumerate().skip(1) {
-                    let token = sample(row, &sampling, &mut o.rng, &mut self.scratch);
-                    forks.push(Fork {
-                        parent: s.id,
-                        index: i,
-                        token,
-                        logprobs: top_n.map(|n| logprobs(raw, token, n, &mut self.lp_scratch)),
-                    });
-                }
-            }
         }
         Ok((sampled, forks))
     }
@@ -558,16 +643,21 @@ impl EngineCore {
     ) -> Result<()> {
         // A request's prompt logprobs come before its first token.
         events.append(&mut self.prompt_events);
-        let ids: Vec<(SeqId, u32)> = sampled.iter().map(|s| (s.seq, s.token)).collect();
-        self.sched.complete_step(&ids)?;
+        let ids: Vec<(SeqId, Vec<u32>)> = sampled
+            .iter()
+            .map(|s| (s.seq, s.tokens.iter().map(|t| t.0).collect()))
+            .collect();
+        let refs: Vec<(SeqId, &[u32])> = ids.iter().map(|(s, t)| (*s, &t[..])).collect();
+        self.sched.complete_step_accepted(&refs)?;
         self.stats.steps += 1;
-        self.stats.generated_tokens += sampled.len() as u64;
         // Forks of n > 1 requests at their first token, before their parent can end.
         for f in forks {
             self.fork(f, events)?;
         }
         for s in sampled {
-            self.accept(s.seq, s.token, s.logprobs, events)?;
+            for (token, lp) in s.tokens {
+                self.accept(s.seq, token, lp, events)?;
+            }
         }
         self.drain_finished(events)
     }
@@ -619,6 +709,7 @@ impl EngineCore {
         let a = out
             .text
             .accept(&self.tokenizer, token, is_stop_id, &state.params.stop)?;
+        self.stats.generated_tokens += 1;
         events.push(Event::Token {
             request: req,
             index,

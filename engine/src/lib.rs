@@ -6,6 +6,7 @@
 //! - `model_runner` (with `kv_cache`): the OpenVINO session, the conversion to our op, the step's
 //!   inputs and the cache tensors;
 //! - `output_processor`: tokens to text, stop strings, finish reasons;
+//! - `speculative`: prompt-lookup drafts and how many a step verifies;
 //! - [`engine_core`]: `add_request`, `abort`, `step` (schedule, run, sample, update);
 //! - [`client`]: the one driver, which owns the engine thread; `pa generate` and `pa serve` use it;
 //! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client;
@@ -39,6 +40,7 @@ mod ov;
 pub mod request;
 mod sampling;
 pub mod server;
+mod speculative;
 pub mod structured;
 mod tokenizer;
 pub mod tools;
@@ -56,4 +58,5 @@ pub use request::{
     ChatMessage, Constraint, Event, GenerationParams, Prompt, RequestError, RequestId, Update,
 };
 pub use sampling::{Penalties, Sampling, TokenLogprobs};
+pub use speculative::{SpeculativeConfig, SpeculativeMethod, VERIFY_ROWS};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

@@ -186,7 +186,7 @@ impl Snapshot {
         let (s, c) = (&self.stats, &self.counters);
         // (name, a vLLM name too, type, help, value)
         #[rustfmt::skip]
-        let rows: [(&str, bool, &str, &str, f64); 15] = [
+        let rows: [(&str, bool, &str, &str, f64); 17] = [
             ("num_requests_running", true, "gauge", "Requests whose sequences are running.", self.running as f64),
             ("num_requests_waiting", true, "gauge", "Requests waiting to start (queued or preempted).", self.waiting as f64),
             ("kv_cache_usage_perc", true, "gauge", "Fraction of KV-cache blocks in use, 0 to 1.", usage),
@@ -202,6 +202,8 @@ impl Snapshot {
             ("engine_steps_total", false, "counter", "Engine steps.", s.steps as f64),
             ("engine_infer_seconds_total", false, "counter", "Time in OpenVINO's infer().", s.infer_time.as_secs_f64()),
             ("kv_cache_size_bytes", false, "gauge", "Bytes of KV cache allocated (all layers), as --kv-cache-size chose.", self.kv_cache.bytes() as f64),
+            ("spec_decode_num_draft_tokens_total", true, "counter", "Draft tokens verified (speculative decoding).", s.draft_tokens as f64),
+            ("spec_decode_num_accepted_tokens_total", true, "counter", "Draft tokens accepted (speculative decoding).", s.accepted_draft_tokens as f64),
         ];
         for (name, vllm, kind, help, v) in rows {
             w.scalar(name, vllm, kind, help, v);

@@ -226,6 +226,16 @@ pub fn sample(
     if s.is_greedy() || logits.len() <= 1 {
         return argmax(logits);
     }
+    let Some(probs) = distribution(logits, s, scratch) else {
+        return 0;
+    };
+    draw(&probs, scratch, rng.next_f64() * probs.iter().sum::<f64>())
+}
+
+/// The sampling distribution of `logits` under `s` (temperature, top-k, top-p): the kept tokens,
+/// most likely first, in `scratch`, and their unnormalised weights. `None` when every logit is
+/// NaN.
+fn distribution(logits: &[f32], s: &Sampling, scratch: &mut Vec<(f32, u32)>) -> Option<Vec<f64>> {
     scratch.clear();
     scratch.extend(
         logits
@@ -236,7 +246,7 @@ pub fn sample(
             .map(|(i, &v)| (v, i as u32)),
     );
     if scratch.is_empty() {
-        return 0;
+        return None;
     }
     // Most likely first; ties by token id, so the order (and the draw) is deterministic.
     let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
@@ -269,15 +279,50 @@ pub fn sample(
         }
     }
     probs.truncate(keep);
-    let kept: f64 = probs.iter().sum();
-    let mut u = rng.next_f64() * kept;
+    scratch.truncate(keep);
+    Some(probs)
+}
+
+/// The token at `u` (in `[0, sum of probs)`) of the weights `probs` over `tokens`.
+fn draw(probs: &[f64], tokens: &[(f32, u32)], mut u: f64) -> u32 {
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
-            return scratch[i].1;
+            return tokens[i].1;
         }
         u -= p;
     }
-    scratch[keep - 1].1
+    tokens[probs.len() - 1].1
+}
+
+/// Verifies a draft token against the target's `logits` (speculative decoding): `None` when
+/// `draft` is accepted, else the token to emit in its place. Greedy: accepted when it is the
+/// argmax, else the argmax. Sampling: the speculative-sampling rule for a draft drawn from a
+/// point mass (prompt lookup): accepted with probability `p(draft)` under `s`; on rejection the
+/// token comes from the residual `p` without `draft`, renormalised. Either way the emitted token
+/// is distributed as `p`, as if sampled directly.
+pub fn verify_draft(
+    logits: &[f32],
+    s: &Sampling,
+    draft: u32,
+    rng: &mut SplitMix64,
+    scratch: &mut Vec<(f32, u32)>,
+) -> Option<u32> {
+    if s.is_greedy() || logits.len() <= 1 {
+        let best = argmax(logits);
+        return (best != draft).then_some(best);
+    }
+    let mut probs = distribution(logits, s, scratch)?;
+    let total: f64 = probs.iter().sum();
+    let at = scratch.iter().position(|&(_, t)| t == draft);
+    let p_draft = at.map_or(0.0, |i| probs[i] / total);
+    if rng.next_f64() < p_draft {
+        return None;
+    }
+    if let Some(i) = at {
+        probs[i] = 0.0;
+    }
+    let rest: f64 = probs.iter().sum();
+    Some(draw(&probs, scratch, rng.next_f64() * rest))
 }
 
 #[cfg(test)]
@@ -449,5 +494,76 @@ mod tests {
         assert_eq!(l, [3.0, 101.0]);
         assert!(Penalties::default().is_neutral());
         assert!(!p.is_neutral());
+    }
+
+    #[test]
+    fn a_verified_draft_leaves_the_target_distribution_unchanged() {
+        // Target p = softmax(ln [4, 3, 2, 1]) = [0.4, 0.3, 0.2, 0.1]; draft token 1 (p 0.3) and
+        // token 3 (p 0.1). The emitted token (the draft when accepted, else the residual's
+        // draw) must follow p, and the draft must be accepted with probability p(draft).
+        let logits: Vec<f32> = [4f32, 3.0, 2.0, 1.0].iter().map(|x| x.ln()).collect();
+        let want = [0.4, 0.3, 0.2, 0.1];
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+        };
+        let mut rng = SplitMix64::new(41);
+        let mut scratch = Vec::new();
+        let n = 40000;
+        for draft in [1u32, 3] {
+            let mut counts = [0usize; 4];
+            let mut accepted = 0;
+            for _ in 0..n {
+                let t = match verify_draft(&logits, &s, draft, &mut rng, &mut scratch) {
+                    None => {
+                        accepted += 1;
+                        draft
+                    }
+                    Some(t) => {
+                        assert_ne!(t, draft, "a rejected draft is never emitted");
+                        t
+                    }
+                };
+                counts[t as usize] += 1;
+            }
+            let rate = accepted as f64 / n as f64;
+            assert!(
+                (rate - want[draft as usize]).abs() < 0.01,
+                "draft {draft} accepted at {rate}, want {}",
+                want[draft as usize]
+            );
+            for (t, &c) in counts.iter().enumerate() {
+                let f = c as f64 / n as f64;
+                // 4 sigma of a binomial proportion at n = 40000 is under 0.01.
+                assert!(
+                    (f - want[t]).abs() < 0.01,
+                    "draft {draft}: token {t} at {f}, want {}",
+                    want[t]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_verified_draft_outside_top_k_is_always_rejected_and_greedy_is_exact() {
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+        };
+        let mut rng = SplitMix64::new(5);
+        let mut scratch = Vec::new();
+        for _ in 0..200 {
+            let t = verify_draft(&logits, &s, 3, &mut rng, &mut scratch);
+            assert!(matches!(t, Some(0 | 1)), "{t:?}");
+        }
+        let g = Sampling::default();
+        assert_eq!(verify_draft(&logits, &g, 0, &mut rng, &mut scratch), None);
+        assert_eq!(
+            verify_draft(&logits, &g, 2, &mut rng, &mut scratch),
+            Some(0)
+        );
     }
 }

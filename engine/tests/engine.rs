@@ -1,13 +1,14 @@
 //! The engine's API on a tiny model made at test time (tools/model_dir.py: random weights, a
 //! tokenizer trained on the spot): early ends (end-of-sequence ids, stop strings) and aborts
 //! free their blocks at once, as the block manager's statistics show; a refused request fails
-//! alone; preemption and forks give what an undisturbed run gives. Token equality with OpenVINO
+//! alone; preemption and forks give what an undisturbed run gives; speculative decoding changes
+//! neither greedy ids nor what the block manager holds afterwards. Token equality with OpenVINO
 //! GenAI is tests/python/test_engine.py's.
 
 use paged_attention::ElemType;
 use paged_attention_engine::{
     EngineConfig, EngineCore as Engine, EngineError, Event, FinishReason, GenerationParams,
-    KvCacheSize, Precision, Sampling,
+    KvCacheSize, Precision, Sampling, SpeculativeConfig, SpeculativeMethod,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -59,6 +60,7 @@ fn config(kv_bytes: usize) -> EngineConfig {
         device: "CPU".into(),
         eviction: None,
         kv_events: None,
+        speculative: None,
     }
 }
 
@@ -375,4 +377,136 @@ fn cache_eviction_bounds_every_sequence_and_rotates_kept_keys() {
         most <= 2 * 4 && most < most_free,
         "{most} blocks at most (without eviction {most_free})"
     );
+}
+
+fn speculative_engine(k: usize) -> Engine {
+    let mut cfg = config(64 << 20);
+    cfg.speculative = Some(SpeculativeConfig {
+        method: SpeculativeMethod::PromptLookup,
+        num_tokens: k,
+        max_ngram: 3,
+        // Ten sequences still draft (up to 3 each): the test is about exactness, not speed.
+        max_rows: 40,
+    });
+    Engine::load(model_dir(), &cfg).expect("load the tiny model")
+}
+
+/// Ten prompts, some of them repeating themselves (so that lookups find drafts).
+fn spec_prompts(e: &Engine) -> Vec<Vec<u32>> {
+    let texts = [
+        "the river and the garden of the city, the river and the garden of the city",
+        "Paris brings new light",
+        "quiet Tokyo river quiet Tokyo river quiet Tokyo",
+        "the and or of a of the and or of a of",
+        "river garden there the cache",
+        "new city light over the river new city light over",
+        "a a a a a a a a",
+        "of the city of the city of the",
+        "garden light Tokyo Paris",
+        "cache the cache the cache the cache",
+    ];
+    texts
+        .iter()
+        .map(|t| e.encode_prompt(t, false).unwrap())
+        .collect()
+}
+
+#[test]
+fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
+    let mut plain = engine();
+    let mut spec = speculative_engine(4);
+    let prompts = spec_prompts(&plain);
+    // Output 3 stops at an id its undisturbed run reaches mid-way: the stop applies to accepted
+    // tokens as to sampled ones.
+    let probe = plain.add(prompts[3].clone(), greedy(128)).unwrap();
+    let full = run(&mut plain).remove(&(probe, 0)).unwrap().1;
+    let stop = full[40];
+    let params = |i: usize| {
+        let mut p = greedy(128);
+        if i == 3 {
+            p.stop_token_ids = Some(vec![stop]);
+        }
+        p
+    };
+    let mut want = Vec::new();
+    for e in [&mut plain, &mut spec] {
+        let ids: Vec<u64> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| e.add(p.clone(), params(i)).unwrap())
+            .collect();
+        let done = run(e);
+        want.push(
+            ids.iter()
+                .map(|r| done[&(*r, 0)].clone())
+                .collect::<Vec<_>>(),
+        );
+    }
+    for (i, (a, b)) in want[0].iter().zip(&want[1]).enumerate() {
+        assert_eq!(a, b, "prompt {i}: speculation changed the output");
+    }
+    assert_eq!(want[0][3].0, FinishReason::Stop);
+    assert!(want[0][3].1.len() <= 41);
+    let s = spec.stats();
+    assert!(
+        s.draft_tokens > 0
+            && s.accepted_draft_tokens > 0
+            && s.accepted_draft_tokens < s.draft_tokens,
+        "drafts verified, some accepted, some rejected: {s:?}"
+    );
+    // The plain engine ran the probe first: compare with a plain engine that did not.
+    let mut fresh = engine();
+    for (i, p) in prompts.iter().enumerate() {
+        fresh.add(p.clone(), params(i)).unwrap();
+    }
+    run(&mut fresh);
+    assert!(
+        s.steps < fresh.stats().steps,
+        "accepted drafts save steps: {} against {}",
+        s.steps,
+        fresh.stats().steps
+    );
+    let (a, b) = (fresh.cache_stats(), spec.cache_stats());
+    assert_eq!(b.used_blocks, 0, "leaked blocks: {b:?}");
+    assert_eq!(
+        a, b,
+        "the prefix cache must hold what a run without speculation leaves, no rejected draft"
+    );
+    assert!(a.prefix_blocks > 0);
+}
+
+#[test]
+fn a_seeded_sampled_run_with_speculation_repeats() {
+    let run_once = || {
+        let mut e = speculative_engine(4);
+        let prompts = spec_prompts(&e);
+        let ids: Vec<u64> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let params = GenerationParams {
+                    max_new_tokens: 64,
+                    sampling: Sampling {
+                        temperature: 0.7,
+                        top_k: 40,
+                        top_p: 0.95,
+                    },
+                    seed: Some(100 + i as u64),
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                e.add(p.clone(), params).unwrap()
+            })
+            .collect();
+        let done = run(&mut e);
+        let s = e.stats();
+        assert!(s.accepted_draft_tokens > 0, "{s:?}");
+        assert_eq!(e.cache_stats().used_blocks, 0);
+        ids.iter()
+            .map(|r| done[&(*r, 0)].1.clone())
+            .collect::<Vec<_>>()
+    };
+    let a = run_once();
+    assert!(a.iter().all(|o| o.len() == 64));
+    assert_eq!(a, run_once());
 }

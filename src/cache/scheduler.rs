@@ -681,10 +681,9 @@ impl Scheduler {
             }
         }
         let seqs = self.in_flight.take().unwrap_or_default();
-        for s in &seqs {
-            if let Some(e) = self.entries.get_mut(&s.id) {
-                e.draft.clear();
-            }
+        // Drafts live for one step: those left out of it (no budget) are stale after it.
+        for e in self.entries.values_mut() {
+            e.draft.clear();
         }
         let mut finished = Vec::new();
         for &(id, toks) in accepted {

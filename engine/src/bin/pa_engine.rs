@@ -10,7 +10,7 @@ use paged_attention_engine::tools::ToolParser;
 use paged_attention_engine::{
     convert_ir, Constraint, Conversion, EngineClient, EngineConfig, Event, FinishReason,
     GenerationParams, KvCacheSize, ModelDir, Penalties, Precision, Prompt, Reply, Sampling,
-    TokenLogprobs, Update,
+    SpeculativeConfig, SpeculativeMethod, TokenLogprobs, Update, VERIFY_ROWS,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -151,6 +151,24 @@ struct EngineArgs {
     /// between them the blocks its attention scores rank highest (kept keys are re-rotated).
     #[arg(long, value_name = "START,RECENT,MAX")]
     cache_eviction: Option<String>,
+    /// Speculative decoding: `prompt-lookup` drafts each sequence's next tokens from n-grams of
+    /// its own prompt and output, and verifies them in one step (greedy output unchanged).
+    #[arg(long, value_parser = parse_speculative)]
+    speculative: Option<SpeculativeMethod>,
+    /// Draft tokens per sequence and step at most (with --speculative).
+    #[arg(long, default_value_t = 4)]
+    num_speculative_tokens: usize,
+    /// Longest n-gram prompt lookup matches (with --speculative prompt-lookup).
+    #[arg(long, default_value_t = 3)]
+    max_ngram_size: usize,
+    /// Token rows a step verifies at most (decode tokens plus drafts): with B decoding
+    /// sequences each drafts at most ROWS / B - 1 tokens, none once B > ROWS / 2.
+    #[arg(long, value_name = "ROWS", default_value_t = VERIFY_ROWS)]
+    speculative_max_rows: usize,
+}
+
+fn parse_speculative(s: &str) -> Result<SpeculativeMethod, String> {
+    s.parse()
 }
 
 #[derive(Args)]
@@ -366,6 +384,18 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
             })
         }
     };
+    if a.speculative.is_some() && (a.num_speculative_tokens == 0 || a.max_ngram_size == 0) {
+        return Err("--num-speculative-tokens and --max-ngram-size must be positive".into());
+    }
+    if a.speculative.is_some() && eviction.is_some() {
+        return Err("--speculative does not combine with --cache-eviction".into());
+    }
+    let speculative = a.speculative.map(|method| SpeculativeConfig {
+        method,
+        num_tokens: a.num_speculative_tokens,
+        max_ngram: a.max_ngram_size,
+        max_rows: a.speculative_max_rows,
+    });
     Ok(EngineConfig {
         cache_type: a.cache_type,
         kv_cache: a.kv_cache_size,
@@ -378,6 +408,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         device: "CPU".into(),
         eviction,
         kv_events: None,
+        speculative,
     })
 }
 
@@ -754,7 +785,8 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         eprintln!(
             "load {:.2} s; {} prompts, {} prompt tokens, {} generated in {:.3} s ({:.1} tokens/s), first token after {:.1} ms; \
              {} steps, {:.1}% of step time in infer() ({:.1} us a step outside it); {} blocks of {} ({}), {} preemptions, {} prefix hits ({} tokens), {} forks, \
-             {} evictions ({} blocks), {} blocks rotated",
+             {} evictions ({} blocks), {} blocks rotated; {} draft tokens, {} accepted ({:.1}%); \
+             after the run {} blocks used, prefix cache {} blocks (digest {:016x})",
             load_time.as_secs_f64(),
             n,
             s.prompt_tokens,
@@ -775,6 +807,12 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             c.evictions,
             c.evicted_blocks,
             c.rotated_blocks,
+            s.draft_tokens,
+            s.accepted_draft_tokens,
+            100.0 * s.accepted_draft_tokens as f64 / s.draft_tokens.max(1) as f64,
+            m.cache.used_blocks,
+            m.cache.prefix_blocks,
+            m.cache.prefix_digest,
         );
         if s.mask_time > Duration::ZERO {
             eprintln!(
