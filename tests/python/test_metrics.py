@@ -84,7 +84,7 @@ def test_figures_follow_the_requests_and_promtool_accepts_them(model):
         assert m["pa_prefix_cache_hits_total"] == 2 * ((n - 1) // 16 * 16), (n, m["pa_prefix_cache_hits_total"])
         assert m["pa_num_preemptions_total"] == 0
         # While a request runs, the cache is in use and the usage is the block fraction.
-        t = stream_in_background(s.url, 200)
+        t = stream_in_background(s.url, 1500)  # long enough to read /metrics mid-stream
         busy = s.metrics()
         assert busy["pa_num_requests_running"] == 1 and busy["pa_requests_in_flight"] == 1
         assert 0 < busy["pa_kv_cache_usage_perc"] <= 1
@@ -163,14 +163,24 @@ scrape_configs:
         for q in ["pa_num_requests_waiting", "pa_num_requests_running", "pa_kv_cache_usage_perc"]:
             got = wait_for(q, lambda g: set(g) == targets, f"{q} of both replicas")
             assert all(labels["model_name"] == NAME for labels, _ in got.values()), got
-        # A long request on replica a: Prometheus sees a's cache in use and b's empty.
-        t = stream_in_background(a.url, 400)
-        ia, ib = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
-        got = wait_for("pa_kv_cache_usage_perc", lambda g: g.get(ia, ({}, 0))[1] > 0, "a's cache in use")
-        assert got[ib][1] == 0, got
-        running = query("pa_num_requests_running")
-        assert running[ib][1] == 0, running
-        t.join(300)
+        # Replica a kept busy (one long request after another: a single one can end between two
+        # scrapes): Prometheus sees a's cache in use and b's empty.
+        busy = threading.Event()
+
+        def keep_busy():
+            while not busy.is_set():
+                stream_in_background(a.url, 400).join(300)
+        t = threading.Thread(target=keep_busy, daemon=True)
+        t.start()
+        try:
+            ia, ib = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+            got = wait_for("pa_kv_cache_usage_perc", lambda g: g.get(ia, ({}, 0))[1] > 0, "a's cache in use")
+            assert got[ib][1] == 0, got
+            running = query("pa_num_requests_running")
+            assert running[ib][1] == 0, running
+        finally:
+            busy.set()
+            t.join(300)
     finally:
         prom.terminate()
         prom.wait(30)
