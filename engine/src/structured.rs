@@ -247,7 +247,10 @@ mod tests {
                       "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                       "vocab": vocab, "merges": ["a b", "1 2"]}
         });
-        let dir = std::env::temp_dir().join(format!("pa-structured-{}", std::process::id()));
+        // A directory per call: the tests run in parallel threads of one process.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("pa-structured-{}-{call}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("tokenizer.json"), tj.to_string()).unwrap();
         let t = TextTokenizer::from_dir(&dir).unwrap();
