@@ -76,7 +76,9 @@ def balancer(kind, tmp_path, a, b):
 def request(url, i):
     """Request i of the mixed load; returns True if it got a whole answer."""
     chat, stream = i % 2 == 0, i % 3 == 0
-    body = {"model": NAME, "max_tokens": 8 + i % 5 * 8, "temperature": 0, "ignore_eos": True,
+    # 100 to 300 tokens: long enough that requests are still in flight when one replica is killed,
+    # even on a quiet machine where the tiny model makes a token in half a millisecond.
+    body = {"model": NAME, "max_tokens": 100 + i % 5 * 50, "temperature": 0, "ignore_eos": True,
             "stream": stream}
     if chat:
         body["messages"] = [{"role": "user", "content": f"request {i}: tell a story"}]
@@ -132,7 +134,7 @@ def test_a_killed_replica_loses_only_its_in_flight_requests(kind, model, tmp_pat
             deadline = time.time() + 10
             while time.time() < deadline:
                 with lock:
-                    in_flight_on_a[0] = a.metrics().get("pa_requests_in_flight", 0)
+                    in_flight_on_a[0] = a.metrics()["pa_requests_in_flight"]
                     if in_flight_on_a[0] >= 1:
                         # No request starts between the reading and the kill.
                         a.proc.send_signal(signal.SIGKILL)
