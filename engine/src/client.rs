@@ -9,9 +9,11 @@ use crate::config::EngineConfig;
 use crate::engine_core::EngineCore;
 use crate::error::{EngineError, Result};
 use crate::input_processor::InputProcessor;
+use crate::kv_events::KvEventPublisher;
 use crate::metrics::Snapshot;
 use crate::model_dir::ModelDir;
 use crate::request::{Event, GenerationParams, Prompt, RequestError, RequestId, Update};
+use paged_attention::cache::{CacheEvent, FinishReason};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,7 +50,19 @@ enum Cmd {
     /// Requests the engine adds together, before its next step.
     Add(Vec<Add>),
     AbortAll,
+    /// The prefix cache's blocks now, and the number of the last KV-event batch.
+    CacheBlocks(mpsc::Sender<CacheBlocks>),
     Stop,
+}
+
+/// The blocks a prompt can reuse, as of a KV-event batch: replaying batches up to `seq`
+/// gives `hashes`.
+#[derive(Clone, Debug)]
+pub struct CacheBlocks {
+    /// The last batch published (`None`: none yet).
+    pub seq: Option<u64>,
+    /// Ascending.
+    pub hashes: Vec<u64>,
 }
 
 struct Add {
@@ -99,6 +113,12 @@ impl EngineClient {
         let (tx, rx) = mpsc::channel();
         let (ltx, lrx) = mpsc::channel();
         let shared = snapshot.clone();
+        let publisher = match cfg.kv_events.clone() {
+            Some(k) => {
+                Some(KvEventPublisher::start(k, cfg.block_size).map_err(EngineError::Config)?)
+            }
+            None => None,
+        };
         let thread = std::thread::Builder::new()
             .name("pa-engine".into())
             .spawn(move || {
@@ -109,7 +129,9 @@ impl EngineClient {
                         return;
                     }
                 };
-                Driver::new(core, shared).run(rx, ltx);
+                let mut driver = Driver::new(core, shared, publisher);
+                driver.run(rx, ltx);
+                driver.close();
             })
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
         let client = EngineClient {
@@ -180,6 +202,16 @@ impl EngineClient {
             .ok_or_else(|| RequestError::prompt("the engine has stopped"))
     }
 
+    /// The prefix cache's blocks as of the last KV-event batch; `None` unless KV events are
+    /// published (or the engine does not answer within 10 s).
+    pub fn cache_blocks(&self) -> Option<CacheBlocks> {
+        let (tx, rx) = mpsc::channel();
+        if !self.send(Cmd::CacheBlocks(tx)) {
+            return None;
+        }
+        rx.recv_timeout(Duration::from_secs(10)).ok()
+    }
+
     /// Ends every request now (each output gets its `Finished` with reason `abort`).
     pub fn abort_all(&self) {
         self.send(Cmd::AbortAll);
@@ -215,6 +247,8 @@ struct Client {
     added: Instant,
     first: Option<Instant>,
     tokens: usize,
+    /// When each output's last token came (inter-token latency).
+    last: Vec<Option<Instant>>,
 }
 
 /// The engine thread's loop: commands in, steps, updates out.
@@ -223,22 +257,53 @@ struct Driver {
     clients: HashMap<RequestId, Client>,
     snapshot: Arc<Mutex<Snapshot>>,
     figures: Snapshot,
+    kv_events: Option<KvEventPublisher>,
 }
 
 impl Driver {
-    fn new(core: EngineCore, snapshot: Arc<Mutex<Snapshot>>) -> Driver {
+    fn new(
+        core: EngineCore,
+        snapshot: Arc<Mutex<Snapshot>>,
+        mut kv_events: Option<KvEventPublisher>,
+    ) -> Driver {
         let mut figures = Snapshot::default();
         figures.read_core(&core);
+        if let Some(p) = &mut kv_events {
+            // Subscribers that knew an earlier process on this endpoint: its cache is gone.
+            p.publish(vec![CacheEvent::Cleared]);
+        }
         Driver {
             core,
             clients: HashMap::new(),
             snapshot,
             figures,
+            kv_events,
         }
     }
 
+    /// After the loop: the cache goes with the process, so subscribers drop its blocks.
+    fn close(&mut self) {
+        self.drain_kv_events();
+        if let Some(p) = &mut self.kv_events {
+            p.publish(vec![CacheEvent::Cleared]);
+        }
+        self.kv_events = None;
+    }
+
+    /// Publishes the prefix cache's changes since the last call as one batch.
+    fn drain_kv_events(&mut self) {
+        let Some(p) = &mut self.kv_events else {
+            return;
+        };
+        let events = self.core.take_cache_events();
+        if !events.is_empty() {
+            p.publish(events);
+        }
+        self.figures.kv_events = Some((p.batches(), p.dropped()));
+    }
+
     fn run(
-        mut self,
+        &mut self,
         rx: mpsc::Receiver<Cmd>,
         loaded: mpsc::Sender<std::result::Result<(), String>>,
     ) {
@@ -258,6 +323,15 @@ impl Driver {
             for cmd in cmds {
                 match cmd {
                     Cmd::Stop => return,
+                    Cmd::CacheBlocks(reply) => {
+                        self.drain_kv_events();
+                        if let Some(p) = &self.kv_events {
+                            let _ = reply.send(CacheBlocks {
+                                seq: p.batches().checked_sub(1),
+                                hashes: self.core.cached_block_hashes(),
+                            });
+                        }
+                    }
                     Cmd::AbortAll => {
                         let ids: Vec<RequestId> = self.clients.keys().copied().collect();
                         for id in ids {
@@ -309,6 +383,7 @@ impl Driver {
                     added: Instant::now(),
                     first: None,
                     tokens: 0,
+                    last: vec![None; n],
                 };
                 self.clients.insert(id, client);
             }
@@ -335,7 +410,7 @@ impl Driver {
                 c.reply.send(Update::Event(e));
             }
         }
-        self.figures.aborted += 1;
+        self.figures.count_finished(FinishReason::Abort);
     }
 
     fn step(&mut self) {
@@ -360,15 +435,24 @@ impl Driver {
             let Some(c) = self.clients.get_mut(&request) else {
                 continue;
             };
-            let is_end = matches!(e, Event::Finished { .. });
-            if !is_end {
+            let end = match &e {
+                Event::Finished { reason, .. } => Some(*reason),
+                _ => None,
+            };
+            if let Event::Token { index, .. } = &e {
                 let now = Instant::now();
                 if c.first.is_none() {
                     c.first = Some(now);
                     self.figures.ttft.observe((now - c.added).as_secs_f64());
                 }
+                if let Some(last) = c.last.get_mut(*index) {
+                    if let Some(t) = last.replace(now) {
+                        self.figures.itl.observe((now - t).as_secs_f64());
+                    }
+                }
                 c.tokens += 1;
             }
+            let is_end = end.is_some();
             let ok = c.reply.send(Update::Event(e));
             if is_end {
                 c.left -= 1;
@@ -378,8 +462,11 @@ impl Driver {
                             .tpot
                             .observe(first.elapsed().as_secs_f64() / (c.tokens - 1) as f64);
                     }
+                    self.figures.e2e.observe(c.added.elapsed().as_secs_f64());
+                    if let Some(reason) = end {
+                        self.figures.count_finished(reason);
+                    }
                     self.clients.remove(&request);
-                    self.figures.finished += 1;
                     continue;
                 }
             }
@@ -395,6 +482,7 @@ impl Driver {
     }
 
     fn publish(&mut self) {
+        self.drain_kv_events();
         self.figures.read_core(&self.core);
         if let Ok(mut s) = self.snapshot.lock() {
             s.clone_from(&self.figures);

@@ -13,30 +13,45 @@ pub enum Precision {
     F16,
 }
 
+/// A setting's values and the one name each has (on command lines too).
+pub(crate) struct Names<T: 'static>(pub &'static [(T, &'static str)]);
+
+impl<T: Copy + PartialEq> Names<T> {
+    /// The name of `v` (tables list every value).
+    pub fn name(&self, v: T) -> &'static str {
+        self.0.iter().find(|(x, _)| *x == v).map_or("", |(_, n)| n)
+    }
+
+    /// The value named `s`; else an error naming `what` and the names there are.
+    pub fn parse(&self, s: &str, what: &str) -> Result<T, String> {
+        self.0
+            .iter()
+            .find(|(_, n)| *n == s)
+            .map(|(v, _)| *v)
+            .ok_or_else(|| {
+                let names: Vec<&str> = self.0.iter().map(|(_, n)| *n).collect();
+                format!("unknown {what} `{s}` ({})", names.join(", "))
+            })
+    }
+}
+
 impl Precision {
     /// The one name table of the hints (OpenVINO's names, which command lines take too).
-    const NAMES: [(Precision, &'static str); 3] = [
+    const NAMES: Names<Precision> = Names(&[
         (Precision::F32, "f32"),
         (Precision::Bf16, "bf16"),
         (Precision::F16, "f16"),
-    ];
+    ]);
 
     pub fn as_str(self) -> &'static str {
-        Precision::NAMES
-            .iter()
-            .find(|(p, _)| *p == self)
-            .map_or("f32", |(_, n)| n)
+        Precision::NAMES.name(self)
     }
 }
 
 impl FromStr for Precision {
     type Err = String;
     fn from_str(s: &str) -> Result<Precision, String> {
-        Precision::NAMES
-            .iter()
-            .find(|(_, n)| *n == s)
-            .map(|(p, _)| *p)
-            .ok_or_else(|| format!("unknown precision `{s}` (f32, bf16 or f16)"))
+        Precision::NAMES.parse(s, "precision")
     }
 }
 
@@ -63,6 +78,8 @@ pub struct EngineConfig {
     /// keeping `start` leading and `recent` trailing ones; kept keys that move are re-rotated
     /// by the op. The graph then also has the scores outputs and the rotation inputs.
     pub eviction: Option<EvictionPolicy>,
+    /// Publish the prefix cache's changes for routers (`pa serve --kv-events-endpoint`).
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +95,7 @@ impl Default for EngineConfig {
             threads: None,
             device: "CPU".into(),
             eviction: None,
+            kv_events: None,
         }
     }
 }

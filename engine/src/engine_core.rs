@@ -18,8 +18,8 @@ use crate::sampling::sample;
 use crate::structured::{Grammars, TokenMatcher};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
-    CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters, SeqId,
-    SplitMix64, Step,
+    CacheEvent, CacheStats, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerCounters,
+    SeqId, SplitMix64, Step,
 };
 use paged_attention::ElemType;
 use std::collections::HashMap;
@@ -95,7 +95,7 @@ impl EngineCore {
             ));
         }
         let (runner, num_blocks) = ModelRunner::load(&md, cfg)?;
-        let sched = Scheduler::new(SchedulerConfig {
+        let mut sched = Scheduler::new(SchedulerConfig {
             num_blocks,
             block_size: cfg.block_size,
             prefix_caching: cfg.prefix_caching,
@@ -103,6 +103,7 @@ impl EngineCore {
             max_seqs: cfg.max_seqs,
             eviction: cfg.eviction,
         })?;
+        sched.record_cache_events(cfg.kv_events.is_some());
         Ok(EngineCore {
             eos: md.eos_token_ids(),
             context: md.config.max_position_embeddings,
@@ -137,6 +138,9 @@ impl EngineCore {
     pub fn block_size(&self) -> usize {
         self.sched.config().block_size
     }
+    pub fn prefix_caching(&self) -> bool {
+        self.sched.config().prefix_caching
+    }
     pub fn cache_type(&self) -> ElemType {
         self.cache_type
     }
@@ -151,6 +155,14 @@ impl EngineCore {
             infer_time: self.runner.infer_time,
             ..self.stats
         }
+    }
+    /// The prefix cache's changes since the last call (recorded when `kv_events` is set).
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.sched.take_cache_events()
+    }
+    /// Hashes of the blocks a prompt can reuse now, ascending.
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
+        self.sched.manager().cached_hashes()
     }
     pub fn num_waiting(&self) -> usize {
         self.sched.num_waiting()

@@ -9,6 +9,8 @@
 //! - [`engine_core`]: `add_request`, `abort`, `step` (schedule, run, sample, update);
 //! - [`client`]: the one driver, which owns the engine thread; `pa generate` and `pa serve` use it;
 //! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client.
+//! - [`metrics`]: the client's figures and their Prometheus text; [`kv_events`]: the prefix
+//!   cache's changes published for routers in vLLM's format.
 //!
 //! ```no_run
 //! use paged_attention_engine::{EngineConfig, EngineCore, Event, GenerationParams};
@@ -26,6 +28,7 @@ pub mod engine_core;
 mod error;
 pub mod input_processor;
 mod kv_cache;
+pub mod kv_events;
 pub mod metrics;
 mod model_dir;
 mod model_runner;
@@ -37,7 +40,7 @@ pub mod server;
 pub mod structured;
 mod tokenizer;
 
-pub use client::{EngineClient, Loading, Prepared, Reply};
+pub use client::{CacheBlocks, EngineClient, Loading, Prepared, Reply};
 pub use config::{EngineConfig, Precision};
 pub use convert::{convert_ir, Conversion};
 pub use engine_core::{EngineCore, EngineStats};

@@ -58,6 +58,7 @@ fn config(kv_bytes: usize) -> EngineConfig {
         threads: Some(2),
         device: "CPU".into(),
         eviction: None,
+        kv_events: None,
     }
 }
 

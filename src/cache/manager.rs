@@ -385,6 +385,22 @@ impl BlockManager {
         Ok((indices, begins))
     }
 
+    /// Starts (or stops) recording the changes to the prefix cache's matchable blocks
+    /// ([`crate::cache::CacheEvent`]); turn it on before the first step.
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.pool.record_events(on);
+    }
+
+    /// The changes recorded since the last call, oldest first.
+    pub fn take_cache_events(&mut self) -> Vec<super::pool::CacheEvent> {
+        self.pool.take_events()
+    }
+
+    /// Hashes of the blocks a prompt can reuse now (what a replay of the events gives), ascending.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        self.pool.matchable_hashes()
+    }
+
     pub fn stats(&self) -> CacheStats {
         let bs = self.cfg.block_size;
         let mut fill = vec![0usize; self.cfg.num_blocks];

@@ -23,7 +23,7 @@ pub use eviction::{
 pub use manager::{
     copy_blocks, copy_blocks_kv, Append, BlockCopy, BlockManager, CacheStats, ManagerConfig, SeqId,
 };
-pub use pool::{block_hash, BlockId, BlockPool};
+pub use pool::{block_hash, BlockId, BlockPool, CacheEvent};
 pub use rng::SplitMix64;
 pub use scheduler::{
     FinishReason, Request, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters, Step,

@@ -39,6 +39,24 @@ pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A change to the set of blocks a prefix lookup can match (registered and computed), in the
+/// order it happened; replayed from empty, the events give that set. Recorded only when asked
+/// for ([`BlockPool::record_events`]): `pa serve --kv-events-endpoint` publishes them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full block became matchable: its hash, its parent's (`None` for a sequence's first
+    /// block) and its tokens.
+    Stored {
+        hash: u64,
+        parent: Option<u64>,
+        tokens: Box<[u32]>,
+    },
+    /// A matchable block's content was dropped (its memory reused or rewritten).
+    Removed { hash: u64 },
+    /// Every block was dropped.
+    Cleared,
+}
+
 /// What a registered block holds, kept to rule out hash collisions.
 #[derive(Clone, Debug)]
 struct CachedKey {
@@ -79,6 +97,8 @@ pub struct BlockPool {
     tail: u32,
     lru_len: usize,
     shared: usize,
+    /// Changes to the matchable set since the last `take_events` (`None`: not recorded).
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl BlockPool {
@@ -110,6 +130,7 @@ impl BlockPool {
             tail: NIL,
             lru_len: 0,
             shared: 0,
+            events: None,
         })
     }
 
@@ -237,6 +258,11 @@ impl BlockPool {
             if self.by_hash.get(&k.hash) == Some(&b) {
                 self.by_hash.remove(&k.hash);
             }
+            if k.computed {
+                if let Some(events) = &mut self.events {
+                    events.push(CacheEvent::Removed { hash: k.hash });
+                }
+            }
         }
     }
 
@@ -247,8 +273,42 @@ impl BlockPool {
     /// Marks a registered block as written by the op, so later prompts can match it.
     pub fn mark_computed(&mut self, b: BlockId) {
         if let Some(Some(k)) = self.key.get_mut(b as usize) {
+            if k.computed {
+                return;
+            }
             k.computed = true;
+            if let Some(events) = &mut self.events {
+                events.push(CacheEvent::Stored {
+                    hash: k.hash,
+                    parent: (k.parent != ROOT_HASH).then_some(k.parent),
+                    tokens: k.tokens.clone(),
+                });
+            }
         }
+    }
+
+    /// Starts (or stops) recording [`CacheEvent`]s. Recording starts from the set as it is:
+    /// turn it on before the first block is computed for a replay to give the whole set.
+    pub fn record_events(&mut self, on: bool) {
+        self.events = on.then(|| self.events.take().unwrap_or_default());
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Hashes of the blocks a prefix lookup can match now, ascending.
+    pub fn matchable_hashes(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .key
+            .iter()
+            .flatten()
+            .filter(|k| k.computed)
+            .map(|k| k.hash)
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// The computed block holding (parent, tokens), if any.
@@ -393,6 +453,79 @@ mod tests {
             Some(a)
         );
         p.check().unwrap();
+    }
+
+    /// Replays events into a set, as a subscriber does.
+    fn replay(set: &mut std::collections::BTreeSet<u64>, events: Vec<CacheEvent>) {
+        for e in events {
+            match e {
+                CacheEvent::Stored { hash, .. } => assert!(set.insert(hash), "{hash} stored twice"),
+                CacheEvent::Removed { hash } => assert!(set.remove(&hash), "{hash} not stored"),
+                CacheEvent::Cleared => set.clear(),
+            }
+        }
+    }
+
+    #[test]
+    fn events_replay_to_the_matchable_set() {
+        let mut p = BlockPool::new(2).unwrap();
+        p.record_events(true);
+        let mut set = std::collections::BTreeSet::new();
+        let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+        let ha = block_hash(ROOT_HASH, &[1, 2]);
+        let hb = block_hash(ha, &[3, 4]);
+        p.register(a, ha, ROOT_HASH, &[1, 2]);
+        p.register(b, hb, ha, &[3, 4]);
+        assert!(
+            p.take_events().is_empty(),
+            "registered, not computed: not matchable yet"
+        );
+        p.mark_computed(a);
+        p.mark_computed(b);
+        p.mark_computed(b);
+        let ev = p.take_events();
+        assert_eq!(
+            ev,
+            vec![
+                CacheEvent::Stored {
+                    hash: ha,
+                    parent: None,
+                    tokens: vec![1, 2].into()
+                },
+                CacheEvent::Stored {
+                    hash: hb,
+                    parent: Some(ha),
+                    tokens: vec![3, 4].into()
+                },
+            ]
+        );
+        replay(&mut set, ev);
+        assert_eq!(
+            set.iter().copied().collect::<Vec<_>>(),
+            p.matchable_hashes()
+        );
+        // Released: cached, still matchable. Reallocated (LRU first: b): b's hash goes.
+        p.release(b).unwrap();
+        p.release(a).unwrap();
+        assert!(p.take_events().is_empty());
+        assert_eq!(p.allocate(), Some(b));
+        let ev = p.take_events();
+        assert_eq!(ev, vec![CacheEvent::Removed { hash: hb }]);
+        replay(&mut set, ev);
+        assert_eq!(
+            set.iter().copied().collect::<Vec<_>>(),
+            p.matchable_hashes()
+        );
+        assert_eq!(p.matchable_hashes(), vec![ha]);
+        // An uncomputed block dropped on release makes no event.
+        let h = block_hash(ROOT_HASH, &[9, 9]);
+        p.register(b, h, ROOT_HASH, &[9, 9]);
+        p.release(b).unwrap();
+        assert!(p.take_events().is_empty());
+        p.record_events(false);
+        p.allocate();
+        p.allocate();
+        assert!(p.take_events().is_empty(), "not recording");
     }
 
     #[test]

@@ -137,6 +137,9 @@ pub struct SchedulerCounters {
     /// Admissions that reused cached blocks, and the tokens they reused.
     pub prefix_hits: u64,
     pub prefix_hit_tokens: u64,
+    /// Tokens admissions looked up in the prefix cache (every admission's prompt, and a
+    /// preempted sequence's tokens again when it is readmitted), with prefix caching on.
+    pub prefix_query_tokens: u64,
     /// Block copies handed out (copy-on-write and copies of shared blocks eviction moves).
     pub block_copies: u64,
     /// Sequences that lost blocks to eviction (one per sequence and step), and the blocks.
@@ -203,6 +206,14 @@ impl Scheduler {
     }
     pub fn manager(&self) -> &BlockManager {
         &self.mgr
+    }
+    /// See [`BlockManager::record_cache_events`].
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.mgr.record_cache_events(on);
+    }
+    /// See [`BlockManager::take_cache_events`].
+    pub fn take_cache_events(&mut self) -> Vec<crate::cache::CacheEvent> {
+        self.mgr.take_cache_events()
     }
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
@@ -471,6 +482,9 @@ impl Scheduler {
                 step.copies.extend(a.copies);
                 if let Some(e) = self.entries.get_mut(&id) {
                     e.processed = cached;
+                }
+                if self.cfg.prefix_caching {
+                    self.counters.prefix_query_tokens += tokens.len() as u64;
                 }
                 if cached > 0 {
                     self.counters.prefix_hits += 1;
@@ -903,6 +917,10 @@ mod tests {
         assert_eq!(
             (c.prefix_hits, c.prefix_hit_tokens),
             (1, st.past_lens[0] as u64)
+        );
+        assert_eq!(
+            c.prefix_query_tokens, 18,
+            "two admissions of 9-token prompts"
         );
     }
 

@@ -25,15 +25,47 @@ def free_port():
         return s.getsockname()[1]
 
 
+class Metrics:
+    """Samples of a Prometheus text exposition: `m[name]` sums a metric's series (every label
+    set); `m.value(name, **labels)` sums the series that carry those labels."""
+
+    SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$', re.M)
+    LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+    def __init__(self, text):
+        self.text = text
+        self.samples = []
+        for name, labels, v in self.SAMPLE.findall(text):
+            pairs = {k: re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], val)
+                     for k, val in self.LABEL.findall(labels or "")}
+            self.samples.append((name, pairs, float(v)))
+
+    def value(self, name, **labels):
+        found = [v for n, ls, v in self.samples
+                 if n == name and all(ls.get(k) == str(w) for k, w in labels.items())]
+        if not found:
+            raise KeyError(f"no series {name}{labels or ''} in /metrics")
+        return sum(found)
+
+    def __getitem__(self, name):
+        return self.value(name)
+
+    def labels(self, name):
+        return [ls for n, ls, _ in self.samples if n == name]
+
+
 class Server:
-    def __init__(self, model, *extra, env=None, **popen):
+    def __init__(self, model, *extra, env=None, kv_cache_size=None, **popen):
         if not ENGINE.is_file():
             pytest.fail(f"pa-engine not found at {ENGINE}: cargo build --release --workspace")
+        flags = list(F32)
+        if kv_cache_size is not None:  # GB, in place of F32's
+            flags[flags.index("--kv-cache-size") + 1] = str(kv_cache_size)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [str(ENGINE), "serve", str(model), "--port", str(self.port), "--served-model-name", NAME,
-             *F32, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+             *flags, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})}, **popen)
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -48,8 +80,7 @@ class Server:
         pytest.fail("pa serve did not become ready")
 
     def metrics(self):
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        return {name: float(v) for name, v in re.findall(r"^(\w+) ([0-9.e+-]+)$", text, re.M)}
+        return Metrics(httpx.get(self.url + "/metrics", timeout=5).text)
 
     def stop(self):
         if self.proc.poll() is None:

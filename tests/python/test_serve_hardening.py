@@ -180,12 +180,12 @@ def test_a_stream_left_while_a_stop_string_holds_its_text_is_aborted(server):
     deadline = time.time() + 3
     while True:
         m = server.metrics()
-        if m["pa_requests_running"] == 0 and m["pa_requests_waiting"] == 0:
+        if m["pa_num_requests_running"] == 0 and m["pa_num_requests_waiting"] == 0:
             break
         assert time.time() < deadline, "the request still runs for a client that left"
         time.sleep(0.05)
-    assert m["pa_requests_aborted_total"] - before["pa_requests_aborted_total"] == 1
-    assert m["pa_generated_tokens_total"] - before["pa_generated_tokens_total"] < 1800
+    assert m.value("pa_request_success_total", finished_reason="abort") - before.value("pa_request_success_total", finished_reason="abort") == 1
+    assert m["pa_generation_tokens_total"] - before["pa_generation_tokens_total"] < 1800
 
 
 # ------------------------------------------------------------------------------ 7: big prompts

@@ -4,6 +4,8 @@
 use clap::{Args, Parser, Subcommand};
 use paged_attention::cache::EvictionPolicy;
 use paged_attention::ElemType;
+use paged_attention_engine::kv_events::{KvEventsConfig, Shape};
+use paged_attention_engine::metrics::Naming;
 use paged_attention_engine::{
     convert_ir, Constraint, Conversion, EngineClient, EngineConfig, Event, FinishReason,
     GenerationParams, ModelDir, Penalties, Precision, Prompt, Reply, Sampling, Update,
@@ -43,7 +45,8 @@ enum Command {
 const SERVE_ABOUT: &str = "\
 Serves MODEL_DIR over an OpenAI-compatible HTTP API: POST /v1/completions and \
 /v1/chat/completions (streaming as server-sent events with \"stream\": true), GET /v1/models, \
-GET /health (200 once the model is compiled), GET /metrics (Prometheus text). The engine runs \
+GET /health (200 once the model is compiled), GET /metrics (Prometheus text; docs/api.md lists \
+the names), and with --kv-events-endpoint GET /debug/kv-cache-blocks. The engine runs \
 on its own thread; a client that disconnects has its request aborted and its KV blocks freed \
 before the next engine step. Every error is OpenAI's error JSON. A request's head and its body \
 must each arrive within --read-timeout, or the connection is closed (a body gets 408). \
@@ -76,6 +79,21 @@ struct ServeArgs {
     /// Seconds a request's head, and then its body, may take to arrive.
     #[arg(long, default_value = "30", value_parser = positive_seconds)]
     read_timeout: Duration,
+    /// How /metrics spells the names vLLM also has: `pa` (pa_num_requests_waiting; passes
+    /// promtool) or `vllm` (vllm:num_requests_waiting, what routers read by default).
+    #[arg(long, default_value = "pa")]
+    metric_names: Naming,
+    /// Publish KV-cache events (blocks stored, removed, all cleared) in vLLM's format on a
+    /// ZeroMQ PUB socket: `tcp://*:PORT` binds, `tcp://HOST:PORT` connects to a subscriber.
+    #[arg(long, value_name = "ENDPOINT")]
+    kv_events_endpoint: Option<String>,
+    /// First frame of every KV-event message (llm-d reads `kv@POD@MODEL`).
+    #[arg(long, default_value = "", requires = "kv_events_endpoint")]
+    kv_events_topic: String,
+    /// Events as positional arrays (vLLM up to 0.23, which every subscriber reads) or as maps
+    /// (vLLM since 0.24).
+    #[arg(long, default_value = "array", requires = "kv_events_endpoint")]
+    kv_events_format: Shape,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -257,7 +275,12 @@ fn main() -> ExitCode {
 }
 
 fn serve(a: ServeArgs) -> Result<(), String> {
-    let engine = engine_config(&a.engine)?;
+    let mut engine = engine_config(&a.engine)?;
+    engine.kv_events = a.kv_events_endpoint.clone().map(|endpoint| KvEventsConfig {
+        endpoint,
+        topic: a.kv_events_topic.clone(),
+        shape: a.kv_events_format,
+    });
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         a.model_dir
             .canonicalize()
@@ -279,6 +302,7 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         read_timeout: a.read_timeout,
         shutdown_timeout: a.shutdown_timeout,
         model_name: name,
+        metric_names: a.metric_names,
     };
     paged_attention_engine::server::serve(a.model_dir, engine, cfg)
 }
@@ -338,6 +362,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         threads: a.threads,
         device: "CPU".into(),
         eviction,
+        kv_events: None,
     })
 }
 

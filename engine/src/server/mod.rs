@@ -3,7 +3,8 @@
 //!
 //! Routes (`routes`): `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
 //! server-sent events, `response`), `GET /v1/models`, `GET /health` (200 once the model is
-//! compiled), `GET /metrics` (Prometheus text). Every error is OpenAI's error JSON (`openai`).
+//! compiled), `GET /metrics` (Prometheus text, `crate::metrics`), `GET /debug/kv-cache-blocks`
+//! (with KV-cache events, `crate::kv_events`). Every error is OpenAI's error JSON (`openai`).
 //!
 //! Connections: a request head must arrive within the read timeout, and so must a body; a
 //! connection that stalls is closed. SIGINT/SIGTERM starts the drain: new requests (on new
@@ -45,8 +46,10 @@ pub struct ServeConfig {
     pub read_timeout: Duration,
     /// After SIGINT/SIGTERM, in-flight requests may finish for this long; then they are ended.
     pub shutdown_timeout: Duration,
-    /// The name `/v1/models` lists and requests must use.
+    /// The name `/v1/models` lists and requests must use (and `/metrics`' `model_name` label).
     pub model_name: String,
+    /// How `/metrics` spells the names vLLM also has.
+    pub metric_names: crate::metrics::Naming,
 }
 
 /// After the shutdown timeout, ended requests have this long to send their last events.

@@ -41,6 +41,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/debug/kv-cache-blocks", get(kv_cache_blocks))
         .fallback(not_found)
         .layer(axum::middleware::map_response(as_openai_error))
         .with_state(app)
@@ -210,11 +211,33 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let text = app
-        .client
-        .snapshot()
-        .prometheus(app.in_flight.load(Ordering::SeqCst));
+    let text = app.client.snapshot().prometheus(
+        &app.cfg.model_name,
+        app.cfg.metric_names,
+        app.in_flight.load(Ordering::SeqCst),
+    );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The prefix cache's block hashes and the KV-event batch they follow (for checking a
+/// subscriber's replay); served only with `--kv-events-endpoint`, and behind the API key.
+async fn kv_cache_blocks(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = app.authorize(&headers) {
+        return r;
+    }
+    let client = app.client.clone();
+    match tokio::task::spawn_blocking(move || client.cache_blocks()).await {
+        Ok(Some(b)) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            json!({"seq": b.seq, "block_hashes": b.hashes}).to_string(),
+        )
+            .into_response(),
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "KV-cache events are not published (--kv-events-endpoint)",
+            None,
+        ),
+    }
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
