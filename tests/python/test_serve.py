@@ -185,7 +185,6 @@ NOT_SERVED = [  # (endpoint, extra fields, the field the 400 must name)
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("chat/completions", {"logprobs": True}, "logprobs"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"tools": [TOOL]}, "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"prompt": "x"}, "prompt"),
