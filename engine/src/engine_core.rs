@@ -431,7 +431,8 @@ impl EngineCore {
     }
 
     /// Runs the step; the token masks of its constrained sequences are computed meanwhile, on a
-    /// thread of their own (they depend on the tokens so far only, not on this step's logits).
+    /// thread of their own (they depend on the tokens so far and the step's drafts only, not on
+    /// its logits): one mask per row the step verifies.
     fn run_with_masks(&mut self, step: &Step) -> Result<()> {
         let constrained = self
             .requests
@@ -440,23 +441,37 @@ impl EngineCore {
         if !constrained {
             return Self::run(&mut self.runner, &mut self.sched, step);
         }
-        let emitting: Vec<SeqId> = step.seqs.iter().filter(|s| s.emits).map(|s| s.id).collect();
-        let matchers: Vec<&mut TokenMatcher> = self
+        // Each emitting sequence's drafts: the trailing tokens of its chunk.
+        let drafts: HashMap<SeqId, &[u32]> = step
+            .seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.emits)
+            .map(|(i, s)| {
+                let end = step.subsequence_begins[i + 1] as usize;
+                (s.id, &step.token_ids[end - s.draft_len..end])
+            })
+            .collect();
+        let matchers: Vec<(&mut TokenMatcher, &[u32])> = self
             .requests
             .values_mut()
             .flat_map(|r| r.outputs.iter_mut())
-            .filter(|o| !o.text.done && emitting.contains(&o.seq))
-            .filter_map(|o| o.matcher.as_mut())
+            .filter(|o| !o.text.done)
+            .filter_map(|o| Some((o.matcher.as_mut()?, *drafts.get(&o.seq)?)))
             .collect();
         if matchers.is_empty() {
             return Self::run(&mut self.runner, &mut self.sched, step);
         }
         let (runner, sched) = (&mut self.runner, &mut self.sched);
         let (ran, waited) = std::thread::scope(|scope| {
-            let masks = scope.spawn(move || matchers.into_iter().for_each(TokenMatcher::prepare));
+            let masks = scope.spawn(move || {
+                for (m, d) in matchers {
+                    m.prepare(d);
+                }
+            });
             let ran = Self::run(runner, sched, step);
             let t = Instant::now();
-            // A mask that failed there is computed again (or found missing) when sampling.
+            // A mask that failed there is found missing when sampling (the output ends).
             let _ = masks.join();
             (ran, t.elapsed())
         });
@@ -464,36 +479,39 @@ impl EngineCore {
         ran
     }
 
-    /// Drafts for every decoding sequence (speculative decoding), sized by the batch.
+    /// Drafts for every decoding sequence (speculative decoding), sized by the batch. A
+    /// constrained output's drafts are cut to the prefix its constraint allows.
     fn propose_drafts(&mut self) -> Result<()> {
         let Some(spec) = self.speculative else {
             return Ok(());
         };
-        let decoding: Vec<SeqId> = self
+        let decoding: Vec<(SeqId, RequestId, usize)> = self
             .seqs
-            .keys()
-            .copied()
-            .filter(|&s| self.sched.is_decoding(s))
-            // A constrained output's mask follows its tokens one at a time: it is not drafted.
-            .filter(|s| {
-                self.seqs
-                    .get(s)
-                    .and_then(|(r, _)| self.requests.get(r))
-                    .is_some_and(|st| st.params.constraint.is_none())
-            })
+            .iter()
+            .filter(|(&s, _)| self.sched.is_decoding(s))
+            .map(|(&s, &(r, i))| (s, r, i))
             .collect();
         let k = spec.draft_len(decoding.len());
         if k == 0 {
             return Ok(());
         }
         let mut draft = Vec::with_capacity(k);
-        for seq in decoding {
+        for (seq, req, index) in decoding {
             draft.clear();
             draft.extend_from_slice(speculative::propose(
                 self.sched.tokens(seq)?,
                 spec.max_ngram,
                 k,
             ));
+            let matcher = self
+                .requests
+                .get_mut(&req)
+                .and_then(|st| st.outputs.get_mut(index))
+                .and_then(|o| o.matcher.as_mut());
+            if let (Some(m), false) = (matcher, draft.is_empty()) {
+                let valid = m.valid_drafts(&draft);
+                draft.truncate(valid);
+            }
             if !draft.is_empty() {
                 self.sched.set_draft(seq, &draft)?;
             }
@@ -579,14 +597,14 @@ impl EngineCore {
                         &mut self.counts,
                     );
                 }
-                // Structured output: only the tokens its constraint allows (a constrained
-                // output has no drafts; forks of an n > 1 request take their first token from
-                // this row: every output starts at the same place). None allowed (the library
-                // failed): the output ends at a stop id.
+                // Structured output: only the tokens its constraint allows after the drafts
+                // before this row (forks of an n > 1 request take their first token from this
+                // row: every output starts at the same place, without drafts). None allowed
+                // (the library failed): the output ends at a stop id.
                 let mut forced = None;
                 if let Some(m) = state.outputs[index].matcher.as_mut() {
                     let t = Instant::now();
-                    if !m.apply(&mut self.penalized) {
+                    if !m.apply(j, &mut self.penalized) {
                         forced = Some(state.stop_ids.first().copied().unwrap_or(0));
                     }
                     self.stats.mask_critical_time += t.elapsed();
@@ -621,7 +639,13 @@ impl EngineCore {
                         });
                     }
                 }
-                if !agreed || toks.len() >= room || state.stop_ids.contains(&token) {
+                // An accepted draft that completes the constraint ends the output, as the
+                // same token sampled would.
+                let complete = state.outputs[index]
+                    .matcher
+                    .as_ref()
+                    .is_some_and(|m| m.done_after(j + 1));
+                if !agreed || toks.len() >= room || state.stop_ids.contains(&token) || complete {
                     break;
                 }
             }
