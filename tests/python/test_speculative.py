@@ -1,10 +1,10 @@
 """Prompt-lookup speculative decoding (``pa-engine generate --speculative prompt-lookup``) on the
 trained SmolLM2-135M-Instruct: greedy ids equal those of a run without speculation (10 prompts x
 128 tokens, one batch, some of them asking to repeat a given text so that drafts are accepted),
-and a seeded sampled run repeats; greedy structured output (a JSON schema, a regex) with speculation
-equals its run without, with drafts accepted. The block manager's end state (no block held, the same
-prefix-cache contents as without speculation) is asserted on the tiny model in Rust: the CLI's
---stats figures are published after the last events, so they can miss the last step. The tiny-model twin of these checks and
+and the block manager's state after them equals that of the run without (no block held, the same
+prefix-cache contents: no rejected draft cached), from the CLI's --stats figures, read once the
+engine has stopped; a seeded sampled run repeats; greedy structured output (a JSON schema, a regex)
+with speculation equals its run without, with drafts accepted. The tiny-model twin of these checks and
 the unit tests of the proposer and the acceptance rule are Rust's (engine/tests/engine.rs,
 engine/src/speculative.rs, engine/src/sampling.rs).
 """
@@ -48,8 +48,12 @@ def generate(model, tmp_path, name, *flags, prompts=PROMPTS):
     outs = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     line = next(l for l in p.stderr.splitlines() if "draft tokens" in l)
     drafted, accepted = map(int, re.search(r"(\d+) draft tokens, (\d+) accepted", line).groups())
+    used, prefix, digest = re.search(
+        r"after the run (\d+) blocks used, prefix cache (\d+) blocks \(digest ([0-9a-f]+)\)",
+        line).groups()
     return ([o["token_ids"] for o in sorted(outs, key=lambda o: o["index"])],
-            {"drafted": drafted, "accepted": accepted})
+            {"drafted": drafted, "accepted": accepted,
+             "blocks": {"used": int(used), "prefix": int(prefix), "digest": digest}})
 
 
 def test_greedy_ids_equal_a_run_without_speculation(
@@ -61,6 +65,11 @@ def test_greedy_ids_equal_a_run_without_speculation(
             f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
     assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
     assert ps["drafted"] == 0
+    # The block manager after the run: nothing leaked, and the prefix cache holds what the run
+    # without speculation left (its digest sums the blocks' content hashes), no rejected draft.
+    assert ss["blocks"]["used"] == 0, ss
+    assert ps["blocks"]["prefix"] > 0, ps
+    assert ss["blocks"] == ps["blocks"], (ps, ss)
 
 
 def test_a_seeded_sampled_run_with_speculation_repeats(smollm2, tmp_path):
