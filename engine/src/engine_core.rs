@@ -114,6 +114,8 @@ pub struct EngineCore {
     so_far: Vec<u32>,
     speculative: Option<SpeculativeConfig>,
     stats: EngineStats,
+    /// Fail the next run (see [`EngineCore::fail_next_run`]).
+    fail_next_run: bool,
 }
 
 impl EngineCore {
@@ -164,6 +166,7 @@ impl EngineCore {
             so_far: Vec::new(),
             speculative: cfg.speculative,
             stats: EngineStats::default(),
+            fail_next_run: false,
         })
     }
 
@@ -396,16 +399,63 @@ impl EngineCore {
         let t0 = Instant::now();
         self.propose_drafts()?;
         let step = self.schedule()?;
-        if let Err(e) = self.run_with_masks(&step) {
-            // The step's tokens were not computed: end its requests with the error rather than
-            // leave the scheduler in flight.
-            let _ = self.sched.complete_step(&[]);
-            return Err(e);
-        }
-        let (sampled, forks) = self.sample(&step)?;
+        let ran = if std::mem::take(&mut self.fail_next_run) {
+            Err(EngineError::OpenVino(
+                "a run failed on purpose (test)".into(),
+            ))
+        } else {
+            self.run_with_masks(&step)
+        };
+        let (sampled, forks) = match ran.and_then(|()| self.sample(&step)) {
+            Ok(s) => s,
+            Err(e) => return Err(self.fail_step(&e)),
+        };
         self.update(sampled, forks, &mut events)?;
         self.stats.step_time += t0.elapsed();
         Ok(events)
+    }
+
+    /// Ends the requests of a step whose run (or sampling) failed with `e`: none of its tokens
+    /// was computed, so the scheduler drops the step and frees their blocks, and their other
+    /// outputs end too. Returns the error naming them; the other requests go on.
+    fn fail_step(&mut self, e: &EngineError) -> EngineError {
+        let seqs = match self.sched.fail_step() {
+            Ok(seqs) => seqs,
+            Err(f) => return f.into(),
+        };
+        self.prompt_events.clear();
+        let mut requests: Vec<RequestId> = seqs
+            .iter()
+            .filter_map(|s| self.seqs.get(s).map(|&(r, _)| r))
+            .collect();
+        requests.sort_unstable();
+        requests.dedup();
+        for req in &requests {
+            let Some(state) = self.requests.remove(req) else {
+                continue;
+            };
+            for o in state.outputs {
+                let live = !o.text.done && !seqs.contains(&o.seq);
+                if live && self.sched.tokens(o.seq).is_ok() {
+                    if let Err(f) = self.sched.abort(o.seq) {
+                        return f.into();
+                    }
+                }
+                self.seqs.remove(&o.seq);
+            }
+        }
+        // Their aborted outputs' reports: the requests are gone, nothing to tell.
+        let _ = self.sched.take_finished();
+        EngineError::StepFailed {
+            requests,
+            message: e.to_string(),
+        }
+    }
+
+    /// Makes the next step's model run fail, as a failing `infer()` would (a test seam).
+    #[doc(hidden)]
+    pub fn fail_next_run(&mut self) {
+        self.fail_next_run = true;
     }
 
     fn schedule(&mut self) -> Result<Step> {
