@@ -111,10 +111,16 @@ impl Grammars {
     }
 }
 
-/// `schema` with JSON written as Python's `json.dumps` writes it (`, ` and `: `, no other
-/// whitespace), unless the schema sets llguidance's own `x-guidance` options: free whitespace
-/// lets a small model run on in newlines until `max_tokens`.
-fn compact(schema: &serde_json::Value) -> serde_json::Value {
+/// The one whitespace rule of the JSON the engine writes or constrains (`response_format`,
+/// tool-call arguments, calls written back into a prompt): Python's `json.dumps`, which chat
+/// templates' `tojson` follows: these separators and no other whitespace. Free whitespace lets
+/// a small model run on in newlines until `max_tokens`.
+const ITEM_SEPARATOR: &str = ", ";
+const KEY_SEPARATOR: &str = ": ";
+
+/// `schema` held to [the compact rule](ITEM_SEPARATOR), unless it sets llguidance's own
+/// `x-guidance` options.
+pub fn compact(schema: &serde_json::Value) -> serde_json::Value {
     let mut s = match schema {
         serde_json::Value::Bool(true) => serde_json::json!({}),
         s => s.clone(),
@@ -123,12 +129,49 @@ fn compact(schema: &serde_json::Value) -> serde_json::Value {
         o.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({
                 "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": ",
+                "item_separator": ITEM_SEPARATOR,
+                "key_separator": KEY_SEPARATOR,
             })
         });
     }
     s
+}
+
+/// `v` written by [the compact rule](ITEM_SEPARATOR), as a constrained output writes it.
+pub fn to_compact_string(v: &serde_json::Value) -> String {
+    struct Separators;
+    impl serde_json::ser::Formatter for Separators {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(ITEM_SEPARATOR.as_bytes())
+            }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            self.begin_array_value(w, first)
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(KEY_SEPARATOR.as_bytes())
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Separators);
+    match serde::Serialize::serialize(v, &mut ser) {
+        Ok(()) => String::from_utf8(out).unwrap_or_else(|_| v.to_string()),
+        Err(_) => v.to_string(),
+    }
 }
 
 /// One output's place in its constraint.
