@@ -3,10 +3,10 @@ trained SmolLM2-135M-Instruct: greedy ids equal those of a run without speculati
 128 tokens, one batch, some of them asking to repeat a given text so that drafts are accepted),
 and the block manager's state after them equals that of the run without (no block held, the same
 prefix-cache contents: no rejected draft cached), from the CLI's --stats figures, read once the
-engine has stopped; a seeded sampled run repeats; greedy structured output (a JSON schema, a regex)
-with speculation equals its run without, with drafts accepted. The tiny-model twin of these checks and
-the unit tests of the proposer and the acceptance rule are Rust's (engine/tests/engine.rs,
-engine/src/speculative.rs, engine/src/sampling.rs).
+engine has stopped; a seeded sampled run repeats; greedy structured output (a JSON schema, a
+regex) with speculation equals its run without, with drafts accepted. The tiny-model twin of
+these checks and the unit tests of the proposer and the acceptance rule are Rust's
+(engine/tests/engine.rs, engine/src/speculative.rs, engine/src/sampling.rs).
 """
 import json
 import os
