@@ -360,12 +360,13 @@ impl Default for FastOptions {
     }
 }
 
-/// [`FastOptions::serial_below`]'s default, in [`call_work`] units: a decode of one sequence
-/// at SmolLM2's shapes (9 query heads, 3 KV heads, head size 64) up to about 700 keys, or of
-/// 5 rows up to about 400. Measured inside OpenVINO on 2 threads (2-core AMD EPYC Zen 4, a
-/// one-node model per layer, 30 layers): one thread took 0.15 ms where two took 0.18 at 200
-/// keys, 0.22 against 0.23-0.24 at 500; from about 1000 keys (or 5 rows at 500) two threads
-/// are as fast or faster. Every workload of a model of Llama's head shapes is far above it.
+/// [`FastOptions::serial_below`]'s default, in [`call_work`] units: a one-token decode at
+/// SmolLM2's shapes (9 query heads, 3 KV heads, head size 64) up to about 700 keys, or a 5-row
+/// verify step up to about 340. Measured inside OpenVINO on 2 threads (2-core AMD EPYC Zen 4,
+/// one one-node model per layer, 30 layers, `tools/bench_call.py`, a loaded host): at 200 to
+/// 700 keys one thread took 0 to 0.035 ms less a call than two; from about 1000 keys (or 5 rows
+/// at 500) two threads were as fast or faster. Every call of a model with Llama's head shapes
+/// is far above it.
 pub const SERIAL_BELOW: usize = 3_000_000;
 
 /// How much work a call's attention is, in multiply-adds: its query rows' products with the keys
