@@ -488,11 +488,22 @@ impl EngineCore {
         }
         let mut draft = Vec::with_capacity(k);
         for seq in decoding {
+            // A step emits at most `room` tokens: drafts past `room - 1` would be computed only
+            // to be dropped.
+            let room = self
+                .seqs
+                .get(&seq)
+                .and_then(|&(r, i)| {
+                    let st = self.requests.get(&r)?;
+                    let done = st.outputs.get(i)?.text.generated.len();
+                    Some(st.params.max_new_tokens.saturating_sub(done))
+                })
+                .unwrap_or(usize::MAX);
             draft.clear();
             draft.extend_from_slice(speculative::propose(
                 self.sched.tokens(seq)?,
                 spec.max_ngram,
-                k,
+                k.min(room.saturating_sub(1)),
             ));
             if !draft.is_empty() {
                 self.sched.set_draft(seq, &draft)?;
