@@ -102,9 +102,10 @@ pub fn propose(tokens: &[u32], max_ngram: usize, k: usize) -> &[u32] {
                 continue;
             }
             // How far the agreement reaches back: tokens[i - e] against tokens[len - n - e].
-            let agree = n + (1..=cap - n)
-                .take_while(|&e| e <= i && tokens[i - e] == tokens[len - n - e])
-                .count();
+            let agree = n
+                + (1..=cap - n)
+                    .take_while(|&e| e <= i && tokens[i - e] == tokens[len - n - e])
+                    .count();
             if best.is_none_or(|(a, _)| agree > a) {
                 best = Some((agree, i));
                 if agree == cap {
