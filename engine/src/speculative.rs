@@ -162,7 +162,7 @@ mod tests {
         let x: Vec<u32> = (200..205).collect();
         let q: Vec<u32> = (300..305).collect();
         let t: Vec<u32> = [&x[..], &p, &[1], &q, &p, &[2], &x, &p].concat();
-        assert!(MAX_CONTEXT < 40);
+        const { assert!(MAX_CONTEXT < 40) };
         assert_eq!(propose(&t, 3, 3), &[2, 200, 201]);
     }
 
