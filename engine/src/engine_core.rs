@@ -547,11 +547,21 @@ impl EngineCore {
         }
         let mut draft = Vec::with_capacity(k);
         for (seq, req, index) in decoding {
+            // A step emits at most `room` tokens: drafts past `room - 1` would be computed only
+            // to be dropped.
+            let room = self
+                .requests
+                .get(&req)
+                .and_then(|st| {
+                    let done = st.outputs.get(index)?.text.generated.len();
+                    Some(st.params.max_new_tokens.saturating_sub(done))
+                })
+                .unwrap_or(usize::MAX);
             draft.clear();
             draft.extend_from_slice(speculative::propose(
                 self.sched.tokens(seq)?,
                 spec.max_ngram,
-                k,
+                k.min(room.saturating_sub(1)),
             ));
             let matcher = self
                 .requests
