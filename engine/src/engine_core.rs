@@ -511,9 +511,6 @@ impl EngineCore {
         let Some(spec) = &self.speculative else {
             return Ok(());
         };
-        if let Some(d) = self.draft.as_mut() {
-            d.forget_ended(&self.sched)?;
-        }
         let mut decoding: Vec<SeqId> = self
             .seqs
             .keys()
@@ -795,12 +792,16 @@ impl EngineCore {
         Ok(())
     }
 
-    /// Turns the scheduler's finished sequences into `Finished` events.
+    /// Turns the scheduler's finished sequences into `Finished` events (and frees their draft
+    /// caches).
     fn drain_finished(&mut self, events: &mut Vec<Event>) -> Result<()> {
         for (seq, reason) in self.sched.take_finished() {
             if let Some(&(req, index)) = self.seqs.get(&seq) {
                 self.end_output(req, index, reason, events)?;
             }
+        }
+        if let Some(d) = self.draft.as_mut() {
+            d.forget_ended(&self.sched)?;
         }
         Ok(())
     }
