@@ -433,17 +433,7 @@ fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
     };
     let mut want = Vec::new();
     for e in [&mut plain, &mut spec] {
-        let ids: Vec<u64> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| e.add(p.clone(), params(i)).unwrap())
-            .collect();
-        let done = run(e);
-        want.push(
-            ids.iter()
-                .map(|r| done[&(*r, 0)].clone())
-                .collect::<Vec<_>>(),
-        );
+        want.push(run_prompts(e, &prompts, params));
     }
     for (i, (a, b)) in want[0].iter().zip(&want[1]).enumerate() {
         assert_eq!(a, b, "prompt {i}: speculation changed the output");
@@ -478,36 +468,58 @@ fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
     assert!(a.prefix_blocks > 0);
 }
 
+/// Runs `prompts` (prompt `i` with `params(i)`) to the end; the outputs, in prompt order.
+fn run_prompts(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: impl Fn(usize) -> GenerationParams,
+) -> Vec<(FinishReason, Vec<u32>, String)> {
+    let ids: Vec<u64> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| e.add(p.clone(), params(i)).unwrap())
+        .collect();
+    let mut done = run(e);
+    ids.iter().map(|r| done.remove(&(*r, 0)).unwrap()).collect()
+}
+
+/// The generated ids of [`run_prompts`].
+fn run_ids(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: impl Fn(usize) -> GenerationParams,
+) -> Vec<Vec<u32>> {
+    run_prompts(e, prompts, params)
+        .into_iter()
+        .map(|o| o.1)
+        .collect()
+}
+
+/// Sampling of `n` tokens with top-k and top-p, seeded `seed`.
+fn sampled(n: usize, seed: u64) -> GenerationParams {
+    GenerationParams {
+        max_new_tokens: n,
+        sampling: Sampling {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.95,
+        },
+        seed: Some(seed),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn a_seeded_sampled_run_with_speculation_repeats() {
     let run_once = || {
         let mut e = speculative_engine(4);
         let prompts = spec_prompts(&e);
-        let ids: Vec<u64> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let params = GenerationParams {
-                    max_new_tokens: 64,
-                    sampling: Sampling {
-                        temperature: 0.7,
-                        top_k: 40,
-                        top_p: 0.95,
-                    },
-                    seed: Some(100 + i as u64),
-                    ignore_eos: true,
-                    ..Default::default()
-                };
-                e.add(p.clone(), params).unwrap()
-            })
-            .collect();
-        let done = run(&mut e);
+        let out = run_ids(&mut e, &prompts, |i| sampled(64, 100 + i as u64));
         let s = e.stats();
         assert!(s.accepted_draft_tokens > 0, "{s:?}");
         assert_eq!(e.cache_stats().used_blocks, 0);
-        ids.iter()
-            .map(|r| done[&(*r, 0)].1.clone())
-            .collect::<Vec<_>>()
+        out
     };
     let a = run_once();
     assert!(a.iter().all(|o| o.len() == 64));
@@ -528,17 +540,8 @@ fn draft_engine(draft: &Path, k: usize) -> Result<Engine, EngineError> {
 
 #[test]
 fn a_draft_model_keeps_greedy_ids_and_both_block_managers_state() {
-    let run_all = |e: &mut Engine, prompts: &[Vec<u32>]| {
-        let ids: Vec<u64> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| e.add(p.clone(), greedy(64 + 8 * i)).unwrap())
-            .collect();
-        let done = run(e);
-        ids.iter()
-            .map(|r| done[&(*r, 0)].1.clone())
-            .collect::<Vec<_>>()
-    };
+    let run_all =
+        |e: &mut Engine, prompts: &[Vec<u32>]| run_ids(e, prompts, |i| greedy(64 + 8 * i));
     let mut plain = engine();
     let prompts = spec_prompts(&plain);
     let want = run_all(&mut plain, &prompts);
@@ -577,29 +580,9 @@ fn a_draft_model_run_repeats_with_a_seed_and_a_foreign_vocabulary_is_refused() {
     let run_once = || {
         let mut e = draft_engine(model_dir(), 4).unwrap();
         let prompts = spec_prompts(&e);
-        let ids: Vec<u64> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let params = GenerationParams {
-                    max_new_tokens: 48,
-                    sampling: Sampling {
-                        temperature: 0.7,
-                        top_k: 40,
-                        top_p: 0.95,
-                    },
-                    seed: Some(7 + i as u64),
-                    ignore_eos: true,
-                    ..Default::default()
-                };
-                e.add(p.clone(), params).unwrap()
-            })
-            .collect();
-        let done = run(&mut e);
+        let out = run_ids(&mut e, &prompts, |i| sampled(48, 7 + i as u64));
         assert!(e.stats().accepted_draft_tokens > 0, "{:?}", e.stats());
-        ids.iter()
-            .map(|r| done[&(*r, 0)].1.clone())
-            .collect::<Vec<_>>()
+        out
     };
     let a = run_once();
     assert!(a.iter().all(|o| o.len() == 48));
