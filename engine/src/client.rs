@@ -416,6 +416,19 @@ impl Driver {
     fn step(&mut self) {
         let events = match self.core.step() {
             Ok(events) => events,
+            Err(EngineError::StepFailed { requests, message }) => {
+                // The core ended the step's requests and freed their blocks; the others go on.
+                eprintln!("pa-engine: a model run failed: {message}");
+                for id in requests {
+                    if let Some(c) = self.clients.remove(&id) {
+                        c.reply.send(Update::Failed {
+                            request: id,
+                            message: format!("the engine failed: {message}"),
+                        });
+                    }
+                }
+                return;
+            }
             Err(e) => {
                 // A failed step fails the requests in it; the engine goes on.
                 eprintln!("pa-engine: engine step failed: {e}");

@@ -119,6 +119,8 @@ pub struct EngineCore {
     /// The draft model (`SpeculativeMethod::Draft`).
     draft: Option<DraftModel>,
     stats: EngineStats,
+    /// Fail the next run (see [`EngineCore::fail_next_run`]).
+    fail_next_run: bool,
 }
 
 impl EngineCore {
@@ -198,6 +200,7 @@ impl EngineCore {
             speculative: cfg.speculative.clone(),
             draft,
             stats: EngineStats::default(),
+            fail_next_run: false,
         })
     }
 
@@ -438,16 +441,68 @@ impl EngineCore {
         let t0 = Instant::now();
         self.propose_drafts()?;
         let step = self.schedule()?;
-        if let Err(e) = self.run_with_masks(&step) {
-            // The step's tokens were not computed: end its requests with the error rather than
-            // leave the scheduler in flight.
-            let _ = self.sched.complete_step(&[]);
-            return Err(e);
-        }
-        let (sampled, forks) = self.sample(&step)?;
+        let ran = if std::mem::take(&mut self.fail_next_run) {
+            Err(EngineError::OpenVino(
+                "a run failed on purpose (test)".into(),
+            ))
+        } else {
+            self.run_with_masks(&step)
+        };
+        let (sampled, forks) = match ran.and_then(|()| self.sample(&step)) {
+            Ok(s) => s,
+            Err(e) => return Err(self.fail_step(&e)),
+        };
         self.update(sampled, forks, &mut events)?;
         self.stats.step_time += t0.elapsed();
         Ok(events)
+    }
+
+    /// Ends the requests of a step whose run (or sampling) failed with `e`: none of its tokens
+    /// was computed, so the scheduler drops the step and frees their blocks, and their other
+    /// outputs end too. Returns the error naming them; the other requests go on.
+    fn fail_step(&mut self, e: &EngineError) -> EngineError {
+        let seqs = match self.sched.fail_step() {
+            Ok(seqs) => seqs,
+            Err(f) => return f.into(),
+        };
+        self.prompt_events.clear();
+        let mut requests: Vec<RequestId> = seqs
+            .iter()
+            .filter_map(|s| self.seqs.get(s).map(|&(r, _)| r))
+            .collect();
+        requests.sort_unstable();
+        requests.dedup();
+        for req in &requests {
+            let Some(state) = self.requests.remove(req) else {
+                continue;
+            };
+            for o in state.outputs {
+                let live = !o.text.done && !seqs.contains(&o.seq);
+                if live && self.sched.tokens(o.seq).is_ok() {
+                    if let Err(f) = self.sched.abort(o.seq) {
+                        return f.into();
+                    }
+                }
+                self.seqs.remove(&o.seq);
+            }
+        }
+        // Their aborted outputs' reports: the requests are gone, nothing to tell.
+        let _ = self.sched.take_finished();
+        if let Some(d) = self.draft.as_mut() {
+            if let Err(f) = d.forget_ended(&self.sched) {
+                return f;
+            }
+        }
+        EngineError::StepFailed {
+            requests,
+            message: e.to_string(),
+        }
+    }
+
+    /// Makes the next step's model run fail, as a failing `infer()` would (a test seam).
+    #[doc(hidden)]
+    pub fn fail_next_run(&mut self) {
+        self.fail_next_run = true;
     }
 
     fn schedule(&mut self) -> Result<Step> {
@@ -473,7 +528,8 @@ impl EngineCore {
     }
 
     /// Runs the step; the token masks of its constrained sequences are computed meanwhile, on a
-    /// thread of their own (they depend on the tokens so far only, not on this step's logits).
+    /// thread of their own (they depend on the tokens so far and the step's drafts only, not on
+    /// its logits): one mask per row the step verifies.
     fn run_with_masks(&mut self, step: &Step) -> Result<()> {
         let constrained = self
             .requests
@@ -482,23 +538,37 @@ impl EngineCore {
         if !constrained {
             return Self::run(&mut self.runner, &mut self.sched, step);
         }
-        let emitting: Vec<SeqId> = step.seqs.iter().filter(|s| s.emits).map(|s| s.id).collect();
-        let matchers: Vec<&mut TokenMatcher> = self
+        // Each emitting sequence's drafts: the trailing tokens of its chunk.
+        let drafts: HashMap<SeqId, &[u32]> = step
+            .seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.emits)
+            .map(|(i, s)| {
+                let end = step.subsequence_begins[i + 1] as usize;
+                (s.id, &step.token_ids[end - s.draft_len..end])
+            })
+            .collect();
+        let matchers: Vec<(&mut TokenMatcher, &[u32])> = self
             .requests
             .values_mut()
             .flat_map(|r| r.outputs.iter_mut())
-            .filter(|o| !o.text.done && emitting.contains(&o.seq))
-            .filter_map(|o| o.matcher.as_mut())
+            .filter(|o| !o.text.done)
+            .filter_map(|o| Some((o.matcher.as_mut()?, *drafts.get(&o.seq)?)))
             .collect();
         if matchers.is_empty() {
             return Self::run(&mut self.runner, &mut self.sched, step);
         }
         let (runner, sched) = (&mut self.runner, &mut self.sched);
         let (ran, waited) = std::thread::scope(|scope| {
-            let masks = scope.spawn(move || matchers.into_iter().for_each(TokenMatcher::prepare));
+            let masks = scope.spawn(move || {
+                for (m, d) in matchers {
+                    m.prepare(d);
+                }
+            });
             let ran = Self::run(runner, sched, step);
             let t = Instant::now();
-            // A mask that failed there is computed again (or found missing) when sampling.
+            // A mask that failed there is found missing when sampling (the output ends).
             let _ = masks.join();
             (ran, t.elapsed())
         });
@@ -506,23 +576,17 @@ impl EngineCore {
         ran
     }
 
-    /// Drafts for every decoding sequence (speculative decoding), sized by the batch.
+    /// Drafts for every decoding sequence (speculative decoding), sized by the batch. A
+    /// constrained output's drafts are cut to the prefix its constraint allows.
     fn propose_drafts(&mut self) -> Result<()> {
         let Some(spec) = &self.speculative else {
             return Ok(());
         };
-        let mut decoding: Vec<SeqId> = self
+        let mut decoding: Vec<(SeqId, RequestId, usize)> = self
             .seqs
-            .keys()
-            .copied()
-            .filter(|&s| self.sched.is_decoding(s))
-            // A constrained output's mask follows its tokens one at a time: it is not drafted.
-            .filter(|s| {
-                self.seqs
-                    .get(s)
-                    .and_then(|(r, _)| self.requests.get(r))
-                    .is_some_and(|st| st.params.constraint.is_none())
-            })
+            .iter()
+            .filter(|(&s, _)| self.sched.is_decoding(s))
+            .map(|(&s, &(r, i))| (s, r, i))
             .collect();
         // In a fixed order: which sequences fit a draft model's budget must not vary by run.
         decoding.sort_unstable();
@@ -530,35 +594,38 @@ impl EngineCore {
         if k == 0 {
             return Ok(());
         }
-        let Some(model) = self.draft.as_mut() else {
-            let mut draft = Vec::with_capacity(k);
-            for seq in decoding {
-                draft.clear();
-                draft.extend_from_slice(speculative::propose(
-                    self.sched.tokens(seq)?,
-                    spec.max_ngram,
-                    k,
-                ));
-                if !draft.is_empty() {
-                    self.sched.set_draft(seq, &draft)?;
-                }
+        let drafts: Vec<(SeqId, Vec<u32>)> = match self.draft.as_mut() {
+            None => decoding
+                .iter()
+                .map(|&(s, _, _)| {
+                    let tokens = self.sched.tokens(s)?;
+                    Ok((s, speculative::propose(tokens, spec.max_ngram, k).to_vec()))
+                })
+                .collect::<Result<_>>()?,
+            Some(model) => {
+                // No more drafts than the output has room for after the target's own token.
+                let wanted: Vec<(SeqId, usize)> = decoding
+                    .iter()
+                    .filter_map(|&(s, r, i)| {
+                        let st = self.requests.get(&r)?;
+                        let done = st.outputs.get(i)?.text.generated.len();
+                        let left = st.params.max_new_tokens.saturating_sub(done + 1);
+                        Some((s, k.min(left))).filter(|w| w.1 > 0)
+                    })
+                    .collect();
+                model.propose(&self.sched, &wanted)?
             }
-            return Ok(());
         };
-        // No more drafts than the output has room for after the target's own next token.
-        let wanted: Vec<(SeqId, usize)> = decoding
-            .into_iter()
-            .filter_map(|s| {
-                let (r, i) = self.seqs.get(&s)?;
-                let st = self.requests.get(r)?;
-                let left = st
-                    .params
-                    .max_new_tokens
-                    .saturating_sub(st.outputs.get(*i)?.text.generated.len() + 1);
-                Some((s, k.min(left))).filter(|w| w.1 > 0)
-            })
-            .collect();
-        for (seq, draft) in model.propose(&self.sched, &wanted)? {
+        for (seq, mut draft) in drafts {
+            let matcher = self
+                .seqs
+                .get(&seq)
+                .and_then(|&(req, index)| self.requests.get_mut(&req)?.outputs.get_mut(index))
+                .and_then(|o| o.matcher.as_mut());
+            if let (Some(m), false) = (matcher, draft.is_empty()) {
+                let valid = m.valid_drafts(&draft);
+                draft.truncate(valid);
+            }
             if !draft.is_empty() {
                 self.sched.set_draft(seq, &draft)?;
             }
@@ -644,14 +711,14 @@ impl EngineCore {
                         &mut self.counts,
                     );
                 }
-                // Structured output: only the tokens its constraint allows (a constrained
-                // output has no drafts; forks of an n > 1 request take their first token from
-                // this row: every output starts at the same place). None allowed (the library
-                // failed): the output ends at a stop id.
+                // Structured output: only the tokens its constraint allows after the drafts
+                // before this row (forks of an n > 1 request take their first token from this
+                // row: every output starts at the same place, without drafts). None allowed
+                // (the library failed): the output ends at a stop id.
                 let mut forced = None;
                 if let Some(m) = state.outputs[index].matcher.as_mut() {
                     let t = Instant::now();
-                    if !m.apply(&mut self.penalized) {
+                    if !m.apply(j, &mut self.penalized) {
                         forced = Some(state.stop_ids.first().copied().unwrap_or(0));
                     }
                     self.stats.mask_critical_time += t.elapsed();
@@ -686,7 +753,13 @@ impl EngineCore {
                         });
                     }
                 }
-                if !agreed || toks.len() >= room || state.stop_ids.contains(&token) {
+                // An accepted draft that completes the constraint ends the output, as the
+                // same token sampled would.
+                let complete = state.outputs[index]
+                    .matcher
+                    .as_ref()
+                    .is_some_and(|m| m.done_after(j + 1));
+                if !agreed || toks.len() >= room || state.stop_ids.contains(&token) || complete {
                     break;
                 }
             }

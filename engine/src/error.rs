@@ -24,6 +24,13 @@ pub enum EngineError {
     /// the engine and its other requests go on.
     #[error("request refused: {0}")]
     Request(crate::request::RequestError),
+    /// A step's model run failed: the requests in it were ended (their blocks freed, nothing
+    /// of the step cached); the engine and its other requests go on.
+    #[error("the model run failed (requests {requests:?} ended): {message}")]
+    StepFailed {
+        requests: Vec<crate::request::RequestId>,
+        message: String,
+    },
     /// The engine's configuration.
     #[error("engine configuration: {0}")]
     Config(String),

@@ -8,6 +8,11 @@
 //! model agrees with plus the model's own next token (`sampling::verify_draft`), and the
 //! scheduler rolls the rest back.
 //!
+//! A structured output drafts too: its drafts are cut to the prefix its grammar allows, and
+//! each verified row is masked at the grammar's place after the drafts before it
+//! (`structured::TokenMatcher::prepare`, beside the model's run), so the accepted tokens are
+//! those decoding without drafts would give.
+//!
 //! **When drafts shrink.** On a CPU a decode step is bound by reading the weights, so extra
 //! rows are nearly free while the step is small, and cost full compute once the matrix products
 //! are compute-bound. A step verifies at most `max_rows` rows over its decoding sequences

@@ -107,18 +107,20 @@ impl Grammars {
                 format!("{what} does not compile: {e}"),
             ));
         }
-        Ok(TokenMatcher {
-            matcher,
-            mask: None,
-            mask_time: Duration::ZERO,
-        })
+        Ok(TokenMatcher::new(matcher))
     }
 }
 
-/// `schema` with JSON written as Python's `json.dumps` writes it (`, ` and `: `, no other
-/// whitespace), unless the schema sets llguidance's own `x-guidance` options: free whitespace
-/// lets a small model run on in newlines until `max_tokens`.
-fn compact(schema: &serde_json::Value) -> serde_json::Value {
+/// The one whitespace rule of the JSON the engine writes or constrains (`response_format`,
+/// tool-call arguments, calls written back into a prompt): Python's `json.dumps`, which chat
+/// templates' `tojson` follows: these separators and no other whitespace. Free whitespace lets
+/// a small model run on in newlines until `max_tokens`.
+const ITEM_SEPARATOR: &str = ", ";
+const KEY_SEPARATOR: &str = ": ";
+
+/// `schema` held to [the compact rule](ITEM_SEPARATOR), unless it sets llguidance's own
+/// `x-guidance` options.
+pub fn compact(schema: &serde_json::Value) -> serde_json::Value {
     let mut s = match schema {
         serde_json::Value::Bool(true) => serde_json::json!({}),
         s => s.clone(),
@@ -127,40 +129,137 @@ fn compact(schema: &serde_json::Value) -> serde_json::Value {
         o.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({
                 "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": ",
+                "item_separator": ITEM_SEPARATOR,
+                "key_separator": KEY_SEPARATOR,
             })
         });
     }
     s
 }
 
+/// `v` written by [the compact rule](ITEM_SEPARATOR), as a constrained output writes it.
+pub fn to_compact_string(v: &serde_json::Value) -> String {
+    struct Separators;
+    impl serde_json::ser::Formatter for Separators {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(ITEM_SEPARATOR.as_bytes())
+            }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            self.begin_array_value(w, first)
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(KEY_SEPARATOR.as_bytes())
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Separators);
+    match serde::Serialize::serialize(v, &mut ser) {
+        Ok(()) => String::from_utf8(out).unwrap_or_else(|_| v.to_string()),
+        Err(_) => v.to_string(),
+    }
+}
+
 /// One output's place in its constraint.
+///
+/// With speculative decoding a step verifies drafts behind the output's last token: row `j` of
+/// the step needs the mask after the first `j` drafts. [`TokenMatcher::prepare`] walks the
+/// matcher through the drafts, keeping each place's mask, and rolls it back, so that only the
+/// accepted tokens advance it ([`TokenMatcher::consume`], one at a time, as without drafts).
 pub struct TokenMatcher {
     matcher: Matcher,
-    /// The tokens allowed next, once computed for the current place.
-    mask: Option<SimpleVob>,
+    /// The drafts the masks past the first follow.
+    drafts: Vec<u32>,
+    /// The tokens allowed at the current place (`masks[0]`) and after each draft
+    /// (`masks[j]` after `drafts[..j]`), once computed; `None`: nothing may come there (the
+    /// constraint is complete, or failed).
+    masks: Vec<Option<SimpleVob>>,
     /// Time spent computing masks since the last [`TokenMatcher::take_mask_time`].
     mask_time: Duration,
 }
 
 impl TokenMatcher {
-    /// Computes the mask of the next token, unless done already for this place.
-    pub fn prepare(&mut self) {
-        if self.mask.is_some() || self.matcher.is_stopped() {
+    fn new(matcher: Matcher) -> TokenMatcher {
+        TokenMatcher {
+            matcher,
+            drafts: Vec::new(),
+            masks: Vec::new(),
+            mask_time: Duration::ZERO,
+        }
+    }
+
+    /// The mask of the place the matcher is at now (`None` when it is stopped or fails).
+    fn current_mask(&mut self) -> Option<SimpleVob> {
+        if self.matcher.is_stopped() {
+            return None;
+        }
+        self.matcher.compute_mask().ok()
+    }
+
+    /// Computes the masks of the next token and of the token after each of `drafts` (those of
+    /// the step verifying them), unless done already for this place and these drafts. A draft
+    /// the constraint refuses ends the walk: no row past it can be reached.
+    pub fn prepare(&mut self, drafts: &[u32]) {
+        if !self.masks.is_empty() && self.drafts == drafts {
             return;
         }
         let t = Instant::now();
-        self.mask = self.matcher.compute_mask().ok();
+        if self.masks.is_empty() {
+            let m = self.current_mask();
+            self.masks.push(m);
+        }
+        self.masks.truncate(1);
+        self.drafts.clear();
+        self.drafts.extend_from_slice(drafts);
+        let mut walked = 0;
+        for &d in drafts {
+            let allowed = self.masks[walked].as_ref().is_some_and(|m| m.is_allowed(d));
+            if !allowed || self.matcher.consume_token(d).is_err() {
+                break;
+            }
+            walked += 1;
+            let m = self.current_mask();
+            self.masks.push(m);
+        }
+        if walked > 0 && self.matcher.rollback(walked).is_err() {
+            // The matcher cannot return to its place: it fails, and the output ends.
+            self.masks = vec![None];
+        }
         self.mask_time += t.elapsed();
     }
 
-    /// Sets every logit the constraint does not allow next to -inf (ids past the vocabulary
-    /// included). Returns false when no token at all is allowed (the constraint is stopped or
-    /// failed): the output must end.
-    pub fn apply(&mut self, logits: &mut [f32]) -> bool {
-        self.prepare();
-        let Some(mask) = &self.mask else {
+    /// How many of `drafts` the constraint allows in a row from the current place (drafts
+    /// past them would be rejected anyway).
+    pub fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
+        if self.matcher.is_stopped() {
+            return 0;
+        }
+        self.matcher.validate_tokens(drafts).unwrap_or(0)
+    }
+
+    /// Sets every logit the constraint does not allow at row `j` of the step (after the first
+    /// `j` drafts given to [`prepare`](Self::prepare)) to -inf, ids past the vocabulary
+    /// included. Returns false when no token at all is allowed there (the constraint is stopped
+    /// or failed): the output must end.
+    pub fn apply(&mut self, j: usize, logits: &mut [f32]) -> bool {
+        if self.masks.is_empty() {
+            self.prepare(&[]);
+        }
+        let Some(Some(mask)) = self.masks.get(j) else {
             return false;
         };
         let mut any = false;
@@ -182,16 +281,25 @@ impl TokenMatcher {
         any
     }
 
+    /// Whether the constraint is complete after the first `j` drafts (nothing more may follow
+    /// them): a step that accepts them ends the output there.
+    pub fn done_after(&self, j: usize) -> bool {
+        j > 0 && matches!(self.masks.get(j), Some(None))
+    }
+
     /// Whether `token` is allowed next (computing the mask when needed).
     pub fn allows(&mut self, token: u32) -> bool {
-        self.prepare();
-        self.mask.as_ref().is_some_and(|m| m.is_allowed(token))
+        if self.masks.is_empty() {
+            self.prepare(&[]);
+        }
+        self.masks[0].as_ref().is_some_and(|m| m.is_allowed(token))
     }
 
     /// Moves past `token`. Returns whether the constraint is now done (nothing more may follow,
     /// or the token was refused: the output ends either way).
     pub fn consume(&mut self, token: u32) -> bool {
-        self.mask = None;
+        self.masks.clear();
+        self.drafts.clear();
         if self.matcher.is_stopped() {
             return true;
         }
@@ -279,12 +387,51 @@ mod tests {
     }
 
     #[test]
+    fn drafts_get_the_mask_after_each_and_leave_the_matcher_in_place() {
+        let g = Grammars::new(tokenizer(), &[EOS]).unwrap();
+        let mut m = g
+            .compile(&Constraint::Regex("[0-2]{3}(d|e)".into()))
+            .unwrap();
+        let [z, o, w, d, e, x] = [b'0', b'1', b'2', b'd', b'e', b'x'].map(u32::from);
+        // The constraint allows "002" in a row, then refuses "x".
+        assert_eq!(m.valid_drafts(&[z, z, w, x]), 3);
+        m.prepare(&[z, z, w, x]);
+        let row = |m: &mut TokenMatcher, j: usize| {
+            let mut l = vec![0.0f32; 259];
+            m.apply(j, &mut l);
+            (0..259u32)
+                .filter(|&t| l[t as usize] == 0.0)
+                .collect::<Vec<_>>()
+        };
+        // "12" (257) fits while two digits remain.
+        assert_eq!(row(&mut m, 0), vec![z, o, w, 257]);
+        assert_eq!(row(&mut m, 1), vec![z, o, w, 257]);
+        assert_eq!(row(&mut m, 2), vec![z, o, w]);
+        assert_eq!(row(&mut m, 3), vec![d, e]);
+        // No row after the refused draft: it cannot be reached.
+        assert!(!m.apply(4, &mut [0.0; 259]));
+        assert!(!m.done_after(3));
+        // The drafts were rolled back: the accepted tokens advance the matcher one at a time.
+        assert!(m.allows(257) && !m.allows(d));
+        for t in [z, z] {
+            assert!(!m.consume(t));
+        }
+        assert!(!m.allows(257));
+        // A draft that completes the constraint: nothing may follow it.
+        m.prepare(&[w, e]);
+        assert_eq!(row(&mut m, 1), vec![d, e]);
+        assert!(m.done_after(2) && !m.done_after(1));
+        assert!(!m.consume(w));
+        assert!(m.consume(e));
+    }
+
+    #[test]
     fn apply_masks_the_row_to_minus_infinity_past_the_vocabulary_too() {
         let g = Grammars::new(tokenizer(), &[EOS]).unwrap();
         let mut m = g.compile(&Constraint::Regex("[0-9]+".into())).unwrap();
         // A row longer than the vocabulary (padded logits): the extra ids are never allowed.
         let mut row: Vec<f32> = (0..300).map(|i| i as f32).collect();
-        assert!(m.apply(&mut row));
+        assert!(m.apply(0, &mut row));
         for (t, v) in row.iter().enumerate() {
             let digit = (b'0' as usize..=b'9' as usize).contains(&t) || t == 257;
             assert_eq!(

@@ -621,3 +621,58 @@ fn a_draft_model_run_repeats_with_a_seed_and_a_foreign_vocabulary_is_refused() {
         assert!(err.to_string().contains(why), "{err}");
     }
 }
+
+#[test]
+fn a_failed_run_fails_its_requests_alone_and_caches_nothing_of_it() {
+    let mut e = engine();
+    // 64-token prompts: one fills a step's token budget (64), so the other waits.
+    let text = spec_prompts(&e).concat();
+    let a: Vec<u32> = text.iter().copied().cycle().take(64).collect();
+    let b: Vec<u32> = text.iter().rev().copied().cycle().take(64).collect();
+    // What b, then a, give on an engine whose runs never fail.
+    let mut fresh = engine();
+    let rb = fresh.add(b.clone(), greedy(40)).unwrap();
+    let b_alone = run(&mut fresh).remove(&(rb, 0)).unwrap().1;
+    let ra = fresh.add(a.clone(), greedy(40)).unwrap();
+    let a_alone = run(&mut fresh).remove(&(ra, 0)).unwrap().1;
+
+    // The run of a's prompt fails: a fails, b (waiting) goes on.
+    let ra = e.add(a.clone(), greedy(40)).unwrap();
+    let rb = e.add(b, greedy(40)).unwrap();
+    e.fail_next_run();
+    match e.step() {
+        Err(EngineError::StepFailed { requests, .. }) => assert_eq!(requests, vec![ra]),
+        other => panic!("the step must fail request {ra} alone: {other:?}"),
+    }
+    assert!(e.abort(ra).is_err(), "the failed request is gone");
+    assert_eq!((e.num_waiting(), e.num_running()), (1, 0));
+    let done = run(&mut e);
+    assert!(!done.contains_key(&(ra, 0)));
+    assert_eq!(done[&(rb, 0)].1, b_alone, "the other request is untouched");
+
+    // Mid-decode, with n = 2: the request's two outputs end, their blocks return.
+    let n2 = GenerationParams { n: 2, ..greedy(40) };
+    let rc = e.add(a.clone(), n2).unwrap();
+    let mut tokens = 0;
+    while tokens < 4 {
+        let ev = e.step().unwrap();
+        tokens += ev
+            .iter()
+            .filter(|v| matches!(v, Event::Token { .. }))
+            .count();
+    }
+    assert_eq!(e.num_running(), 2, "both outputs decode");
+    e.fail_next_run();
+    match e.step() {
+        Err(EngineError::StepFailed { requests, .. }) => assert_eq!(requests, vec![rc]),
+        other => panic!("the step must fail request {rc}: {other:?}"),
+    }
+    assert!(e.is_idle());
+    assert_eq!(e.cache_stats().used_blocks, 0);
+
+    // The engine serves the next request as if nothing had failed, and its prefix cache holds
+    // what the undisturbed engine's does: nothing the failed runs were to write.
+    let ra = e.add(a, greedy(40)).unwrap();
+    assert_eq!(run(&mut e)[&(ra, 0)].1, a_alone);
+    assert_eq!(e.cache_stats(), fresh.cache_stats());
+}

@@ -295,6 +295,13 @@ impl BlockManager {
         }
     }
 
+    /// Forgets the blocks registered since the last [`Self::mark_computed`] without marking
+    /// them: the op call that was to write them failed. They stay unmatchable, and leave the
+    /// prefix cache when released.
+    pub fn discard_uncomputed(&mut self) {
+        self.uncomputed.clear();
+    }
+
     /// A new sequence `child` sharing every block of `parent` (beam search). Writes to a shared
     /// partially filled block are later copied on write.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {

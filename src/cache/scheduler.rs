@@ -715,6 +715,31 @@ impl Scheduler {
         Ok(finished)
     }
 
+    /// Abandons the step handed out by [`schedule`](Self::schedule) when its op call failed:
+    /// none of its tokens counts as computed. Its sequences are removed and their blocks
+    /// freed; the blocks the step filled never reach the prefix cache. Returns their ids; they
+    /// are not reported by [`take_finished`](Self::take_finished) (the caller fails them).
+    /// The other requests keep their state and go on with the next step.
+    pub fn fail_step(&mut self) -> Result<Vec<SeqId>> {
+        let seqs = self.in_flight.take().ok_or_else(|| PaError::InvalidState {
+            detail: "fail_step() without a scheduled step".into(),
+        })?;
+        for e in self.entries.values_mut() {
+            e.draft.clear();
+        }
+        self.mgr.discard_uncomputed();
+        let ids: Vec<SeqId> = seqs.iter().map(|s| s.id).collect();
+        for &id in &ids {
+            if self.mgr.contains(id) {
+                self.mgr.free(id)?;
+            }
+            self.entries.remove(&id);
+            self.running.retain(|&r| r != id);
+            self.waiting.retain(|&r| r != id);
+        }
+        Ok(ids)
+    }
+
     /// Draft tokens for a decoding sequence to verify in the next step, after its last known
     /// token (speculative decoding). Only between steps and only while the sequence decodes;
     /// cut to what `max_new_tokens` leaves after the model's own next token. The next

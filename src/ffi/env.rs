@@ -8,7 +8,11 @@
 //!   f32), for measuring one against the other without changing the caller; unset or any other
 //!   value leaves the caller's choice.
 //!
-//! Both are read once per process.
+//! - `PA_SERIAL_BELOW=N`: calls whose work is below `N` (`kernel::fast::call_work`) run on
+//!   the calling thread alone (`FastOptions::serial_below`; 0: never); unset or not a number:
+//!   the library's default (`kernel::fast::SERIAL_BELOW`).
+//!
+//! Each is read once per process.
 
 use crate::kernel::fast::{FastOptions, Precision, SimdLevel};
 use crate::threads::Runner;
@@ -22,6 +26,17 @@ pub fn simd_level() -> SimdLevel {
             .ok()
             .and_then(|v| SimdLevel::parse(&v))
             .map_or_else(SimdLevel::detected, SimdLevel::effective)
+    })
+}
+
+/// The work below which a call runs on the calling thread: `PA_SERIAL_BELOW`, else the default.
+pub fn serial_below() -> usize {
+    static BELOW: OnceLock<usize> = OnceLock::new();
+    *BELOW.get_or_init(|| {
+        std::env::var("PA_SERIAL_BELOW")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(crate::kernel::fast::SERIAL_BELOW)
     })
 }
 
@@ -55,6 +70,7 @@ pub fn fast_options(runner: Runner, asked: Precision) -> FastOptions {
         simd,
         runner,
         precision,
+        serial_below: serial_below(),
         ..FastOptions::default()
     }
 }

@@ -1,12 +1,14 @@
 /* Smoke test of the op's C ABI: one decode step of one sequence, checked against a hand-written
  * expectation (a single key: softmax weight 1, so the output equals the value row), and a
  * rejected call whose message is read back. */
+#define _POSIX_C_SOURCE 200112L /* setenv */
 #include "paged_attention.h"
 #ifdef PA_TEST_HOOKS /* a library built with the feature test-hooks (tests/c_abi.rs) */
 #include "pa_test_hooks.h"
 #endif
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static pa_tensor t1(int32_t elem, int64_t d0, void *data) {
@@ -31,6 +33,9 @@ static void reverse_for(void *ctx, size_t n, pa_task_fn task, void *task_ctx) {
 }
 
 int main(void) {
+    /* This call is tiny: without this, the library runs it on the calling thread alone, and
+       the host runner below would get no task. */
+    setenv("PA_SERIAL_BELOW", "0", 1);
     enum { H = 2, HKV = 1, D = 4, BS = 4, NB = 2 };
     float q[H * D] = {1, 0, 0, 0, 0, 1, 0, 0};
     float k[HKV * D] = {0.5f, 0.25f, 0, 0};

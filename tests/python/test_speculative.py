@@ -1,12 +1,14 @@
 """Speculative decoding (``pa-engine generate --speculative prompt-lookup``, and ``--speculative
 draft --draft-model DIR``) on the trained SmolLM2-135M-Instruct: greedy ids equal those of a run
 without speculation (10 prompts x 128 tokens, one batch, some of them asking to repeat a given
-text so that drafts are accepted), and a seeded sampled run repeats. The draft models are
-SmolLM2's first 6 layers (tools/gguf_model.py --layers 6: an early-exit copy, weak but sharing the
-tokenizer) and SmolLM2 itself (which must agree with itself nearly always). The block manager's end state (no block held, the same
-prefix-cache contents as without speculation) is asserted on the tiny model in Rust: the CLI's
---stats figures are published after the last events, so they can miss the last step. The tiny-model twin of these checks and
-the unit tests of the proposer and the acceptance rule are Rust's (engine/tests/engine.rs,
+text so that drafts are accepted), and the block manager's state after them equals that of the
+run without (no block held, the same prefix-cache contents: no rejected draft cached), from the
+CLI's --stats figures, read once the engine has stopped; a seeded sampled run repeats; greedy
+structured output (a JSON schema, a regex) with speculation equals its run without, with drafts
+accepted. The draft models are SmolLM2's first 6 layers (tools/gguf_model.py --layers 6: an
+early-exit copy, weak but sharing the tokenizer) and SmolLM2 itself (which must agree with itself
+nearly always); a draft with another vocabulary is refused. The tiny-model twin of these checks
+and the unit tests of the proposer and the acceptance rule are Rust's (engine/tests/engine.rs,
 engine/src/speculative.rs, engine/src/sampling.rs).
 """
 import json
@@ -43,26 +45,31 @@ PROMPTS = [
 ]
 
 
-def generate(model, tmp_path, name, *flags):
+def generate(model, tmp_path, name, *flags, prompts=PROMPTS):
     pfile = tmp_path / f"{name}.json"
-    pfile.write_text(json.dumps(PROMPTS))
+    pfile.write_text(json.dumps(prompts))
     p = subprocess.run([str(ENGINE), "generate", str(model), "--prompts", str(pfile), *BASE,
                         *flags], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     outs = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     line = next(l for l in p.stderr.splitlines() if "draft tokens" in l)
     drafted, accepted = map(int, re.search(r"(\d+) draft tokens, (\d+) accepted", line).groups())
+    used, prefix, digest = re.search(
+        r"after the run (\d+) blocks used, prefix cache (\d+) blocks \(digest ([0-9a-f]+)\)",
+        line).groups()
     return ([o["token_ids"] for o in sorted(outs, key=lambda o: o["index"])],
-            {"drafted": drafted, "accepted": accepted})
+            {"drafted": drafted, "accepted": accepted,
+             "blocks": {"used": int(used), "prefix": int(prefix), "digest": digest}})
 
 
 @pytest.fixture(scope="module")
 def plain_greedy(smollm2, tmp_path_factory):
-    """The greedy ids of a run without speculation, 128 tokens each."""
+    """The greedy ids and --stats figures of a run without speculation, 128 tokens each."""
     ids, stats = generate(smollm2, tmp_path_factory.mktemp("plain"), "plain",
                           "--max-new-tokens", "128")
     assert stats["drafted"] == 0
-    return ids
+    assert stats["blocks"]["prefix"] > 0, stats
+    return ids, stats
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +77,22 @@ def early_exit_draft():
     return gguf_model.smollm2_dir(layers=6)
 
 
-def assert_same_ids(plain, spec):
+def assert_same_run(plain_greedy, spec, ss):
+    """Greedy ids as without speculation, and the block manager left as without it: nothing
+    leaked, and the prefix cache holds what the run without speculation left (its digest sums
+    the blocks' content hashes), no rejected draft."""
+    plain, ps = plain_greedy
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert a == b, f"prompt {i}: first difference at token " \
             f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
     assert len(plain) == len(spec) == len(PROMPTS)
+    assert ss["blocks"]["used"] == 0, ss
+    assert ss["blocks"] == ps["blocks"], (ps, ss)
 
 
 def test_greedy_ids_equal_a_run_without_speculation(smollm2, plain_greedy, tmp_path):
     spec, ss = generate(smollm2, tmp_path, "spec", "--max-new-tokens", "128", *SPEC)
-    assert_same_ids(plain_greedy, spec)
+    assert_same_run(plain_greedy, spec, ss)
     assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
 
 
@@ -87,7 +100,7 @@ def test_greedy_ids_with_a_draft_model_equal_a_run_without_speculation(
         smollm2, plain_greedy, early_exit_draft, tmp_path):
     spec, ss = generate(smollm2, tmp_path, "draft", "--max-new-tokens", "128",
                         *draft_flags(early_exit_draft))
-    assert_same_ids(plain_greedy, spec)
+    assert_same_run(plain_greedy, spec, ss)
     assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
 
 
@@ -128,3 +141,37 @@ def test_a_seeded_sampled_run_with_speculation_repeats(smollm2, tmp_path):
     assert a == b
     c, _ = generate(smollm2, tmp_path, "c", *flags(42))
     assert a != c, "another seed gives the same samples"
+
+
+RECORD = '{"name": "Ada Lovelace", "city": "London", "tags": ["math", "engine", "poetry", "notes"]}'
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                   "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "city", "tags"], "additionalProperties": False,
+}
+NUMBERS = "3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26"
+
+
+def test_constrained_greedy_ids_equal_a_run_without_speculation(smollm2, tmp_path):
+    """Drafts of a constrained output are cut to what its grammar allows and verified under the
+    mask of the grammar's place after the drafts before them: the ids are those of a run
+    without speculation, and drafts are accepted."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(RECORD_SCHEMA))
+    cases = {
+        "schema": (["--json-schema", str(schema)],
+                   [f"Repeat this JSON exactly: {RECORD}",
+                    f"Copy this record, changing the city to Paris: {RECORD}",
+                    "Give me a JSON record of a famous scientist."]),
+        "regex": (["--regex", r"[0-9]+(, [0-9]+)*"],
+                  [f"Repeat these numbers exactly: {NUMBERS}",
+                   f"Repeat these numbers, then add 100: {NUMBERS}",
+                   "Count from one to twenty with digits, separated by commas."]),
+    }
+    for name, (constraint, prompts) in cases.items():
+        common = ["--max-new-tokens", "64", *constraint]
+        plain, _ = generate(smollm2, tmp_path, f"{name}-plain", *common, prompts=prompts)
+        spec, ss = generate(smollm2, tmp_path, f"{name}-spec", *common, *SPEC, prompts=prompts)
+        assert plain == spec, name
+        assert ss["drafted"] > 0 and ss["accepted"] > 0, (name, ss)

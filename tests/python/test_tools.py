@@ -2,7 +2,8 @@
 against ``pa serve``:
 
 - with two tools and ``tool_choice: "required"``, every answer is a ``tool_calls`` message whose
-  arguments parse and validate (the ``jsonschema`` package) against the called tool's schema,
+  arguments parse and validate (the ``jsonschema`` package) against the called tool's schema and
+  are compact JSON (``json.dumps``'s separators, as ``response_format``),
   greedy and sampled, whole and streamed (the stream reassembled by the openai client's own
   ``ChatCompletionStreamState``, as ``client.chat.completions.stream`` does);
 - a named function is the one called;
@@ -99,6 +100,8 @@ def check_calls(answer, names=SCHEMAS):
         assert c.type == "function"
         assert c.function.name in names, c
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+        # Enforced calls are compact JSON, as json.dumps writes it (response_format's rule).
+        assert c.function.arguments == json.dumps(json.loads(c.function.arguments)), c
     return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
 
 

@@ -789,6 +789,9 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         }
     }
     if a.stats {
+        // The engine publishes its figures after a step's events: stopping it waits for those
+        // of the last step.
+        client.stop();
         let m = client.snapshot();
         let (s, c) = (m.stats, m.counters);
         let secs = gen_time.as_secs_f64();

@@ -9,6 +9,7 @@ mod parse;
 pub use parse::{CallStream, Piece};
 
 use crate::request::ChatMessage;
+use crate::structured::{compact, to_compact_string};
 use parse::Syntax;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{json, Value};
@@ -91,7 +92,7 @@ impl ToolParser {
             format!(
                 "{{\"name\": {}, \"{key}\": {}}}",
                 json!(c.name),
-                c.arguments_value()
+                to_compact_string(&c.arguments_value())
             )
         };
         match self {
@@ -152,9 +153,10 @@ impl ToolParser {
         for (i, (name, schema)) in functions.iter().enumerate() {
             // The name and key as JSON strings, then quoted again as Lark strings.
             let head = format!("{{\"name\": {}, \"{key}\": ", json!(name));
+            // Compact JSON, as `response_format` gets (`structured::compact`).
             let schema = match schema {
-                Value::Object(_) | Value::Bool(_) => schema.to_string(),
-                _ => r#"{"type": "object"}"#.to_owned(),
+                Value::Object(_) | Value::Bool(_) => compact(schema).to_string(),
+                _ => compact(&json!({"type": "object"})).to_string(),
             };
             g += &format!(
                 "call_{i}: {} args_{i} \"}}\"\nargs_{i}: %json {schema}\n",
@@ -321,7 +323,8 @@ mod tests {
                 })
                 .collect();
             assert_eq!(s.calls(), 2, "{text}");
-            assert_eq!(args, r#"{"city":"Paris"}"#, "{text}");
+            // Written back as `json.dumps` writes it (the calls grammar's whitespace).
+            assert_eq!(args, r#"{"city": "Paris"}"#, "{text}");
         }
     }
 
@@ -358,7 +361,7 @@ mod tests {
             .contains(r#"{"type":"function","function":{"name":"get_weather"}}"#));
         assert_eq!(
             messages[2].content,
-            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call>"
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
         );
         assert_eq!(messages[2].tool_calls, None);
         assert_eq!(
@@ -410,6 +413,26 @@ mod tests {
             assert!(!grammar_takes(&many, &tag(bad)), "{bad}");
         }
         assert!(!grammar_takes(&many, &format!("Sure. {}", tag(w))));
+        // Arguments are compact JSON, the whitespace response_format's JSON has: `, ` and `: `,
+        // nothing else (a small model would otherwise run on in newlines).
+        for loose in [
+            r#"{"name": "add", "arguments": {"a": 1,  "b": 4}}"#,
+            r#"{"name": "add", "arguments": {"a":1, "b": 4}}"#,
+            "{\"name\": \"add\", \"arguments\": {\n  \"a\": 1, \"b\": 4}}",
+            "{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 4\n}}",
+        ] {
+            assert!(!grammar_takes(&many, &tag(loose)), "{loose}");
+        }
+        let any = json!(null);
+        let untyped = ToolParser::Hermes.calls_grammar(&[("f", &any)], false);
+        assert!(grammar_takes(
+            &untyped,
+            &tag(r#"{"name": "f", "arguments": {"x": [1, 2]}}"#)
+        ));
+        assert!(!grammar_takes(
+            &untyped,
+            &tag(r#"{"name": "f", "arguments": {"x": [1,2]}}"#)
+        ));
         // A named function: only it.
         let only_add = ToolParser::Hermes.calls_grammar(&tools[1..], false);
         assert!(grammar_takes(&only_add, &tag(a)) && !grammar_takes(&only_add, &tag(w)));

@@ -342,6 +342,10 @@ pub struct FastOptions {
     pub runner: Runner,
     /// The inference precision ([`Precision`]).
     pub precision: Precision,
+    /// A call whose [`call_work`] is below this runs on the calling thread alone, whatever
+    /// the runner (0: never): for a small call, waking other threads costs more than they
+    /// save. Results do not depend on it.
+    pub serial_below: usize,
 }
 
 impl Default for FastOptions {
@@ -351,9 +355,37 @@ impl Default for FastOptions {
             scores: ScoresMode::Auto,
             runner: Runner::Auto,
             precision: Precision::F32,
+            serial_below: SERIAL_BELOW,
         }
     }
 }
+
+/// [`FastOptions::serial_below`]'s default, in [`call_work`] units: a one-token decode at
+/// SmolLM2's shapes (9 query heads, 3 KV heads, head size 64) up to about 700 keys, or a 5-row
+/// verify step up to about 340. Measured inside OpenVINO on 2 threads (2-core AMD EPYC Zen 4,
+/// one one-node model per layer, 30 layers, `tools/bench_call.py`, a loaded host): at 200 to
+/// 700 keys one thread took 0 to 0.035 ms less a call than two; from about 1000 keys (or 5 rows
+/// at 500) two threads were as fast or faster. Every call of a model with Llama's head shapes
+/// is far above it.
+pub const SERIAL_BELOW: usize = 3_000_000;
+
+/// How much work a call's attention is, in multiply-adds: its query rows' products with the keys
+/// and values they see, plus [`READ_COST`] per key and value element read from the cache (once
+/// per KV head: a decode of a few rows is bound by those reads, not by its products).
+pub fn call_work(plan: &Plan) -> usize {
+    let per_key = plan.d + plan.dv;
+    plan.seqs
+        .iter()
+        .map(|sp| {
+            let keys = sp.ctx() - crate::kernel::layout::window_start(plan, sp.past);
+            keys.saturating_mul(per_key)
+                .saturating_mul(sp.n * plan.h + plan.hkv * READ_COST)
+        })
+        .fold(0usize, usize::saturating_add)
+}
+
+/// Multiply-adds one cache element read costs, in [`call_work`].
+const READ_COST: usize = 8;
 
 /// Whether prefill items run bf16 math (operands rounded to bf16, see the module doc): a bf16
 /// query, or the bf16 precision where the CPU has bf16 products.
@@ -376,13 +408,22 @@ pub fn execute_with(
 
 /// Runs a validated plan with the fast kernels, on the micro-kernels of the asked level (or the
 /// best one below it this CPU has), in one region of the runner for the whole call (see
-/// [`Runner::region`]: a host's fork/join is paid once, not once per parallel step).
+/// [`Runner::region`]: a host's fork/join is paid once, not once per parallel step), or on the
+/// calling thread alone when the call is smaller than [`FastOptions::serial_below`].
 fn run(
     plan: &Plan,
     inputs: &mut PaInputs<'_>,
     outputs: &mut PaOutputs<'_>,
     opts: FastOptions,
 ) -> Result<()> {
+    let opts = if call_work(plan) < opts.serial_below {
+        FastOptions {
+            runner: Runner::Serial,
+            ..opts
+        }
+    } else {
+        opts
+    };
     opts.runner
         .region(|runner| run_in(plan, inputs, outputs, FastOptions { runner, ..opts }))
 }
