@@ -65,6 +65,12 @@ with the chat template:
 - ``grounded1``: the first two of them one after the other (batch 1), 256 new tokens;
 - ``norep``: 8 open questions with nothing to copy, 256 new tokens, all at once.
 
+``--draft-model DIR`` (with or without ``--speculative``) runs draft-model speculation instead:
+ours with ``--speculative draft --draft-model DIR`` (k drafts a step), GenAI's pipeline with
+``draft_model=openvino_genai.draft_model(DIR, "CPU", ...)`` (the same precision and threads) and
+``num_assistant_tokens`` k, and ours without speculation as ``plain``. tools/gguf_model.py
+``--layers N`` writes an early-exit draft of SmolLM2 (its first N layers).
+
 ``--baseline PATH`` runs a second pa-engine build (another checkout's, say) as a third engine in
 every repetition, in rotating order with the other two, and prints ours / baseline per row
 (tokens/s, TTFT and TPOT p50, GenAI's convention: > 1 means ours is better): paired runs, so
@@ -232,8 +238,10 @@ def run_ours(binary: Path, spec: dict, tmp: Path) -> dict:
         cmd.append("--no-prefix-caching")
     if spec.get("speculative"):
         k, n = spec["speculative"]
-        cmd += ["--speculative", "prompt-lookup", "--num-speculative-tokens", str(k),
-                "--max-ngram-size", str(n)]
+        cmd += ["--num-speculative-tokens", str(k)]
+        cmd += (["--speculative", "draft", "--draft-model", spec["draft_model"]]
+                if spec.get("draft_model") else
+                ["--speculative", "prompt-lookup", "--max-ngram-size", str(n)])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=spec["timeout"])
     proc_s = time.perf_counter() - t0
@@ -315,12 +323,16 @@ def genai_worker(spec_path: str) -> None:
     sc.max_num_seqs = 256  # as pa-engine's --max-seqs default
     sc.cache_size = int(spec["kv_cache_gb"])  # GenAI takes whole GB
     props = properties(opts)
-    if spec.get("speculative"):
+    if spec.get("draft_model"):
+        props["draft_model"] = ov_genai.draft_model(spec["draft_model"], "CPU", **props)
+    elif spec.get("speculative"):
         props["prompt_lookup"] = True
     pipe = ov_genai.ContinuousBatchingPipeline(spec["model_dir"], sc, "CPU", props)
     load_s = time.perf_counter() - t0
     cfg = generation_config(pipe, opts)
-    if spec.get("speculative"):
+    if spec.get("draft_model"):
+        cfg.num_assistant_tokens = spec["speculative"][0]
+    elif spec.get("speculative"):
         cfg.num_assistant_tokens, cfg.max_ngram_size = spec["speculative"]
     prompts, arrivals = spec["prompts"], spec["arrivals"]
     tensors = [ov.Tensor(np.array([ids], dtype=np.int64)) for ids in prompts]
@@ -568,6 +580,9 @@ def main():
                     help="prompt lookup in ours and GenAI, and ours without it as engine `plain`")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     ap.add_argument("--max-ngram-size", type=int, default=3, help="n (default 3)")
+    ap.add_argument("--draft-model", type=Path,
+                    help="draft-model speculation (this draft directory) in ours and GenAI, "
+                         "and ours without it as engine `plain`")
     ap.add_argument("--genai-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -595,9 +610,11 @@ def main():
     if args.baseline:
         base_binary = tmp / "pa-engine-baseline"
         shutil.copy2(args.baseline, base_binary)
+    args.speculative |= args.draft_model is not None
     engines = (["ours", "genai"] + (["base"] if base_binary else [])
                + (["plain"] if args.speculative else []))
     speculative = (args.num_speculative_tokens, args.max_ngram_size) if args.speculative else None
+    draft = str(args.draft_model.resolve()) if args.draft_model else None
     eng_mtime = datetime.datetime.fromtimestamp(args.engine.stat().st_mtime).isoformat(timespec="seconds")
     wls = workloads(args.quick)
     names = ([n for n in wls if "texts" not in wls[n]] if args.workload == "all"
@@ -606,7 +623,8 @@ def main():
     config = {"precision": args.precision, "threads": args.threads,
               "max_batched_tokens": args.max_batched_tokens, "kv_cache_gb": args.kv_cache_gb,
               "prefix_caching": args.prefix_caching, "repeats": repeats, "quick": args.quick,
-              "engine": str(args.engine), "engine_mtime": eng_mtime, "load_avg_start": os.getloadavg()}
+              "engine": str(args.engine), "engine_mtime": eng_mtime, "load_avg_start": os.getloadavg(),
+              "speculative": speculative, "draft_model": draft}
     print(f"# pa-engine ({eng_mtime}, git {ver.get('git_head')}{'+dirty' if ver.get('git_dirty') else ''}) "
           f"vs OpenVINO GenAI {ver.get('openvino_genai')}; precision {args.precision}, "
           f"{args.threads} threads, max batched tokens {args.max_batched_tokens}, KV cache "
@@ -631,7 +649,7 @@ def main():
                     "max_new_tokens": w["new"], "cache_type": cache, "precision": args.precision,
                     "threads": args.threads, "max_batched_tokens": args.max_batched_tokens,
                     "kv_cache_gb": args.kv_cache_gb, "prefix_caching": args.prefix_caching,
-                    "timeout": args.timeout, "speculative": speculative}
+                    "timeout": args.timeout, "speculative": speculative, "draft_model": draft}
             row = {"workload": name, "cache": cache, "variant": w["variant"],
                    "prompt_lens": [len(x) for x in ids], "arrivals": arrivals,
                    "max_new_tokens": w["new"], "runs": []}

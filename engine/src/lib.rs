@@ -6,7 +6,8 @@
 //! - `model_runner` (with `kv_cache`): the OpenVINO session, the conversion to our op, the step's
 //!   inputs and the cache tensors;
 //! - `output_processor`: tokens to text, stop strings, finish reasons;
-//! - `speculative`: prompt-lookup drafts and how many a step verifies;
+//! - `speculative`: prompt-lookup drafts and how many a step verifies; `draft_model`: drafts
+//!   from a small model with its own runner and KV cache;
 //! - [`engine_core`]: `add_request`, `abort`, `step` (schedule, run, sample, update);
 //! - [`client`]: the one driver, which owns the engine thread; `pa generate` and `pa serve` use it;
 //! - [`server`]: HTTP, OpenAI's API and server-sent events, on a client;
@@ -26,6 +27,7 @@
 pub mod client;
 mod config;
 mod convert;
+mod draft_model;
 pub mod engine_core;
 mod error;
 pub mod input_processor;

@@ -5,7 +5,7 @@
 //! `infer()`. It knows no requests and no text: the engine core gives it a `Step` and reads the
 //! logits back.
 
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, KvCacheSize};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{self, CacheBuf, KvCachePlan, LayerDims};
 use crate::model_dir::ModelDir;
@@ -118,9 +118,14 @@ impl Logits<'_> {
 }
 
 impl ModelRunner {
-    /// Converts, learns the feeds, compiles and allocates the caches of `cfg`. Returns the
-    /// runner and the cache's plan (its block count, and how it was chosen).
-    pub fn load(md: &ModelDir, cfg: &EngineConfig) -> Result<(ModelRunner, KvCachePlan)> {
+    /// Converts, learns the feeds, compiles and allocates the caches of `cfg` (or, given
+    /// `num_blocks`, caches of that many blocks: a draft model's, sized by its target's).
+    /// Returns the runner and the cache's plan (its block count, and how it was chosen).
+    pub fn load(
+        md: &ModelDir,
+        cfg: &EngineConfig,
+        num_blocks: Option<usize>,
+    ) -> Result<(ModelRunner, KvCachePlan)> {
         let xml = md.xml.to_str().ok_or_else(|| EngineError::Model {
             path: md.xml.clone(),
             detail: "path is not UTF-8".into(),
@@ -171,9 +176,15 @@ impl ModelRunner {
             });
         }
         session.pin_mut().compile(&cfg.device, &props)?;
+        let size = match num_blocks {
+            None => cfg.kv_cache,
+            Some(n) => KvCacheSize::Bytes(n.checked_mul(block_bytes).ok_or_else(|| {
+                EngineError::Config(format!("{n} KV cache blocks overflow the address space"))
+            })?),
+        };
         // Sized after compiling, so that `auto` sees the memory the compiled model left.
         let plan = KvCachePlan::choose(
-            cfg.kv_cache,
+            size,
             block_bytes,
             cfg.block_size,
             md.config

@@ -1,8 +1,11 @@
-//! Prompt-lookup speculative decoding: the draft proposer and the rule that sizes drafts.
+//! Speculative decoding's settings, the prompt-lookup proposer and the rule that sizes drafts.
 //!
-//! Between steps, each decoding sequence looks up the earlier occurrences of its last `n` tokens
-//! (`n` from `max_ngram` down to 1) in its prompt and output, takes the one whose longer context
-//! agrees best (see [`propose`]), and proposes the tokens that followed it. The next step feeds them behind the sequence's last token, so the model scores
+//! Drafts come from prompt lookup (here) or from a small draft model (`draft_model`); both feed
+//! the same verify path. With prompt lookup, between steps each decoding sequence looks up the
+//! earlier occurrences of its last `n` tokens (`n` from `max_ngram` down to 1) in its prompt and
+//! output, takes the one whose longer context agrees best (see [`propose`]), and proposes the
+//! tokens that followed it. The next step feeds them behind the sequence's last token, so the
+//! model scores
 //! `1 + d` positions in one pass over the weights; the engine core keeps the longest prefix the
 //! model agrees with plus the model's own next token (`sampling::verify_draft`), and the
 //! scheduler rolls the rest back.
@@ -19,6 +22,8 @@
 //! `k` falls to 0 at `b > max_rows / 2`. Drafts also count against the step's token budget and shrink before a
 //! sequence would be preempted for their blocks (the scheduler's part).
 
+use crate::config::Names;
+use std::path::PathBuf;
 use std::str::FromStr;
 
 /// Rows (decode tokens plus drafts) a step verifies at most, by default; see the module
@@ -32,36 +37,36 @@ pub const VERIFY_ROWS: usize = 16;
 pub enum SpeculativeMethod {
     /// N-gram lookup in the sequence's own prompt and output.
     PromptLookup,
+    /// A small model sharing the target's tokenizer drafts greedily
+    /// ([`SpeculativeConfig::draft_model`]).
+    Draft,
 }
 
 impl SpeculativeMethod {
     /// The one name table (what `--speculative` takes).
-    const NAMES: [(SpeculativeMethod, &'static str); 1] =
-        [(SpeculativeMethod::PromptLookup, "prompt-lookup")];
+    const NAMES: Names<SpeculativeMethod> = Names(&[
+        (SpeculativeMethod::PromptLookup, "prompt-lookup"),
+        (SpeculativeMethod::Draft, "draft"),
+    ]);
 
     pub fn as_str(self) -> &'static str {
-        SpeculativeMethod::NAMES
-            .iter()
-            .find(|(m, _)| *m == self)
-            .map_or("prompt-lookup", |(_, n)| n)
+        SpeculativeMethod::NAMES.name(self)
     }
 }
 
 impl FromStr for SpeculativeMethod {
     type Err = String;
     fn from_str(s: &str) -> Result<SpeculativeMethod, String> {
-        SpeculativeMethod::NAMES
-            .iter()
-            .find(|(_, n)| *n == s)
-            .map(|(m, _)| *m)
-            .ok_or_else(|| format!("unknown speculative method `{s}` (prompt-lookup)"))
+        SpeculativeMethod::NAMES.parse(s, "speculative method")
     }
 }
 
 /// Speculative decoding's settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpeculativeConfig {
     pub method: SpeculativeMethod,
+    /// The draft model's directory (`--draft-model`; with [`SpeculativeMethod::Draft`] only).
+    pub draft_model: Option<PathBuf>,
     /// Draft tokens per sequence and step at most (`k`, `--num-speculative-tokens`).
     pub num_tokens: usize,
     /// Longest n-gram looked up (`--max-ngram-size`).
@@ -188,6 +193,7 @@ mod tests {
     fn drafts_shrink_to_zero_as_the_batch_grows() {
         let c = SpeculativeConfig {
             method: SpeculativeMethod::PromptLookup,
+            draft_model: None,
             num_tokens: 4,
             max_ngram: 3,
             max_rows: 32,
@@ -199,11 +205,12 @@ mod tests {
         assert_eq!(got, vec![4, 4, 3, 2, 1, 0, 0]);
         let c = SpeculativeConfig {
             max_rows: VERIFY_ROWS,
-            ..c
+            ..c.clone()
         };
         assert_eq!(c.draft_len(8), 1);
         assert_eq!(c.draft_len(9), 0);
         assert_eq!("prompt-lookup".parse(), Ok(SpeculativeMethod::PromptLookup));
-        assert!("draft".parse::<SpeculativeMethod>().is_err());
+        assert_eq!("draft".parse(), Ok(SpeculativeMethod::Draft));
+        assert!("eagle".parse::<SpeculativeMethod>().is_err());
     }
 }

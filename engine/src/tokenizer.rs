@@ -117,6 +117,25 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// How `other`'s vocabulary (tokens and their ids, added tokens included) differs from this
+    /// one's: `None` when they are the same, else the first difference (by id) in words.
+    pub fn vocabulary_difference(&self, other: &TextTokenizer) -> Option<String> {
+        let (a, b) = (self.inner.get_vocab(true), other.inner.get_vocab(true));
+        if a.len() != b.len() {
+            return Some(format!("{} tokens against {}", b.len(), a.len()));
+        }
+        let mut diff: Vec<(u32, &String)> = a
+            .iter()
+            .filter(|(t, id)| b.get(*t) != Some(*id))
+            .map(|(t, &id)| (id, t))
+            .collect();
+        diff.sort_unstable();
+        diff.first().map(|(id, t)| match b.get(*t) {
+            Some(other_id) => format!("token {t:?} is id {other_id} there, {id} here"),
+            None => format!("token {t:?} (id {id} here) is missing there"),
+        })
+    }
+
     pub fn has_chat_template(&self) -> bool {
         self.chat_template.is_some()
     }

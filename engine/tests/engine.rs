@@ -2,7 +2,8 @@
 //! tokenizer trained on the spot): early ends (end-of-sequence ids, stop strings) and aborts
 //! free their blocks at once, as the block manager's statistics show; a refused request fails
 //! alone; preemption and forks give what an undisturbed run gives; speculative decoding changes
-//! neither greedy ids nor what the block manager holds afterwards. Token equality with OpenVINO
+//! neither greedy ids nor what the block manager holds afterwards, with prompt lookup or a draft
+//! model. Token equality with OpenVINO
 //! GenAI is tests/python/test_engine.py's.
 
 use paged_attention::ElemType;
@@ -21,7 +22,8 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
-/// The gqa4 tiny model directory, written once per test run.
+/// The gqa4 tiny model directory, written once per test run (beside gqa1's, a draft model with
+/// the same tokenizer and other random weights).
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -35,7 +37,7 @@ fn model_dir() -> &'static Path {
         let st = std::process::Command::new(py)
             .arg(repo().join("tools/model_dir.py"))
             .arg(&out)
-            .args(["--variant", "gqa4"])
+            .args(["--variant", "gqa4", "--variant", "gqa1"])
             .output()
             .expect("run tools/model_dir.py");
         assert!(
@@ -383,6 +385,7 @@ fn speculative_engine(k: usize) -> Engine {
     let mut cfg = config(64 << 20);
     cfg.speculative = Some(SpeculativeConfig {
         method: SpeculativeMethod::PromptLookup,
+        draft_model: None,
         num_tokens: k,
         max_ngram: 3,
         // Ten sequences still draft (up to 3 each): the test is about exactness, not speed.
@@ -430,17 +433,7 @@ fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
     };
     let mut want = Vec::new();
     for e in [&mut plain, &mut spec] {
-        let ids: Vec<u64> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| e.add(p.clone(), params(i)).unwrap())
-            .collect();
-        let done = run(e);
-        want.push(
-            ids.iter()
-                .map(|r| done[&(*r, 0)].clone())
-                .collect::<Vec<_>>(),
-        );
+        want.push(run_prompts(e, &prompts, params));
     }
     for (i, (a, b)) in want[0].iter().zip(&want[1]).enumerate() {
         assert_eq!(a, b, "prompt {i}: speculation changed the output");
@@ -475,40 +468,158 @@ fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
     assert!(a.prefix_blocks > 0);
 }
 
+/// Runs `prompts` (prompt `i` with `params(i)`) to the end; the outputs, in prompt order.
+fn run_prompts(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: impl Fn(usize) -> GenerationParams,
+) -> Vec<(FinishReason, Vec<u32>, String)> {
+    let ids: Vec<u64> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| e.add(p.clone(), params(i)).unwrap())
+        .collect();
+    let mut done = run(e);
+    ids.iter().map(|r| done.remove(&(*r, 0)).unwrap()).collect()
+}
+
+/// The generated ids of [`run_prompts`].
+fn run_ids(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: impl Fn(usize) -> GenerationParams,
+) -> Vec<Vec<u32>> {
+    run_prompts(e, prompts, params)
+        .into_iter()
+        .map(|o| o.1)
+        .collect()
+}
+
+/// Sampling of `n` tokens with top-k and top-p, seeded `seed`.
+fn sampled(n: usize, seed: u64) -> GenerationParams {
+    GenerationParams {
+        max_new_tokens: n,
+        sampling: Sampling {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.95,
+        },
+        seed: Some(seed),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn a_seeded_sampled_run_with_speculation_repeats() {
     let run_once = || {
         let mut e = speculative_engine(4);
         let prompts = spec_prompts(&e);
-        let ids: Vec<u64> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let params = GenerationParams {
-                    max_new_tokens: 64,
-                    sampling: Sampling {
-                        temperature: 0.7,
-                        top_k: 40,
-                        top_p: 0.95,
-                    },
-                    seed: Some(100 + i as u64),
-                    ignore_eos: true,
-                    ..Default::default()
-                };
-                e.add(p.clone(), params).unwrap()
-            })
-            .collect();
-        let done = run(&mut e);
+        let out = run_ids(&mut e, &prompts, |i| sampled(64, 100 + i as u64));
         let s = e.stats();
         assert!(s.accepted_draft_tokens > 0, "{s:?}");
         assert_eq!(e.cache_stats().used_blocks, 0);
-        ids.iter()
-            .map(|r| done[&(*r, 0)].1.clone())
-            .collect::<Vec<_>>()
+        out
     };
     let a = run_once();
     assert!(a.iter().all(|o| o.len() == 64));
     assert_eq!(a, run_once());
+}
+
+fn draft_engine(draft: &Path, k: usize) -> Result<Engine, EngineError> {
+    let mut cfg = config(64 << 20);
+    cfg.speculative = Some(SpeculativeConfig {
+        method: SpeculativeMethod::Draft,
+        draft_model: Some(draft.to_path_buf()),
+        num_tokens: k,
+        max_ngram: 3,
+        max_rows: 40,
+    });
+    Engine::load(model_dir(), &cfg)
+}
+
+#[test]
+fn a_draft_model_keeps_greedy_ids_and_both_block_managers_state() {
+    let run_all =
+        |e: &mut Engine, prompts: &[Vec<u32>]| run_ids(e, prompts, |i| greedy(64 + 8 * i));
+    let mut plain = engine();
+    let prompts = spec_prompts(&plain);
+    let want = run_all(&mut plain, &prompts);
+    // The target as its own draft agrees nearly always; gqa1 (other weights) nearly never.
+    let gqa1 = model_dir().parent().unwrap().join("gqa1");
+    for (draft, rate) in [(model_dir(), 0.9..=1.0), (gqa1.as_path(), 0.0..=0.2)] {
+        let mut spec = draft_engine(draft, 3).unwrap();
+        let got = run_all(&mut spec, &prompts);
+        assert_eq!(got, want, "draft {}: greedy ids changed", draft.display());
+        let s = spec.stats();
+        let accepted = s.accepted_draft_tokens as f64 / s.draft_tokens.max(1) as f64;
+        assert!(
+            s.draft_tokens > 0 && rate.contains(&accepted),
+            "draft {}: {} of {} drafts accepted, expected a rate in {rate:?}",
+            draft.display(),
+            s.accepted_draft_tokens,
+            s.draft_tokens
+        );
+        assert!(s.draft_infer_time > std::time::Duration::ZERO);
+        assert_eq!(
+            spec.cache_stats(),
+            plain.cache_stats(),
+            "the target's block manager must end as without speculation"
+        );
+        let d = spec.draft_cache_stats().unwrap();
+        assert_eq!(
+            (d.used_blocks, d.sequences),
+            (0, 0),
+            "the draft cache leaked: {d:?}"
+        );
+    }
+}
+
+#[test]
+fn a_draft_model_run_repeats_with_a_seed_and_a_foreign_vocabulary_is_refused() {
+    let run_once = || {
+        let mut e = draft_engine(model_dir(), 4).unwrap();
+        let prompts = spec_prompts(&e);
+        let out = run_ids(&mut e, &prompts, |i| sampled(48, 7 + i as u64));
+        assert!(e.stats().accepted_draft_tokens > 0, "{:?}", e.stats());
+        out
+    };
+    let a = run_once();
+    assert!(a.iter().all(|o| o.len() == 48));
+    assert_eq!(a, run_once());
+
+    // Copies of the model whose vocabulary differs: a size in config.json, or two token ids
+    // swapped in tokenizer.json.
+    let src = model_dir();
+    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut serde_json::Value)| {
+        let dir = src.parent().unwrap().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in std::fs::read_dir(src).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+        }
+        let read = |f: &str| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(dir.join(f)).unwrap()).unwrap()
+        };
+        let (mut cfg, mut tok) = (read("config.json"), read("tokenizer.json"));
+        edit(&mut cfg, &mut tok);
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        dir
+    };
+    let bigger = copy("vocab513", &|cfg, _| cfg["vocab_size"] = 513.into());
+    let swapped = copy("swapped", &|_, tok| {
+        let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+        let (a, b) = (vocab["e"].clone(), vocab["t"].clone());
+        vocab.insert("e".into(), b);
+        vocab.insert("t".into(), a);
+    });
+    for (dir, why) in [(bigger, "513 tokens"), (swapped, "tokenizer differs")] {
+        let err = draft_engine(&dir, 4)
+            .err()
+            .expect("a foreign draft is refused");
+        assert!(err.to_string().contains(why), "{err}");
+    }
 }
 
 #[test]

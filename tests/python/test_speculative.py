@@ -1,19 +1,25 @@
-"""Prompt-lookup speculative decoding (``pa-engine generate --speculative prompt-lookup``) on the
-trained SmolLM2-135M-Instruct: greedy ids equal those of a run without speculation (10 prompts x
-128 tokens, one batch, some of them asking to repeat a given text so that drafts are accepted),
-and the block manager's state after them equals that of the run without (no block held, the same
-prefix-cache contents: no rejected draft cached), from the CLI's --stats figures, read once the
-engine has stopped; a seeded sampled run repeats; greedy structured output (a JSON schema, a
-regex) with speculation equals its run without, with drafts accepted. The tiny-model twin of
-these checks and the unit tests of the proposer and the acceptance rule are Rust's
-(engine/tests/engine.rs, engine/src/speculative.rs, engine/src/sampling.rs).
+"""Speculative decoding (``pa-engine generate --speculative prompt-lookup``, and ``--speculative
+draft --draft-model DIR``) on the trained SmolLM2-135M-Instruct: greedy ids equal those of a run
+without speculation (10 prompts x 128 tokens, one batch, some of them asking to repeat a given
+text so that drafts are accepted), and the block manager's state after them equals that of the
+run without (no block held, the same prefix-cache contents: no rejected draft cached), from the
+CLI's --stats figures, read once the engine has stopped; a seeded sampled run repeats; greedy
+structured output (a JSON schema, a regex) with speculation equals its run without, with drafts
+accepted. The draft models are SmolLM2's first 6 layers (tools/gguf_model.py --layers 6: an
+early-exit copy, weak but sharing the tokenizer) and SmolLM2 itself (which must agree with itself
+nearly always); a draft with another vocabulary is refused. The tiny-model twin of these checks
+and the unit tests of the proposer and the acceptance rule are Rust's (engine/tests/engine.rs,
+engine/src/speculative.rs, engine/src/sampling.rs).
 """
 import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
+import gguf_model
+import pytest
 from smollm2_model import smollm2  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,20 +62,73 @@ def generate(model, tmp_path, name, *flags, prompts=PROMPTS):
              "blocks": {"used": int(used), "prefix": int(prefix), "digest": digest}})
 
 
-def test_greedy_ids_equal_a_run_without_speculation(
-        smollm2, tmp_path):
-    plain, ps = generate(smollm2, tmp_path, "plain", "--max-new-tokens", "128")
-    spec, ss = generate(smollm2, tmp_path, "spec", "--max-new-tokens", "128", *SPEC)
+@pytest.fixture(scope="module")
+def plain_greedy(smollm2, tmp_path_factory):
+    """The greedy ids and --stats figures of a run without speculation, 128 tokens each."""
+    ids, stats = generate(smollm2, tmp_path_factory.mktemp("plain"), "plain",
+                          "--max-new-tokens", "128")
+    assert stats["drafted"] == 0
+    assert stats["blocks"]["prefix"] > 0, stats
+    return ids, stats
+
+
+@pytest.fixture(scope="module")
+def early_exit_draft():
+    return gguf_model.smollm2_dir(layers=6)
+
+
+def assert_same_run(plain_greedy, spec, ss):
+    """Greedy ids as without speculation, and the block manager left as without it: nothing
+    leaked, and the prefix cache holds what the run without speculation left (its digest sums
+    the blocks' content hashes), no rejected draft."""
+    plain, ps = plain_greedy
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert a == b, f"prompt {i}: first difference at token " \
             f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
-    assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
-    assert ps["drafted"] == 0
-    # The block manager after the run: nothing leaked, and the prefix cache holds what the run
-    # without speculation left (its digest sums the blocks' content hashes), no rejected draft.
+    assert len(plain) == len(spec) == len(PROMPTS)
     assert ss["blocks"]["used"] == 0, ss
-    assert ps["blocks"]["prefix"] > 0, ps
     assert ss["blocks"] == ps["blocks"], (ps, ss)
+
+
+def test_greedy_ids_equal_a_run_without_speculation(smollm2, plain_greedy, tmp_path):
+    spec, ss = generate(smollm2, tmp_path, "spec", "--max-new-tokens", "128", *SPEC)
+    assert_same_run(plain_greedy, spec, ss)
+    assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
+
+
+def test_greedy_ids_with_a_draft_model_equal_a_run_without_speculation(
+        smollm2, plain_greedy, early_exit_draft, tmp_path):
+    spec, ss = generate(smollm2, tmp_path, "draft", "--max-new-tokens", "128",
+                        *draft_flags(early_exit_draft))
+    assert_same_run(plain_greedy, spec, ss)
+    assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
+
+
+def draft_flags(draft):
+    # 40 rows: ten sequences still draft 3 tokens each.
+    return ["--speculative", "draft", "--draft-model", str(draft), "--num-speculative-tokens", "3",
+            "--speculative-max-rows", "40"]
+
+
+def test_a_seeded_sampled_run_with_the_model_as_its_own_draft_repeats(smollm2, tmp_path):
+    flags = ["--max-new-tokens", "24", "--temperature", "0.8", "--top-p", "0.95", "--seed", "41",
+             *draft_flags(smollm2)]
+    a, sa = generate(smollm2, tmp_path, "a", *flags)
+    b, _ = generate(smollm2, tmp_path, "b", *flags)
+    assert a == b
+    # A draft equal to the target is accepted with the target's probability of its argmax.
+    assert sa["accepted"] > sa["drafted"] / 2, sa
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(smollm2, tmp_path):
+    tiny = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "tools/model_dir.py"), str(tiny), "--variant",
+                    "gqa1"], check=True, capture_output=True, timeout=300)
+    p = subprocess.run([str(ENGINE), "generate", str(smollm2), "--prompt", "Hi", *BASE,
+                        "--speculative", "draft", "--draft-model", str(tiny / "gqa1")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "vocabulary has 512 tokens" in p.stderr and "49152" in p.stderr, p.stderr[-1000:]
 
 
 def test_a_seeded_sampled_run_with_speculation_repeats(smollm2, tmp_path):

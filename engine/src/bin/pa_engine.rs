@@ -152,9 +152,14 @@ struct EngineArgs {
     #[arg(long, value_name = "START,RECENT,MAX")]
     cache_eviction: Option<String>,
     /// Speculative decoding: `prompt-lookup` drafts each sequence's next tokens from n-grams of
-    /// its own prompt and output, and verifies them in one step (greedy output unchanged).
+    /// its own prompt and output, `draft` has --draft-model draft them greedily; either way
+    /// they are verified in one step (greedy output unchanged, sampling's distribution too).
     #[arg(long, value_parser = parse_speculative)]
     speculative: Option<SpeculativeMethod>,
+    /// The draft model's directory (with --speculative draft): a smaller model with the same
+    /// tokenizer, run with its own KV cache of as many blocks as the target's.
+    #[arg(long, value_name = "DIR")]
+    draft_model: Option<PathBuf>,
     /// Draft tokens per sequence and step at most (with --speculative).
     #[arg(long, default_value_t = 4)]
     num_speculative_tokens: usize,
@@ -390,8 +395,13 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     if a.speculative.is_some() && eviction.is_some() {
         return Err("--speculative does not combine with --cache-eviction".into());
     }
+    let drafting = a.speculative == Some(SpeculativeMethod::Draft);
+    if drafting != a.draft_model.is_some() {
+        return Err("--speculative draft and --draft-model DIR go together".into());
+    }
     let speculative = a.speculative.map(|method| SpeculativeConfig {
         method,
+        draft_model: a.draft_model.clone(),
         num_tokens: a.num_speculative_tokens,
         max_ngram: a.max_ngram_size,
         max_rows: a.speculative_max_rows,
@@ -817,6 +827,13 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
             m.cache.prefix_blocks,
             m.cache.prefix_digest,
         );
+        if s.draft_infer_time > Duration::ZERO {
+            eprintln!(
+                "draft model: {:.1}% of step time in its infer() ({:.1} us a step)",
+                100.0 * s.draft_infer_time.as_secs_f64() / s.step_time.as_secs_f64().max(1e-9),
+                1e6 * s.draft_infer_time.as_secs_f64() / (s.steps.max(1) as f64),
+            );
+        }
         if s.mask_time > Duration::ZERO {
             eprintln!(
                 "structured output: {:.1} us of mask computation a step ({:.1}% of step time), \
