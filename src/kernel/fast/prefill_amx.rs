@@ -322,13 +322,15 @@ enum Products {
 }
 
 impl Products {
-    /// `Bf16::qk_t`: the logits of keys `0..n32`, scaled as `TileMicro::scale_logits` scales.
+    /// `Bf16::qk_t`: the logits of keys `0..n32`, scaled as `TileMicro::scale_logits` scales;
+    /// `vdpbf16ps` computes those of keys `0..keys[b]` of row block `b` only (tiles all).
     #[allow(clippy::too_many_arguments)]
     fn qk_t(
         &self,
         m: impl TileMicro,
         t: &[(&[u16], &[u32])],
         (ldk, dp, n32, r32): (usize, usize, usize, usize),
+        keys: &[usize],
         scale: f32,
         st: &mut [f32],
     ) {
@@ -337,16 +339,18 @@ impl Products {
                 tl.qk_t(t, ldk, dp, n32, r32, st);
                 m.scale_logits(&mut st[..n32 * r32], scale);
             }
-            Products::Dot(bf) => bf.qk_t(t, ldk, dp, n32, r32, scale, st),
+            Products::Dot(bf) => bf.qk_t(t, ldk, dp, (n32, Some(keys)), r32, scale, st),
         }
     }
 
-    /// `Bf16::pv_t`: the accumulator corrected by `corr` (when given), then the products added.
+    /// `Bf16::pv_t`: the accumulator corrected by `corr` (when given), then the products added
+    /// (`vdpbf16ps`: of keys `0..keys[b]` for row block `b`, whose later weights are 0).
     #[allow(clippy::too_many_arguments)]
     fn pv_t(
         &self,
         t: &[(&[u16], &[u32])],
         (ldv, dp, n32, r32): (usize, usize, usize, usize),
+        keys: &[usize],
         corr: Option<&[f32]>,
         acc: &mut [f32],
     ) {
@@ -357,7 +361,7 @@ impl Products {
                 }
                 tl.pv_t(t, ldv, dp, n32, r32, acc)
             }
-            Products::Dot(bf) => bf.pv_t(t, ldv, dp, n32, r32, corr, acc),
+            Products::Dot(bf) => bf.pv_t(t, ldv, dp, (n32, Some(keys)), r32, corr, acc),
         }
     }
 }
@@ -378,6 +382,7 @@ struct Scratch {
     vt: Vec<u16>,
     pack: PackScratch,
     kept: Vec<f32>,
+    keys: Vec<usize>,
 }
 
 /// Whether a bf16 (bits) is finite.
@@ -492,6 +497,7 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
         vt,
         pack,
         kept,
+        keys,
     } = sc;
     // Direct scores (a source that asks for them, `Tuning::direct_scores`): the score rows (a
     // suffix: rows are token-major) keep their logits row-major over the item's keys, as in
@@ -607,7 +613,15 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
             .iter()
             .map(|&(a, b)| (&ks[a * dp..], &qt[b * qplane..]))
             .collect();
-        tl.qk_t(m, &qk_terms, (kw, dp, n32, r32), plan.scale, st);
+        // The keys of the span each 32-row block sees at most: up to its last row's causal
+        // edge. The later ones are masked for all of its rows (on the diagonal), so their
+        // logits, weights and products are skipped (their logits are set to -inf below).
+        keys.clear();
+        keys.extend((0..r32 / 32).map(|b| {
+            let last = rows.min(32 * b + 32) - 1;
+            (ir.pos0 + last / g + 1).saturating_sub(j0).min(n)
+        }));
+        tl.qk_t(m, &qk_terms, (kw, dp, n32, r32), keys, plan.scale, st);
         // A block's worth of keys at a time, so only the pieces the causal edge or the window
         // cuts take the per-element path (one span may cover the whole diagonal).
         for off in (0..n).step_by(32) {
@@ -629,7 +643,7 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
         // and with one weight part take the weights from the softmax straight into pairs.
         let corr = if pre.is_some() {
             if parts.p == 1 {
-                bf.softmax_pairs(st, r32, (rows, n, n32), mb, lb, cb, pt);
+                bf.softmax_pairs(st, r32, (rows, n, n32, Some(&keys[..])), mb, lb, cb, pt);
             } else {
                 m.softmax_t(st, r32, rows, n, mb, lb, cb);
                 bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
@@ -654,7 +668,7 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
             .iter()
             .map(|&(a, b)| (&vs[a * dp * ldv..], &pt[b * plane..]))
             .collect();
-        tl.pv_t(&terms, (ldv, dp, n32, r32), corr, acc_t);
+        tl.pv_t(&terms, (ldv, dp, n32, r32), keys, corr, acc_t);
         j0 = j1;
     }
     let acc = aligned(acc, r32 * dp);
