@@ -74,6 +74,7 @@ impl Bf16 {
     /// With `keys`, the columns `32*b..32*b + 32` (row block `b`) get only the logits of keys
     /// `j < keys[b]` (rounded up to a register block of 8 keys; the others keep what they
     /// held): the causal diagonal's rows need no logits of the keys masked for all of them.
+    /// `tick` runs after each register block (the caller's prefetches, spread over the loop).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn qk_t(
         self,
@@ -84,6 +85,7 @@ impl Bf16 {
         r32: usize,
         scale: f32,
         st: &mut [f32],
+        tick: &mut impl FnMut(),
     ) {
         assert_qk(terms, ldk, dp, n32, r32, st);
         assert!(keys.is_none_or(|k| k.len() >= r32 / 32));
@@ -103,6 +105,7 @@ impl Bf16 {
                         Acc::Scaled(scale),
                     )
                 };
+                tick();
             }
         }
     }
@@ -113,6 +116,7 @@ impl Bf16 {
     /// p_t[j][r]` for `x < dp`, `r < r32`, `j < n32`. With `keys`, the columns of row block
     /// `b` (`32*b..32*b + 32`) sum keys `j < keys[b]` only (rounded up to a pair): the
     /// caller's weights of the later keys are 0 for those rows, and the values finite.
+    /// `tick` runs after each register block, as in [`Bf16::qk_t`].
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn pv_t(
         self,
@@ -123,6 +127,7 @@ impl Bf16 {
         r32: usize,
         corr: Option<&[f32]>,
         acc: &mut [f32],
+        tick: &mut impl FnMut(),
     ) {
         assert_pv(terms, ldv, dp, n32, r32, acc);
         assert!(corr.is_none_or(|c| c.len() >= r32));
@@ -144,6 +149,7 @@ impl Bf16 {
                         Acc::Add(corr.map(|c| c.as_ptr().add(rb))),
                     )
                 };
+                tick();
             }
         }
     }
@@ -960,7 +966,7 @@ pub(crate) mod tests {
     fn qk_dot_products_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = bf16() else { return };
         check_qk(a, 21, &|t, ld, dp, n32, r32, out| {
-            a.qk_t(t, ld, dp, (n32, None), r32, 1.0, out)
+            a.qk_t(t, ld, dp, (n32, None), r32, 1.0, out, &mut || {})
         });
     }
 
@@ -968,7 +974,7 @@ pub(crate) mod tests {
     fn pv_dot_products_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = bf16() else { return };
         check_pv(a, 22, &|t, ld, dp, n32, r32, out| {
-            a.pv_t(t, ld, dp, (n32, None), r32, None, out)
+            a.pv_t(t, ld, dp, (n32, None), r32, None, out, &mut || {})
         });
     }
 
@@ -1078,7 +1084,7 @@ pub(crate) mod tests {
         let (kp, qt) = pack_qk(a, (&q, &k, d), (dp, dp, n32, r32));
         let terms = [(&kp[..], &qt[..])];
         let mut want = vec![0f32; n32 * r32];
-        a.qk_t(&terms, dp, dp, (n32, None), r32, 1.0, &mut want);
+        a.qk_t(&terms, dp, dp, (n32, None), r32, 1.0, &mut want, &mut || {});
         let big = want[3 * r32];
         assert!(
             big.is_finite() && big as f64 * 4.0 > f32::MAX as f64,
@@ -1086,7 +1092,7 @@ pub(crate) mod tests {
         );
         m.scale_logits(&mut want, 4.0);
         let mut got = vec![f32::NAN; n32 * r32];
-        a.qk_t(&terms, dp, dp, (n32, None), r32, 4.0, &mut got);
+        a.qk_t(&terms, dp, dp, (n32, None), r32, 4.0, &mut got, &mut || {});
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(
                 g.to_bits(),
@@ -1116,9 +1122,27 @@ pub(crate) mod tests {
             let (kp, qt) = pack_qk(a, (&q, &k, d), (dp + 32, dp, n32, r32));
             let terms = [(&kp[..], &qt[..])];
             let mut full = vec![0f32; n32 * r32];
-            a.qk_t(&terms, dp + 32, dp, (n32, None), r32, 0.3, &mut full);
+            a.qk_t(
+                &terms,
+                dp + 32,
+                dp,
+                (n32, None),
+                r32,
+                0.3,
+                &mut full,
+                &mut || {},
+            );
             let mut got = vec![f32::NAN; n32 * r32];
-            a.qk_t(&terms, dp + 32, dp, (n32, Some(&lim)), r32, 0.3, &mut got);
+            a.qk_t(
+                &terms,
+                dp + 32,
+                dp,
+                (n32, Some(&lim)),
+                r32,
+                0.3,
+                &mut got,
+                &mut || {},
+            );
             for (i, (g, f)) in got.iter().zip(&full).enumerate() {
                 let (j, r) = (i / r32, i % r32);
                 if j < lim[r / 32] {
@@ -1175,8 +1199,26 @@ pub(crate) mod tests {
             let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
             let terms = [(&vt[..], &p1[..])];
             let (mut want, mut got) = (acc0.clone(), acc0.clone());
-            a.pv_t(&terms, n32, dp, (n32, None), r32, Some(&corr), &mut want);
-            a.pv_t(&terms, n32, dp, (n32, keys), r32, Some(&corr), &mut got);
+            a.pv_t(
+                &terms,
+                n32,
+                dp,
+                (n32, None),
+                r32,
+                Some(&corr),
+                &mut want,
+                &mut || {},
+            );
+            a.pv_t(
+                &terms,
+                n32,
+                dp,
+                (n32, keys),
+                r32,
+                Some(&corr),
+                &mut got,
+                &mut || {},
+            );
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(
                     g.to_bits(),
@@ -1213,15 +1255,42 @@ pub(crate) mod tests {
         let terms = [(&vt[..], &pt[..])];
         let mut want = acc0.clone();
         a.mul_rows(&mut want, &corr);
-        a.pv_t(&terms, n32, dp, (n32, None), r32, None, &mut want);
+        a.pv_t(
+            &terms,
+            n32,
+            dp,
+            (n32, None),
+            r32,
+            None,
+            &mut want,
+            &mut || {},
+        );
         let mut got = acc0.clone();
-        a.pv_t(&terms, n32, dp, (n32, None), r32, Some(&corr), &mut got);
+        a.pv_t(
+            &terms,
+            n32,
+            dp,
+            (n32, None),
+            r32,
+            Some(&corr),
+            &mut got,
+            &mut || {},
+        );
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.to_bits(), w.to_bits(), "acc[{}][{}]", i / r32, i % r32);
         }
         assert_ne!(got, {
             let mut plain = acc0.clone();
-            a.pv_t(&terms, n32, dp, (n32, None), r32, None, &mut plain);
+            a.pv_t(
+                &terms,
+                n32,
+                dp,
+                (n32, None),
+                r32,
+                None,
+                &mut plain,
+                &mut || {},
+            );
             plain
         });
     }
