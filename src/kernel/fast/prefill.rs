@@ -480,6 +480,14 @@ fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
                 (sp.begin + ir.t0, ir.nt, kvh),
                 (ir.lo, ir.hi, j0),
             );
+            // The query rows of the tile before this one (the items of a KV head come in
+            // falling query tiles), likely the next this thread packs: a part per key tile.
+            let (bs, tile) = (plan.bs, (j0 / plan.bs).saturating_sub(ir.lo / plan.bs));
+            let ntiles = (ir.hi - 1) / bs - ir.lo / bs + 1;
+            for t in ir.t0.saturating_sub(lay.qtok)..ir.t0 {
+                let rows = &ctx.query[((sp.begin + t) * plan.h + kvh * g) * plan.d..];
+                prefetch_part(&rows[..g * plan.d], tile, ntiles);
+            }
         },
     );
     let RowState {
