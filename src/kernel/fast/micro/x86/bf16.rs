@@ -871,6 +871,25 @@ pub(crate) mod tests {
         (kp, qt)
     }
 
+    /// The values `v` (`n` rows of `d`) rounded and transposed as PV reads them: `dp` rows of
+    /// `ld` keys (`d <= dp`, `n <= ld`; the rest 0).
+    fn transposed_values(
+        a: Bf16,
+        v: &[f32],
+        (n, d): (usize, usize),
+        (dp, ld): (usize, usize),
+    ) -> Vec<u16> {
+        let mut vt = vec![0u16; dp * ld];
+        let mut col = vec![0f32; n];
+        for x in 0..d {
+            for j in 0..n {
+                col[j] = v[j * d + x];
+            }
+            a.round(&col, &mut vt[x * ld..]);
+        }
+        vt
+    }
+
     /// `qk` (keys rounded into a panel of stride wider than dp, query rows paired by
     /// `pair_cols`, both as the prefill items pack them) against the twin on edge shapes, summed
     /// over two equal terms for odd key counts.
@@ -1186,15 +1205,7 @@ pub(crate) mod tests {
                 (&m2, &l2, &c2, &p2),
                 "{lim:?}: softmax"
             );
-            let v = rng.v(n * d);
-            let mut vt = vec![0u16; dp * n32];
-            let mut col = vec![0f32; n];
-            for x in 0..dp {
-                for j in 0..n {
-                    col[j] = v[j * d + x];
-                }
-                a.round(&col, &mut vt[x * n32..]);
-            }
+            let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32));
             let acc0 = rng.v(dp * r32);
             let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
             let terms = [(&vt[..], &p1[..])];
@@ -1239,15 +1250,7 @@ pub(crate) mod tests {
         let (d, n, r32) = (96usize, 50usize, 64usize);
         let (dp, n32) = (96usize, 64usize);
         let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
-        let v = rng.v(n * d);
-        let mut vt = vec![0u16; dp * n32];
-        let mut col = vec![0f32; n];
-        for x in 0..dp {
-            for j in 0..n {
-                col[j] = v[j * d + x];
-            }
-            a.round(&col, &mut vt[x * n32..]);
-        }
+        let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32));
         let mut pt = vec![0u32; n32 / 2 * r32];
         a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
         let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
