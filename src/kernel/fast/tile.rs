@@ -2,7 +2,7 @@
 //! check that keeps masked non-finite values out of the value product, prefetch hints).
 
 use crate::dtype::Float;
-use crate::kernel::layout::{seen_by_all, visible_span};
+use crate::kernel::layout::{seen_by_all, window_start};
 pub(crate) use crate::kernel::prefetch::prefetch_part;
 use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 use crate::op::{Plan, SeqPlan};
@@ -97,18 +97,15 @@ pub(crate) fn mask_tile_strided(
     }
     for r in 0..rows {
         let pos = pos0 + r / g;
-        // Keys a..b are the ones the row sees (window to causal edge), the rest are masked.
-        let (a, b) = visible_span(plan, pos, j0, j0 + n);
-        // (Clamped: a window that starts past the tile puts both past it.)
-        let (a, b) = ((a - j0).min(n), (b - j0).min(n));
-        for jj in (0..a).chain(b..n) {
-            s[r * stride.0 + jj * stride.1] = f32::NEG_INFINITY;
-        }
-        if let Some(alibi) = plan.alibi.as_ref() {
-            let sl = alibi[kvh * g + r % g];
-            for jj in a..b {
-                let v = &mut s[r * stride.0 + jj * stride.1];
-                *v = (*v + sl * ((j0 + jj) as f32 - pos as f32)).cap();
+        let wlo = window_start(plan, pos);
+        let slope = plan.alibi.as_ref().map(|a| a[kvh * g + r % g]);
+        for jj in 0..n {
+            let j = j0 + jj;
+            let v = &mut s[r * stride.0 + jj * stride.1];
+            if j > pos || j < wlo {
+                *v = f32::NEG_INFINITY;
+            } else if let Some(sl) = slope {
+                *v = (*v + sl * (j as f32 - pos as f32)).cap();
             }
         }
     }
