@@ -28,3 +28,53 @@ pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usi
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, bytes, i, parts);
 }
+
+/// Cache lines to request spread evenly over the steps of a loop (so the requests never queue
+/// up behind each other, and the loop's own loads never wait behind a burst of them): `push`
+/// ranges, `start` with the number of steps, then `tick` once a step requests the next share;
+/// `finish` requests what is left.
+#[derive(Default)]
+pub(crate) struct Spread {
+    lines: Vec<usize>,
+    next: usize,
+    per: usize,
+}
+
+impl Spread {
+    /// Forgets the lines not yet requested.
+    pub(crate) fn clear(&mut self) {
+        self.lines.clear();
+        self.next = 0;
+    }
+
+    /// Adds the lines of part `i` of `parts` equal parts of the `bytes` bytes at `p` (as
+    /// [`prefetch_lines`] splits them; `p` need not be borrowed, it is only a hint).
+    pub(crate) fn push(&mut self, p: *const u8, bytes: usize, (i, parts): (usize, usize)) {
+        let lines = bytes.div_ceil(64);
+        let base = p as usize;
+        self.lines.extend(
+            (lines * i / parts..lines * (i + 1) / parts).map(|l| base.wrapping_add(l * 64)),
+        );
+    }
+
+    /// Spreads the lines over `ticks` ticks.
+    pub(crate) fn start(&mut self, ticks: usize) {
+        self.per = (self.lines.len() - self.next).div_ceil(ticks.max(1));
+    }
+
+    /// Requests the next share of lines.
+    #[inline]
+    pub(crate) fn tick(&mut self) {
+        let end = (self.next + self.per).min(self.lines.len());
+        for &a in &self.lines[self.next..end] {
+            prefetch_lines(a as *const u8, 64, (0, 1));
+        }
+        self.next = end;
+    }
+
+    /// Requests every line not yet requested.
+    pub(crate) fn finish(&mut self) {
+        self.per = self.lines.len();
+        self.tick();
+    }
+}

@@ -480,6 +480,14 @@ fn run_head<M: TileMicro, Q: Float, C: Source, S: TileSource>(
                 (sp.begin + ir.t0, ir.nt, kvh),
                 (ir.lo, ir.hi, j0),
             );
+            // The query rows of the tile before this one (the items of a KV head come in
+            // falling query tiles), likely the next this thread packs: a part per key tile.
+            let (bs, tile) = (plan.bs, (j0 / plan.bs).saturating_sub(ir.lo / plan.bs));
+            let ntiles = (ir.hi - 1) / bs - ir.lo / bs + 1;
+            for t in ir.t0.saturating_sub(lay.qtok)..ir.t0 {
+                let rows = &ctx.query[((sp.begin + t) * plan.h + kvh * g) * plan.d..];
+                prefetch_part(&rows[..g * plan.d], tile, ntiles);
+            }
         },
     );
     let RowState {
@@ -675,14 +683,31 @@ pub(super) fn attend<M: TileMicro, S: TileSource>(
         let kn = src.keys_ahead(next.next());
         let vp = src.values_ahead(j0, j1);
         let kx = src.keys(j0, j1, kf);
-        let qkr = M::QK_ROWS;
+        // The keys of the tile rows `..r_end` see at most: up to the last one's causal edge.
+        // On the diagonal (the first row does not see them all) rows go in blocks that each
+        // take only those keys: the later ones are masked for all of the block's rows, so their
+        // logits (set to -inf by the mask) and products (weight 0, finite value) are skipped.
+        let edge = |r_end: usize| {
+            (pos0 + (r_end.min(rows) - 1) / g + 1)
+                .saturating_sub(j0)
+                .min(n)
+        };
+        let diagonal = edge(1) < n;
+        let qkr = if diagonal {
+            M::QK_ROWS.min(32)
+        } else {
+            M::QK_ROWS
+        };
         let parts = rows8.div_ceil(qkr);
         for (i, r) in (0..rows8).step_by(qkr).enumerate() {
             let rr = qkr.min(rows8 - r);
             let pf = slice_part(vp, i, parts);
             let s = &mut st[r..];
-            m.qk_t(&qt[r..], rows8, rr, kx, n, d, s, rows8, plan.scale, pf);
-            if !M::PREFETCHES {
+            let nk = edge(r + rr);
+            if nk > 0 {
+                m.qk_t(&qt[r..], rows8, rr, kx, nk, d, s, rows8, plan.scale, pf);
+            }
+            if !M::PREFETCHES || nk == 0 {
                 prefetch_part(pf, 0, 1);
             }
         }
@@ -692,14 +717,22 @@ pub(super) fn attend<M: TileMicro, S: TileSource>(
         let vx = src.values(j0, j1, vf);
         let (a, b) = seen_by_all(plan, pos0, pos0 + nt - 1, j0, j1);
         if finite_outside(vx, n, dv, (a - j0, b - j0)) {
-            // Kernels that prefetch take all rows in one call (their requests spread over it).
-            let pvr = if M::PREFETCHES { rows } else { PV_ROWS };
+            // Kernels that prefetch take all rows in one call (their requests spread over it),
+            // except on the diagonal, where each block of rows sums its own keys only (at
+            // least one: a block that sees none still takes its correction, and the first
+            // key's value is finite, being masked for some row).
+            let pvr = if M::PREFETCHES && !diagonal {
+                rows
+            } else {
+                PV_ROWS
+            };
             let parts = rows.div_ceil(pvr);
             for (i, r) in (0..rows).step_by(pvr).enumerate() {
                 let rr = pvr.min(rows - r);
                 let pf = slice_part(kn, i, parts);
                 let (p, a) = (&st[r..], &mut acc[r * dv..]);
-                m.pv_t(p, rows8, rr, vx, n, dv, &cb[r..], a, pf);
+                let nk = edge(r + rr).max(1);
+                m.pv_t(p, rows8, rr, vx, nk, dv, &cb[r..], a, pf);
                 if !M::PREFETCHES {
                     prefetch_part(pf, 0, 1);
                 }

@@ -43,9 +43,10 @@ use super::prefill::{
     add_direct_scores, aligned, per_head_regions, stash_logits, write_rows, ItemRows,
 };
 use super::source::{Ctx, Out, Source};
-use super::tile::{mask_tile_strided, prefetch_part};
+use super::tile::mask_tile_strided;
 use crate::dtype::Float;
 use crate::kernel::layout::{seen_by_all, seq_row, tiles, visible};
+use crate::kernel::prefetch::Spread;
 use std::any::TypeId;
 use std::cell::RefCell;
 
@@ -322,33 +323,42 @@ enum Products {
 }
 
 impl Products {
-    /// `Bf16::qk_t`: the logits of keys `0..n32`, scaled as `TileMicro::scale_logits` scales.
+    /// `Bf16::qk_t`: the logits of keys `0..n32`, scaled as `TileMicro::scale_logits` scales;
+    /// `vdpbf16ps` computes those of keys `0..keys[b]` of row block `b` only (tiles all).
     #[allow(clippy::too_many_arguments)]
     fn qk_t(
         &self,
         m: impl TileMicro,
         t: &[(&[u16], &[u32])],
         (ldk, dp, n32, r32): (usize, usize, usize, usize),
+        keys: &[usize],
         scale: f32,
         st: &mut [f32],
+        pf: &mut Spread,
     ) {
         match self {
             Products::Tiles(tl, _) => {
                 tl.qk_t(t, ldk, dp, n32, r32, st);
                 m.scale_logits(&mut st[..n32 * r32], scale);
             }
-            Products::Dot(bf) => bf.qk_t(t, ldk, dp, n32, r32, scale, st),
+            Products::Dot(bf) => {
+                let keys = (n32, Some(keys));
+                bf.qk_t(t, ldk, dp, keys, r32, scale, st, &mut || pf.tick())
+            }
         }
     }
 
-    /// `Bf16::pv_t`: the accumulator corrected by `corr` (when given), then the products added.
+    /// `Bf16::pv_t`: the accumulator corrected by `corr` (when given), then the products added
+    /// (`vdpbf16ps`: of keys `0..keys[b]` for row block `b`, whose later weights are 0).
     #[allow(clippy::too_many_arguments)]
     fn pv_t(
         &self,
         t: &[(&[u16], &[u32])],
         (ldv, dp, n32, r32): (usize, usize, usize, usize),
+        keys: &[usize],
         corr: Option<&[f32]>,
         acc: &mut [f32],
+        pf: &mut Spread,
     ) {
         match self {
             Products::Tiles(tl, bf) => {
@@ -357,7 +367,10 @@ impl Products {
                 }
                 tl.pv_t(t, ldv, dp, n32, r32, acc)
             }
-            Products::Dot(bf) => bf.pv_t(t, ldv, dp, n32, r32, corr, acc),
+            Products::Dot(bf) => {
+                let keys = (n32, Some(keys));
+                bf.pv_t(t, ldv, dp, keys, r32, corr, acc, &mut || pf.tick())
+            }
         }
     }
 }
@@ -378,6 +391,8 @@ struct Scratch {
     vt: Vec<u16>,
     pack: PackScratch,
     kept: Vec<f32>,
+    keys: Vec<usize>,
+    pf: Spread,
 }
 
 /// Whether a bf16 (bits) is finite.
@@ -492,6 +507,8 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
         vt,
         pack,
         kept,
+        keys,
+        pf,
     } = sc;
     // Direct scores (a source that asks for them, `Tuning::direct_scores`): the score rows (a
     // suffix: rows are token-major) keep their logits row-major over the item's keys, as in
@@ -567,14 +584,33 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
     let qtok = ctx.part.seqs[ir.si].qtok;
     let next_q = ir.t0.saturating_sub(qtok)..ir.t0;
     let nspans = (ir.hi - ir.lo).div_ceil(SPAN);
+    // The output rows this item writes at its end are requested over its last two spans (a
+    // token's rows lie H*D elements after the last's: written cold, each store waits).
+    let out_spans = nspans.min(2);
     let mut j0 = ir.lo;
     while j0 < ir.hi {
+        // This span's share of those lines, a few after each register block of the products
+        // (a burst of them would stall the loads of the products behind it).
+        let span = (j0 - ir.lo) / SPAN;
+        pf.clear();
         for t in next_q.clone() {
             let rows = &ctx.query[((sp.begin + t) * h + kvh * g) * d..][..g * d];
-            prefetch_part(rows, (j0 - ir.lo) / SPAN, nspans);
+            pf.push(
+                rows.as_ptr() as *const u8,
+                size_of_val(rows),
+                (span, nspans),
+            );
+        }
+        if let Some(part) = (span + out_spans).checked_sub(nspans) {
+            for t in sp.begin + ir.t0..sp.begin + ir.t0 + ir.nt {
+                let (p, bytes) = out.hint((t * h + kvh * g) * plan.dv, g * plan.dv);
+                pf.push(p, bytes, (part, out_spans));
+            }
         }
         let j1 = (j0 + SPAN).min(ir.hi);
         let (n, n32) = (j1 - j0, (j1 - j0).div_ceil(32) * 32);
+        // Register blocks of the span's products (8 keys or 8 value rows by 32 query rows).
+        pf.start(r32 / 32 * (n32 + dp) / 8);
         // The tile product multiplies every value of keys j0..j0+n32 by a weight, zero where
         // a row is masked (edge keys) and for keys past j1; a non-finite value there would
         // make it NaN (contract: masked keys never contribute). Prepacked values are used
@@ -607,7 +643,15 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
             .iter()
             .map(|&(a, b)| (&ks[a * dp..], &qt[b * qplane..]))
             .collect();
-        tl.qk_t(m, &qk_terms, (kw, dp, n32, r32), plan.scale, st);
+        // The keys of the span each 32-row block sees at most: up to its last row's causal
+        // edge. The later ones are masked for all of its rows (on the diagonal), so their
+        // logits, weights and products are skipped (their logits are set to -inf below).
+        keys.clear();
+        keys.extend((0..r32 / 32).map(|b| {
+            let last = rows.min(32 * b + 32) - 1;
+            (ir.pos0 + last / g + 1).saturating_sub(j0).min(n)
+        }));
+        tl.qk_t(m, &qk_terms, (kw, dp, n32, r32), keys, plan.scale, st, pf);
         // A block's worth of keys at a time, so only the pieces the causal edge or the window
         // cuts take the per-element path (one span may cover the whole diagonal).
         for off in (0..n).step_by(32) {
@@ -629,7 +673,7 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
         // and with one weight part take the weights from the softmax straight into pairs.
         let corr = if pre.is_some() {
             if parts.p == 1 {
-                bf.softmax_pairs(st, r32, (rows, n, n32), mb, lb, cb, pt);
+                bf.softmax_pairs(st, r32, (rows, n, n32, Some(&keys[..])), mb, lb, cb, pt);
             } else {
                 m.softmax_t(st, r32, rows, n, mb, lb, cb);
                 bf.pair_rows(st, r32, n, n32, parts.p, pt, plane);
@@ -654,7 +698,8 @@ fn run_head<M: TileMicro, Q: Float, C: Source>(
             .iter()
             .map(|&(a, b)| (&vs[a * dp * ldv..], &pt[b * plane..]))
             .collect();
-        tl.pv_t(&terms, (ldv, dp, n32, r32), corr, acc_t);
+        tl.pv_t(&terms, (ldv, dp, n32, r32), keys, corr, acc_t, pf);
+        pf.finish();
         j0 = j1;
     }
     let acc = aligned(acc, r32 * dp);

@@ -41,6 +41,16 @@ impl<'a, T> SharedMut<'a, T> {
         crate::kernel::prefetch::prefetch_lines(p, len * std::mem::size_of::<T>(), part);
     }
 
+    /// The address and byte length of elements `off..off + len`, for prefetch hints (no slice
+    /// is made, so the range may be one another task holds).
+    pub(crate) fn hint(&self, off: usize, len: usize) -> (*const u8, usize) {
+        self.check(off, len);
+        (
+            self.ptr.wrapping_add(off) as *const u8,
+            len * std::mem::size_of::<T>(),
+        )
+    }
+
     /// `len` elements from `off`.
     ///
     /// # Safety

@@ -71,20 +71,27 @@ impl Bf16 {
     /// QK by `vdpbf16ps`, as [`super::amx::Tiles::qk_t`] computes it, then scaled as
     /// `TileMicro::scale_logits` scales it while still in registers: `st[j*r32 + r] =
     /// cap(scale * sum_t sum_x kp_t[j*ldk + x] * q_t[r][x])` for `j < n32`, `r < r32`, `x < dp`.
+    /// With `keys`, the columns `32*b..32*b + 32` (row block `b`) get only the logits of keys
+    /// `j < keys[b]` (rounded up to a register block of 8 keys; the others keep what they
+    /// held): the causal diagonal's rows need no logits of the keys masked for all of them.
+    /// `tick` runs after each register block (the caller's prefetches, spread over the loop).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn qk_t(
         self,
         terms: &[(&[u16], &[u32])],
         ldk: usize,
         dp: usize,
-        n32: usize,
+        (n32, keys): (usize, Option<&[usize]>),
         r32: usize,
         scale: f32,
         st: &mut [f32],
+        tick: &mut impl FnMut(),
     ) {
         assert_qk(terms, ldk, dp, n32, r32, st);
+        assert!(keys.is_none_or(|k| k.len() >= r32 / 32));
         for rb in (0..r32).step_by(32) {
-            for jb in (0..n32).step_by(JB) {
+            let nk = keys.map_or(n32, |k| k[rb / 32].min(n32).div_ceil(JB) * JB);
+            for jb in (0..nk).step_by(JB) {
                 // SAFETY: `self` proves AVX512-BF16; rows jb..jb+JB <= n32 of every key panel
                 // (pairs 0..dp/2), query-pair rows 0..dp/2 at columns rb..rb+32 <= r32, and
                 // logit rows jb..jb+JB at those columns are inside the slices (asserted above).
@@ -98,6 +105,7 @@ impl Bf16 {
                         Acc::Scaled(scale),
                     )
                 };
+                tick();
             }
         }
     }
@@ -105,36 +113,43 @@ impl Bf16 {
     /// PV by `vdpbf16ps`, as [`super::amx::Tiles::pv_t`] computes it, on an accumulator
     /// first corrected as [`Bf16::mul_rows`] corrects it (when `corr` is given) while in
     /// registers: `acc[x*r32 + r] = acc[x*r32 + r] * corr[r] + sum_t sum_j vt_t[x*ldv + j] *
-    /// p_t[j][r]` for `x < dp`, `r < r32`, `j < n32`.
+    /// p_t[j][r]` for `x < dp`, `r < r32`, `j < n32`. With `keys`, the columns of row block
+    /// `b` (`32*b..32*b + 32`) sum keys `j < keys[b]` only (rounded up to a pair): the
+    /// caller's weights of the later keys are 0 for those rows, and the values finite.
+    /// `tick` runs after each register block, as in [`Bf16::qk_t`].
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn pv_t(
         self,
         terms: &[(&[u16], &[u32])],
         ldv: usize,
         dp: usize,
-        n32: usize,
+        (n32, keys): (usize, Option<&[usize]>),
         r32: usize,
         corr: Option<&[f32]>,
         acc: &mut [f32],
+        tick: &mut impl FnMut(),
     ) {
         assert_pv(terms, ldv, dp, n32, r32, acc);
         assert!(corr.is_none_or(|c| c.len() >= r32));
+        assert!(keys.is_none_or(|k| k.len() >= r32 / 32));
         for xb in (0..dp).step_by(JB) {
             for rb in (0..r32).step_by(32) {
+                let kpairs = keys.map_or(n32, |k| k[rb / 32].min(n32)).div_ceil(2);
                 // SAFETY: `self` proves AVX512-BF16; value rows xb..xb+JB <= dp (keys
-                // 0..n32), weight-pair rows 0..n32/2 at columns rb..rb+32 <= r32 and
+                // 0..2*kpairs <= n32), weight-pair rows 0..kpairs <= n32/2 at columns rb..rb+32 <= r32 and
                 // accumulator rows xb..xb+JB at those columns are inside the slices (above).
                 unsafe {
                     block(
                         terms,
                         (xb * ldv, ldv),
                         (rb, r32),
-                        n32 / 2,
+                        kpairs,
                         (acc.as_mut_ptr().add(xb * r32 + rb), r32),
                         // SAFETY (the offset): rb + 32 <= r32 <= corr.len() (asserted).
                         Acc::Add(corr.map(|c| c.as_ptr().add(rb))),
                     )
                 };
+                tick();
             }
         }
     }
@@ -184,13 +199,14 @@ impl Bf16 {
     /// weight goes from its `exp` into `pt[j2*ldt + r]` without a round trip through `st`
     /// (which keeps the logits). `m`, `l` and `c` as `softmax_t` leaves them; pairs of keys
     /// `n..n32` and of lanes `rows.div_ceil(8)*8..ldt` are 0. `ldt` a multiple of 16, `n32`
-    /// of 32.
+    /// of 32. With `keys`, lanes `32*b..32*b + 32` read keys `j < keys[b]` only and pair the
+    /// later ones as 0: the same results when those logits are -inf (masked for those rows).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn softmax_pairs(
         self,
         st: &[f32],
         ldt: usize,
-        (rows, n, n32): (usize, usize, usize),
+        (rows, n, n32, keys): (usize, usize, usize, Option<&[usize]>),
         m: &mut [f32],
         l: &mut [f32],
         c: &mut [f32],
@@ -200,11 +216,14 @@ impl Bf16 {
         assert!(ldt.is_multiple_of(16) && n32.is_multiple_of(32) && n <= n32 && rows8 <= ldt);
         assert!(st.len() >= n * ldt && pt.len() >= n32 / 2 * ldt);
         assert!(m.len() >= rows8 && l.len() >= rows8 && c.len() >= rows8);
+        assert!(keys.is_none_or(|k| k.len() >= ldt.div_ceil(32)));
         let (sp, pp) = (st.as_ptr(), pt.as_mut_ptr());
         let (mp, lp, cp) = (m.as_mut_ptr(), l.as_mut_ptr(), c.as_mut_ptr());
         let mut r = 0;
         while r < ldt {
             let left = rows8.saturating_sub(r);
+            // Steps of 32 lanes from 0 (then 16 at most once): the lanes are in row block r/32.
+            let n = keys.map_or(n, |k| k[r / 32].min(n));
             // SAFETY: `self` proves AVX-512F/BW/VL/DQ/BF16, AVX2, FMA; lanes r..r+16*RV <=
             // ldt of st rows j < n and of pt rows j2 < n32/2, and the masked lanes of m, l, c
             // (< rows8) are inside the slices (asserted above).
@@ -852,6 +871,25 @@ pub(crate) mod tests {
         (kp, qt)
     }
 
+    /// The values `v` (`n` rows of `d`) rounded and transposed as PV reads them: `dp` rows of
+    /// `ld` keys (`d <= dp`, `n <= ld`; the rest 0).
+    fn transposed_values(
+        a: Bf16,
+        v: &[f32],
+        (n, d): (usize, usize),
+        (dp, ld): (usize, usize),
+    ) -> Vec<u16> {
+        let mut vt = vec![0u16; dp * ld];
+        let mut col = vec![0f32; n];
+        for x in 0..d {
+            for j in 0..n {
+                col[j] = v[j * d + x];
+            }
+            a.round(&col, &mut vt[x * ld..]);
+        }
+        vt
+    }
+
     /// `qk` (keys rounded into a panel of stride wider than dp, query rows paired by
     /// `pair_cols`, both as the prefill items pack them) against the twin on edge shapes, summed
     /// over two equal terms for odd key counts.
@@ -947,7 +985,7 @@ pub(crate) mod tests {
     fn qk_dot_products_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = bf16() else { return };
         check_qk(a, 21, &|t, ld, dp, n32, r32, out| {
-            a.qk_t(t, ld, dp, n32, r32, 1.0, out)
+            a.qk_t(t, ld, dp, (n32, None), r32, 1.0, out, &mut || {})
         });
     }
 
@@ -955,7 +993,7 @@ pub(crate) mod tests {
     fn pv_dot_products_match_the_scalar_twin_on_edge_shapes() {
         let Some(a) = bf16() else { return };
         check_pv(a, 22, &|t, ld, dp, n32, r32, out| {
-            a.pv_t(t, ld, dp, n32, r32, None, out)
+            a.pv_t(t, ld, dp, (n32, None), r32, None, out, &mut || {})
         });
     }
 
@@ -1001,7 +1039,7 @@ pub(crate) mod tests {
                     a.softmax_pairs(
                         &st,
                         ldt,
-                        (rows, n, n32),
+                        (rows, n, n32, None),
                         &mut m2,
                         &mut l2,
                         &mut c2,
@@ -1065,7 +1103,7 @@ pub(crate) mod tests {
         let (kp, qt) = pack_qk(a, (&q, &k, d), (dp, dp, n32, r32));
         let terms = [(&kp[..], &qt[..])];
         let mut want = vec![0f32; n32 * r32];
-        a.qk_t(&terms, dp, dp, n32, r32, 1.0, &mut want);
+        a.qk_t(&terms, dp, dp, (n32, None), r32, 1.0, &mut want, &mut || {});
         let big = want[3 * r32];
         assert!(
             big.is_finite() && big as f64 * 4.0 > f32::MAX as f64,
@@ -1073,7 +1111,7 @@ pub(crate) mod tests {
         );
         m.scale_logits(&mut want, 4.0);
         let mut got = vec![f32::NAN; n32 * r32];
-        a.qk_t(&terms, dp, dp, n32, r32, 4.0, &mut got);
+        a.qk_t(&terms, dp, dp, (n32, None), r32, 4.0, &mut got, &mut || {});
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(
                 g.to_bits(),
@@ -1086,6 +1124,124 @@ pub(crate) mod tests {
         assert_eq!(got[3 * r32], f32::MAX);
     }
 
+    /// Key limits per 32-row block (the causal diagonal's skipped work): QK writes the logits
+    /// of each block's keys `j < keys[b]` (rounded up to 8) exactly as without limits and
+    /// leaves the later ones as they were; PV over weights that are 0 past each block's limit
+    /// (rounded up to a pair) sums exactly what the whole product sums; the fused softmax
+    /// gives the same state and pairs as without limits when the logits past them are -inf.
+    #[test]
+    fn key_limits_per_row_block_skip_only_what_is_masked() {
+        let Some(a) = bf16() else { return };
+        let mut rng = Rng(47);
+        let (d, rows, n) = (96usize, 96usize, 61usize);
+        let (dp, r32, n32) = (96usize, 96usize, 64usize);
+        for lim in [[0usize, 17, 61], [3, 40, 64], [64, 1, 9], [8, 16, 33]] {
+            let q: Vec<f32> = rng.v(rows * d).iter().map(|x| x * 3.0).collect();
+            let k = rng.v(n * d);
+            let (kp, qt) = pack_qk(a, (&q, &k, d), (dp + 32, dp, n32, r32));
+            let terms = [(&kp[..], &qt[..])];
+            let mut full = vec![0f32; n32 * r32];
+            a.qk_t(
+                &terms,
+                dp + 32,
+                dp,
+                (n32, None),
+                r32,
+                0.3,
+                &mut full,
+                &mut || {},
+            );
+            let mut got = vec![f32::NAN; n32 * r32];
+            a.qk_t(
+                &terms,
+                dp + 32,
+                dp,
+                (n32, Some(&lim)),
+                r32,
+                0.3,
+                &mut got,
+                &mut || {},
+            );
+            for (i, (g, f)) in got.iter().zip(&full).enumerate() {
+                let (j, r) = (i / r32, i % r32);
+                if j < lim[r / 32] {
+                    assert_eq!(g.to_bits(), f.to_bits(), "{lim:?}: logit {j} row {r}");
+                } else if j >= lim[r / 32].div_ceil(8) * 8 {
+                    assert!(g.is_nan(), "{lim:?}: logit {j} row {r} written");
+                }
+            }
+            // Weights 0 past each block's limit (for PV), logits -inf there (for the softmax).
+            let mut st: Vec<f32> = rng.v(n * r32).iter().map(|x| x * 4.0).collect();
+            for (i, x) in st.iter_mut().enumerate() {
+                if i / r32 >= lim[i % r32 / 32] {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            let fresh = || (vec![0.5f32; r32], vec![2f32; r32], vec![1f32; r32]);
+            let ((mut m1, mut l1, mut c1), (mut m2, mut l2, mut c2)) = (fresh(), fresh());
+            let mut p1 = vec![7u32; n32 / 2 * r32];
+            let mut p2 = p1.clone();
+            a.softmax_pairs(
+                &st,
+                r32,
+                (rows, n, n32, None),
+                &mut m1,
+                &mut l1,
+                &mut c1,
+                &mut p1,
+            );
+            let keys = Some(&lim[..]);
+            a.softmax_pairs(
+                &st,
+                r32,
+                (rows, n, n32, keys),
+                &mut m2,
+                &mut l2,
+                &mut c2,
+                &mut p2,
+            );
+            assert_eq!(
+                (&m1, &l1, &c1, &p1),
+                (&m2, &l2, &c2, &p2),
+                "{lim:?}: softmax"
+            );
+            let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32));
+            let acc0 = rng.v(dp * r32);
+            let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
+            let terms = [(&vt[..], &p1[..])];
+            let (mut want, mut got) = (acc0.clone(), acc0.clone());
+            a.pv_t(
+                &terms,
+                n32,
+                dp,
+                (n32, None),
+                r32,
+                Some(&corr),
+                &mut want,
+                &mut || {},
+            );
+            a.pv_t(
+                &terms,
+                n32,
+                dp,
+                (n32, keys),
+                r32,
+                Some(&corr),
+                &mut got,
+                &mut || {},
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{lim:?}: acc[{}][{}]",
+                    i / r32,
+                    i % r32
+                );
+            }
+        }
+    }
+
     /// The correction PV applies in registers is `mul_rows`'s, bit for bit.
     #[test]
     fn pv_corrected_in_registers_equals_the_correction_pass() {
@@ -1094,15 +1250,7 @@ pub(crate) mod tests {
         let (d, n, r32) = (96usize, 50usize, 64usize);
         let (dp, n32) = (96usize, 64usize);
         let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
-        let v = rng.v(n * d);
-        let mut vt = vec![0u16; dp * n32];
-        let mut col = vec![0f32; n];
-        for x in 0..dp {
-            for j in 0..n {
-                col[j] = v[j * d + x];
-            }
-            a.round(&col, &mut vt[x * n32..]);
-        }
+        let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32));
         let mut pt = vec![0u32; n32 / 2 * r32];
         a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
         let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
@@ -1110,15 +1258,42 @@ pub(crate) mod tests {
         let terms = [(&vt[..], &pt[..])];
         let mut want = acc0.clone();
         a.mul_rows(&mut want, &corr);
-        a.pv_t(&terms, n32, dp, n32, r32, None, &mut want);
+        a.pv_t(
+            &terms,
+            n32,
+            dp,
+            (n32, None),
+            r32,
+            None,
+            &mut want,
+            &mut || {},
+        );
         let mut got = acc0.clone();
-        a.pv_t(&terms, n32, dp, n32, r32, Some(&corr), &mut got);
+        a.pv_t(
+            &terms,
+            n32,
+            dp,
+            (n32, None),
+            r32,
+            Some(&corr),
+            &mut got,
+            &mut || {},
+        );
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.to_bits(), w.to_bits(), "acc[{}][{}]", i / r32, i % r32);
         }
         assert_ne!(got, {
             let mut plain = acc0.clone();
-            a.pv_t(&terms, n32, dp, n32, r32, None, &mut plain);
+            a.pv_t(
+                &terms,
+                n32,
+                dp,
+                (n32, None),
+                r32,
+                None,
+                &mut plain,
+                &mut || {},
+            );
             plain
         });
     }
