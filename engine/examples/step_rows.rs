@@ -76,8 +76,8 @@ fn main() -> Result<(), Error> {
     let prompt_rows: usize = prompts.iter().map(Vec::len).sum::<usize>().max(1);
     let mut engines: BTreeMap<usize, EngineCore> = BTreeMap::new();
     for &(_, k) in &configs {
-        if !engines.contains_key(&k) {
-            engines.insert(k, engine(&args[1], k, prompt_rows)?);
+        if let std::collections::btree_map::Entry::Vacant(v) = engines.entry(k) {
+            v.insert(engine(&args[1], k, prompt_rows)?);
         }
     }
     // rows -> step times (ms); config -> (drafted, accepted, seq-steps, tokens gained, rows),
