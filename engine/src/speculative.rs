@@ -27,9 +27,13 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 /// Rows (decode tokens plus drafts) a step verifies at most, by default; see the module
-/// comment. With SmolLM2-135M at f32 on 2 busy Zen 4 cores, 8 sequences with 3 drafts each
-/// (32 rows) made steps about 2.7 times as long as 8-row decode steps, eating the gain; 16 rows
-/// (1 draft each at 8 sequences) is the default until a quiet machine tunes it.
+/// comment. SmolLM2-135M at f32 on 2 shared Zen 4 cores (`examples/step_rows.rs`, load 4):
+/// a decode step of 1, 4, 8, 16, 24 and 32 rows took 40, 49, 66, 81, 105 and 119 ms, so
+/// past about 8 rows each row costs about 4.5 ms (the step is compute-bound). At 8 sequences
+/// a draft then pays only if it is accepted with a probability above about 0.5 (4.5 ms against
+/// 66 ms / 8 tokens a step): 1, 2 and 3 drafts gave 1.15, 1.19 and 1.12 times the decode
+/// tokens/s of none, and on text with nothing to copy (acceptance 40-50%) 24 rows cost more
+/// than 16. Hence 16 (1 draft each at 8 sequences, none from 9).
 pub const VERIFY_ROWS: usize = 16;
 
 /// How drafts are made.
@@ -209,6 +213,19 @@ mod tests {
         };
         assert_eq!(c.draft_len(8), 1);
         assert_eq!(c.draft_len(9), 0);
+        // The default, by hand: 16 / b - 1 (integer division) drafts, at most k = 4; no
+        // decoding sequence counts as one.
+        let got: Vec<usize> = (0..=17).map(|b| c.draft_len(b)).collect();
+        let want = [4, 4, 4, 4, 3, 2, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert_eq!(got, want);
+        // Rows verified never exceed the limit once anything is drafted.
+        for b in 1..=17 {
+            let d = c.draft_len(b);
+            assert!(
+                d == 0 || b * (1 + d) <= VERIFY_ROWS,
+                "{b} sequences, {d} drafts"
+            );
+        }
         assert_eq!("prompt-lookup".parse(), Ok(SpeculativeMethod::PromptLookup));
         assert_eq!("draft".parse(), Ok(SpeculativeMethod::Draft));
         assert!("eagle".parse::<SpeculativeMethod>().is_err());
