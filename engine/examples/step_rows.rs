@@ -44,6 +44,7 @@ fn engine(dir: &str, k: usize, prompt_rows: usize) -> Result<EngineCore, Error> 
         threads: Some(2),
         speculative: (k > 0).then_some(SpeculativeConfig {
             method: SpeculativeMethod::PromptLookup,
+            draft_model: None,
             num_tokens: k,
             max_ngram: 3,
             max_rows: usize::MAX,
