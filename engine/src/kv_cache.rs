@@ -244,8 +244,13 @@ impl std::fmt::Display for KvCachePlan {
             match &self.available {
                 Some(a) => write!(
                     f,
-                    " the {:.3} GB available after compiling ({})",
+                    " the {:.3} GB available after compiling {}({})",
                     gb(a.bytes as f64),
+                    if self.draft_block_bytes.is_some() {
+                        "both models "
+                    } else {
+                        ""
+                    },
                     a.source
                 )?,
                 None => write!(f, " the memory available")?,
@@ -375,7 +380,7 @@ mod tests {
         assert_eq!(plan.resident_bound(), Some(900_000_000));
         let shown = plan.to_string();
         assert!(
-            shown.starts_with("0.500 GB, 625 blocks of 32 tokens (600000 bytes a block, and 200000 in the draft model's cache of as many blocks); auto: 50% of the 1.000 GB available after compiling (cgroup memory.max), at most 3.200 GB"),
+            shown.starts_with("0.500 GB, 625 blocks of 32 tokens (600000 bytes a block, and 200000 in the draft model's cache of as many blocks); auto: 50% of the 1.000 GB available after compiling both models (cgroup memory.max), at most 3.200 GB"),
             "{shown}"
         );
 
