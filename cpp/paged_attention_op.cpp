@@ -166,13 +166,36 @@ size_t set_inference_precision(const std::shared_ptr<ov::Model>& model, const st
 }
 
 void PagedAttention::validate_and_infer_types() {
-    // Keep the node in the precision its inputs are declared with: without this, the CPU plugin
-    // under INFERENCE_PRECISION_HINT=f16 inserts Converts around it and evaluate() writes the
-    // caches into converted copies. `precise_0` is ov::DisableFP16Compression's key.
-    auto& rt = get_rt_info();
-    const auto precise = rt.find("precise_0");
-    if (precise == rt.end() || !precise->second.is<bool>() || !precise->second.as<bool>()) {
-        rt["precise_0"] = true;
+    static_assert(PA_MAX_INPUTS == std::tuple_size<decltype(m_constant_sources)>::value,
+                  "m_constant_sources holds PA_MAX_INPUTS inputs");
+    const size_t n = get_input_size();
+    // The CPU plugin's run-time shape inference clones the node onto Constants (one clone per
+    // call, thrown away after) and validates the clone twice: in its constructor and once more.
+    // Such a clone is never compiled, so the checks that only matter to a model (the node's
+    // precision rt_info, where the caches come from) are skipped on it; the second time
+    // nothing has changed, and the sources are held, so the same Constant is the same input.
+    const bool all_constant = n <= m_constant_sources.size() && all_inputs_constant(*this);
+    if (all_constant && m_constant_sources_valid) {
+        bool same = true;
+        for (size_t i = 0; same && i < n; ++i) {
+            same = get_input_node_ptr(i) == m_constant_sources[i].get_node();
+        }
+        if (same) {
+            return;
+        }
+    }
+    m_constant_sources_valid = false;
+    if (!all_constant) {
+        // Keep the node in the precision its inputs are declared with: without this, the CPU
+        // plugin under INFERENCE_PRECISION_HINT=f16 inserts Converts around it and evaluate()
+        // writes the caches into converted copies. `precise_0` is ov::DisableFP16Compression's
+        // key.
+        auto& rt = get_rt_info();
+        const auto precise = rt.find("precise_0");
+        if (precise == rt.end() || !precise->second.is<bool>() || !precise->second.as<bool>()) {
+            rt["precise_0"] = true;
+        }
+        check_cache_inputs(*this);
     }
     pa_precision code;
     NODE_VALIDATION_CHECK(this,
@@ -180,24 +203,6 @@ void PagedAttention::validate_and_infer_types() {
                           "inference_precision \"",
                           m_inference_precision,
                           "\" is not f32, bf16 or empty (f32)");
-    static_assert(PA_MAX_INPUTS == std::tuple_size<decltype(m_constant_sources)>::value,
-                  "m_constant_sources holds PA_MAX_INPUTS inputs");
-    const size_t n = get_input_size();
-    // The CPU plugin's run-time shape inference clones the node onto Constants (one clone per
-    // call) and validates the clone twice: in its constructor and once more. The second time
-    // nothing has changed; the sources are held, so an equal one is the same Constant.
-    const bool all_constant = n <= m_constant_sources.size() && all_inputs_constant(*this);
-    if (all_constant && m_constant_sources_valid) {
-        bool same = true;
-        for (size_t i = 0; same && i < n; ++i) {
-            same = input_value(i) == m_constant_sources[i];
-        }
-        if (same) {
-            return;
-        }
-    }
-    m_constant_sources_valid = false;
-    check_cache_inputs(*this);
 
     std::array<pa_partial_shape, PA_MAX_INPUTS> in_small{};
     std::vector<pa_partial_shape> in_large;  // only for a node with too many inputs (refused)
