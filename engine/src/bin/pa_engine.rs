@@ -166,8 +166,8 @@ struct EngineArgs {
     /// Longest n-gram prompt lookup matches (with --speculative prompt-lookup).
     #[arg(long, default_value_t = 3)]
     max_ngram_size: usize,
-    /// Token rows a step verifies at most (decode tokens plus drafts): with B decoding
-    /// sequences each drafts at most ROWS / B - 1 tokens, none once B > ROWS / 2.
+    /// Token rows a step verifies at most (decode tokens plus drafts). Within it each
+    /// sequence's draft is as long as its expected acceptance pays for at the batch's size.
     #[arg(long, value_name = "ROWS", default_value_t = VERIFY_ROWS)]
     speculative_max_rows: usize,
 }
