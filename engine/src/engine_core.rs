@@ -21,7 +21,7 @@ use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
 use crate::sampling::{logprobs, sample, verify_draft, TokenLogprobs};
-use crate::speculative::{self, Acceptance, SpeculativeConfig, SpeculativeMethod};
+use crate::speculative::{self, Acceptance, DraftLength, SpeculativeConfig, SpeculativeMethod};
 use crate::structured::{Grammars, TokenMatcher};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
@@ -168,6 +168,10 @@ impl EngineCore {
         if let Some(d) = &draft_md {
             crate::draft_model::check_compatible(&md, d)?;
         }
+        // A draft-model call's cost relative to a target's step: their weights' sizes.
+        let draft_cost = draft_md
+            .as_ref()
+            .map_or(0.0, |d| crate::draft_model::relative_cost(&md, d));
         let (runner, kv_plan) = ModelRunner::load(&md, cfg, None)?;
         // As many blocks as the target's: a draft cache holds at most a sequence's tokens plus
         // k - 1 drafts, fewer than the target verifies.
@@ -205,7 +209,7 @@ impl EngineCore {
             acceptance: cfg
                 .speculative
                 .as_ref()
-                .map(|s| Acceptance::new(s.num_tokens)),
+                .map(|s| Acceptance::new(s.num_tokens, draft_cost)),
             draft,
             stats: EngineStats::default(),
             fail_next_run: false,
@@ -628,7 +632,13 @@ impl EngineCore {
             .zip(&room)
             .map(|((d, c), &(_, n))| (*c, if self.draft.is_some() { n } else { d.len() }))
             .collect();
-        let lens = acceptance.allocate(&proposals, decoding.len(), spec.max_rows);
+        let lens = match spec.draft_length {
+            DraftLength::Adaptive => acceptance.allocate(&proposals, decoding.len(), spec.max_rows),
+            DraftLength::Fixed => {
+                let most = spec.fixed_len(decoding.len());
+                proposals.iter().map(|p| p.1.min(most)).collect()
+            }
+        };
         let drafts: Vec<(SeqId, Vec<u32>, usize)> = match self.draft.as_mut() {
             None => room
                 .iter()

@@ -92,18 +92,26 @@ pub fn step_time(rows: usize) -> f64 {
 }
 
 /// The expected accepted tokens a row must add to a step of `rows` rows that is expected to
-/// give `tokens` tokens, to raise its tokens per second: `dT * tokens / T(rows)`.
-pub fn threshold(rows: usize, tokens: f64) -> f64 {
-    let dt = step_time(rows + 1) - step_time(rows);
+/// give `tokens` tokens, to raise its tokens per second: `dT * tokens / T(rows)`, where `dT`
+/// is the row's cost plus `extra` (a draft model's share of its call, see [`Acceptance`]).
+pub fn threshold(rows: usize, tokens: f64, extra: f64) -> f64 {
+    let dt = step_time(rows + 1) - step_time(rows) + extra;
     dt * tokens / step_time(rows)
 }
 
 /// Running acceptance counts of verified drafts, per class and draft position, and the rule
 /// that sizes each sequence's draft from them (the module comment).
+///
+/// A draft model's draft token also costs a call of the draft model; one call drafts a position
+/// for every sequence, so each row is charged `draft_cost / decoding sequences` on top, where
+/// `draft_cost` is the draft's weights over the target's (both calls are bound by reading
+/// them): 0.37 for SmolLM2's first 6 layers, 1 for the target itself, which then never pays.
 #[derive(Clone, Debug)]
 pub struct Acceptance {
     /// Positions per class (`k`).
     k: usize,
+    /// A draft-model call's cost relative to a one-row step of the target (0: prompt lookup).
+    draft_cost: f64,
     /// `[accepted, tested]` at class `c`, position `d` (0-based) at `c * k + d`: a position
     /// is tested when every draft before it was accepted.
     counts: Vec<[u32; 2]>,
@@ -112,9 +120,10 @@ pub struct Acceptance {
 }
 
 impl Acceptance {
-    pub fn new(k: usize) -> Acceptance {
+    pub fn new(k: usize, draft_cost: f64) -> Acceptance {
         Acceptance {
             k,
+            draft_cost,
             counts: vec![[0, 0]; CLASSES * k],
             turned_down: [0; CLASSES],
         }
@@ -158,6 +167,7 @@ impl Acceptance {
         let mut next: Vec<f64> = proposals.iter().map(|&(c, _)| self.rate(c, 0)).collect();
         let mut rows = decoding.max(1);
         let mut tokens = rows as f64;
+        let extra = self.draft_cost / rows as f64;
         while rows < max_rows {
             let best = (0..proposals.len())
                 .filter(|&i| len[i] < proposals[i].1.min(self.k))
@@ -167,7 +177,7 @@ impl Acceptance {
                 });
             let Some(i) = best else { break };
             let e = next[i];
-            if e < threshold(rows, tokens) {
+            if e < threshold(rows, tokens, extra) {
                 break;
             }
             len[i] += 1;
@@ -225,6 +235,35 @@ impl FromStr for SpeculativeMethod {
     }
 }
 
+/// How long each sequence's draft is (`--speculative-draft-length`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftLength {
+    /// As long as its expected acceptance pays for ([`Acceptance::allocate`]).
+    Adaptive,
+    /// `k` for every sequence, within the row limit: with `b` decoding sequences
+    /// `min(k, max_rows / b - 1)` ([`SpeculativeConfig::fixed_len`]).
+    Fixed,
+}
+
+impl DraftLength {
+    /// The one name table (what `--speculative-draft-length` takes).
+    const NAMES: Names<DraftLength> = Names(&[
+        (DraftLength::Adaptive, "adaptive"),
+        (DraftLength::Fixed, "fixed"),
+    ]);
+
+    pub fn as_str(self) -> &'static str {
+        DraftLength::NAMES.name(self)
+    }
+}
+
+impl FromStr for DraftLength {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DraftLength, String> {
+        DraftLength::NAMES.parse(s, "draft length")
+    }
+}
+
 /// Speculative decoding's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpeculativeConfig {
@@ -237,6 +276,16 @@ pub struct SpeculativeConfig {
     pub max_ngram: usize,
     /// Rows a step verifies at most (`--speculative-max-rows`, default [`VERIFY_ROWS`]).
     pub max_rows: usize,
+    /// How each draft's length is chosen.
+    pub draft_length: DraftLength,
+}
+
+impl SpeculativeConfig {
+    /// [`DraftLength::Fixed`]'s drafts for each of `decoding` sequences.
+    pub fn fixed_len(&self, decoding: usize) -> usize {
+        self.num_tokens
+            .min((self.max_rows / decoding.max(1)).saturating_sub(1))
+    }
 }
 
 /// Longest context a candidate match is compared over (tokens before and including its n-gram);
@@ -369,16 +418,19 @@ mod tests {
         assert!(close(step_time(8), 1.35));
         assert!(close(step_time(10), 1.57));
         // One sequence: a row costs 5% of the step, which gives 1 token.
-        assert!(close(threshold(1, 1.0), 0.05));
+        assert!(close(threshold(1, 1.0, 0.0), 0.05));
         // Eight sequences at the knee: 0.11 * 8 / 1.35.
-        assert!(close(threshold(8, 8.0), 0.88 / 1.35));
+        assert!(close(threshold(8, 8.0, 0.0), 0.88 / 1.35));
         // Seven rows: the eighth is still below the knee.
-        assert!(close(threshold(7, 7.0), 0.05 * 7.0 / 1.3));
+        assert!(close(threshold(7, 7.0, 0.0), 0.05 * 7.0 / 1.3));
+        // A draft model at 0.37 of the target, its call shared by 2 sequences: (0.05 + 0.185)
+        // * 2 / 1.05.
+        assert!(close(threshold(2, 2.0, 0.185), 0.235 * 2.0 / 1.05));
     }
 
     #[test]
     fn acceptance_counts_only_the_positions_verified() {
-        let mut a = Acceptance::new(4);
+        let mut a = Acceptance::new(4, 0.0);
         assert_eq!(a.rate(7, 0), 2.0 / 3.0);
         // 4 drafted, the first accepted, the second rejected: positions 3 and 4 untested.
         a.record(7, 4, 1, true);
@@ -396,7 +448,7 @@ mod tests {
         // Other classes are untouched.
         assert_eq!(a.rate(6, 0), 2.0 / 3.0);
         // A position that saw WINDOW drafts is halved before the next one counts.
-        let mut b = Acceptance::new(1);
+        let mut b = Acceptance::new(1, 0.0);
         for _ in 0..WINDOW {
             b.record(2, 1, 1, false);
         }
@@ -407,7 +459,7 @@ mod tests {
 
     /// Class 3 accepted half of its first drafts and almost none of its second.
     fn half_first(k: usize) -> Acceptance {
-        let mut a = Acceptance::new(k);
+        let mut a = Acceptance::new(k, 0.0);
         for _ in 0..30 {
             a.record(3, 4, 0, true);
             a.record(3, 4, 1, true);
@@ -463,9 +515,24 @@ mod tests {
     }
 
     #[test]
+    fn a_draft_model_pays_for_its_calls() {
+        // Fresh counts (2/3, 4/9, 8/27): prompt lookup drafts 3 at batch 1 (thresholds 0.05,
+        // 0.08, 0.10); a draft at 0.37 of the target only where e clears (0.05 + 0.37) E / T:
+        // 0.42 for the first, 0.42 * 1.67 / 1.05 = 0.67 > 4/9 for the second.
+        assert_eq!(Acceptance::new(3, 0.0).allocate(&[(0, 3)], 1, 16), vec![3]);
+        assert_eq!(Acceptance::new(3, 0.37).allocate(&[(0, 3)], 1, 16), vec![1]);
+        // The target as its own draft: a call costs a step, so no e < 1 pays.
+        assert_eq!(Acceptance::new(3, 1.0).allocate(&[(0, 3)], 1, 16), vec![0]);
+        // Four sequences share a call: (0.05 + 0.0925) * 4 / 1.15 = 0.50 < 2/3, but the
+        // second positions (4/9) do not clear it.
+        let four = Acceptance::new(3, 0.37).allocate(&[(0, 3); 4], 4, 16);
+        assert_eq!(four, vec![1; 4]);
+    }
+
+    #[test]
     fn a_class_turned_down_is_probed_now_and_then() {
         // A draft model whose drafts are never accepted: its first position at 2/63.
-        let mut a = Acceptance::new(3);
+        let mut a = Acceptance::new(3, 0.0);
         for _ in 0..60 {
             a.record(0, 3, 0, true);
         }
@@ -496,7 +563,27 @@ mod tests {
     }
 
     #[test]
+    fn fixed_drafts_shrink_to_zero_as_the_batch_grows() {
+        let c = SpeculativeConfig {
+            method: SpeculativeMethod::PromptLookup,
+            draft_model: None,
+            num_tokens: 4,
+            max_ngram: 3,
+            max_rows: VERIFY_ROWS,
+            draft_length: DraftLength::Fixed,
+        };
+        // By hand: 16 / b - 1 (integer division) drafts, at most k = 4; no decoding sequence
+        // counts as one.
+        let got: Vec<usize> = (0..=17).map(|b| c.fixed_len(b)).collect();
+        let want = [4, 4, 4, 4, 3, 2, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert_eq!(got, want);
+    }
+
+    #[test]
     fn method_names() {
+        assert_eq!("fixed".parse(), Ok(DraftLength::Fixed));
+        assert_eq!("adaptive".parse(), Ok(DraftLength::Adaptive));
+        assert!("auto".parse::<DraftLength>().is_err());
         assert_eq!("prompt-lookup".parse(), Ok(SpeculativeMethod::PromptLookup));
         assert_eq!("draft".parse(), Ok(SpeculativeMethod::Draft));
         assert!("eagle".parse::<SpeculativeMethod>().is_err());
