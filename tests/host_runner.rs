@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::call::Call;
+use common::host::{run_on as run, Host};
 use common::ref64::{gen_case, Features, Geometry, SeqKind};
 #[cfg(feature = "test-hooks")]
 use paged_attention::threads::item_counts;
@@ -17,39 +17,6 @@ use paged_attention::threads::{HostRunner, Runner, TaskFn};
 use paged_attention::ElemType;
 use std::collections::HashSet;
 use std::ffi::c_void;
-use std::sync::Mutex;
-use std::thread::ThreadId;
-
-/// What the test's runner saw: the thread of each task call.
-struct Host {
-    task_threads: Mutex<Vec<ThreadId>>,
-    regions: Mutex<usize>,
-}
-
-/// A parallel-for on fresh scoped threads, one per task: like a host pool, never the caller.
-unsafe extern "C" fn spawn_parallel_for(
-    ctx: *mut c_void,
-    n: usize,
-    task: TaskFn,
-    task_ctx: *mut c_void,
-) {
-    // SAFETY: ctx is the &Host the test put in the runner; it outlives every call.
-    let host = unsafe { &*(ctx as *const Host) };
-    *host.regions.lock().unwrap() += 1;
-    let task_ctx = task_ctx as usize;
-    std::thread::scope(|s| {
-        for i in 0..n {
-            s.spawn(move || {
-                host.task_threads
-                    .lock()
-                    .unwrap()
-                    .push(std::thread::current().id());
-                // SAFETY: the library's task and context, called once per i < n as required.
-                unsafe { task(task_ctx as *mut c_void, i) };
-            });
-        }
-    });
-}
 
 /// A parallel-for that runs every task on the calling thread, in order.
 unsafe extern "C" fn sequential_parallel_for(
@@ -62,13 +29,6 @@ unsafe extern "C" fn sequential_parallel_for(
         // SAFETY: the library's task and context, called once per i < n as required.
         unsafe { task(task_ctx, i) };
     }
-}
-
-fn run(call: &Call, runner: Runner) -> Call {
-    let mut c = call.clone();
-    c.with_api(|i, mut o| paged_attention::execute_on(runner, &mut i.unwrap(), &mut o))
-        .expect("valid call");
-    c
 }
 
 #[test]
@@ -94,15 +54,8 @@ fn host_runner_runs_every_item_on_its_threads_with_identical_results() {
 
     let caller = std::thread::current().id();
     for threads in [1, 2, 3, 8] {
-        let host = Host {
-            task_threads: Mutex::new(vec![]),
-            regions: Mutex::new(0),
-        };
-        let runner = Runner::Host(HostRunner {
-            parallel_for: spawn_parallel_for,
-            ctx: &host as *const Host as *mut c_void,
-            threads,
-        });
+        let host = Host::default();
+        let runner = host.runner(threads);
         #[cfg(feature = "test-hooks")]
         let before = item_counts();
         let got = run(&call, runner);
@@ -126,10 +79,10 @@ fn host_runner_runs_every_item_on_its_threads_with_identical_results() {
                 "{threads} host threads: items ran on the calling thread"
             );
         }
-        let seen = host.task_threads.lock().unwrap();
+        let seen = host.task_threads();
         assert!(!seen.contains(&caller), "a task ran on the calling thread");
         let distinct: HashSet<_> = seen.iter().collect();
-        let regions = *host.regions.lock().unwrap();
+        let regions = host.regions();
         // With more than one thread, the whole call is one region of the host's
         // parallel-for (a team); with one, each region of the kernels is its own.
         if threads > 1 {

@@ -5,43 +5,18 @@
 mod common;
 
 use common::call::Call;
+use common::host::{run_on, Host};
 use common::ref64::{gen_case, Features, Geometry, SeqKind};
 use paged_attention::kernel::fast::{call_work, execute_with, FastOptions, SERIAL_BELOW};
-use paged_attention::threads::{HostRunner, Runner, TaskFn};
+use paged_attention::threads::Runner;
 use paged_attention::ElemType;
-use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// A parallel-for on fresh scoped threads, one per task; `ctx` counts its regions.
-unsafe extern "C" fn counting_parallel_for(
-    ctx: *mut c_void,
-    n: usize,
-    task: TaskFn,
-    task_ctx: *mut c_void,
-) {
-    // SAFETY: ctx is the AtomicUsize the test put in the runner; it outlives every call.
-    let regions = unsafe { &*(ctx as *const AtomicUsize) };
-    regions.fetch_add(1, Ordering::Relaxed);
-    let task_ctx = task_ctx as usize;
-    std::thread::scope(|s| {
-        for i in 0..n {
-            // SAFETY: the library's task and context, called once per i < n as required.
-            s.spawn(move || unsafe { task(task_ctx as *mut c_void, i) });
-        }
-    });
-}
 
 /// Runs `call` on a 2-thread host runner with `serial_below` (`None`: the default options);
 /// returns the result and how many regions the host's parallel-for was asked for.
 fn on_host(call: &Call, serial_below: Option<usize>) -> (Call, usize) {
-    let regions = AtomicUsize::new(0);
-    let runner = Runner::Host(HostRunner {
-        parallel_for: counting_parallel_for,
-        ctx: &regions as *const AtomicUsize as *mut c_void,
-        threads: 2,
-    });
+    let host = Host::default();
     let mut opts = FastOptions {
-        runner,
+        runner: host.runner(2),
         ..FastOptions::default()
     };
     if let Some(b) = serial_below {
@@ -50,14 +25,11 @@ fn on_host(call: &Call, serial_below: Option<usize>) -> (Call, usize) {
     let mut c = call.clone();
     c.with_api(|i, mut o| execute_with(opts, &mut i.unwrap(), &mut o))
         .expect("valid call");
-    (c, regions.load(Ordering::Relaxed))
+    (c, host.regions())
 }
 
 fn serial(call: &Call) -> Call {
-    let mut c = call.clone();
-    c.with_api(|i, mut o| paged_attention::execute_on(Runner::Serial, &mut i.unwrap(), &mut o))
-        .expect("valid call");
-    c
+    run_on(call, Runner::Serial)
 }
 
 /// SmolLM2's attention shapes (9 query heads, 3 KV heads, head size 64), block 32.

@@ -20,6 +20,7 @@
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCachePlan;
 use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::sampling::argmax;
@@ -76,20 +77,28 @@ pub(crate) fn relative_cost(target: &ModelDir, draft: &ModelDir) -> f64 {
 
 impl DraftModel {
     /// Loads the draft model `md` (checked with [`check_compatible`]) with the target's settings
-    /// and a cache of `num_blocks` blocks.
-    pub fn load(md: ModelDir, cfg: &EngineConfig, num_blocks: usize) -> Result<DraftModel> {
-        let (runner, plan) = ModelRunner::load(&md, cfg, Some(num_blocks))?;
+    /// and a cache of as many blocks as the target's, and returns it with the plan of both
+    /// caches ([`KvCachePlan::with_draft`]: under `auto`, the target's `target` plan shrunk so
+    /// that both caches fit its share of the memory both models leave).
+    pub fn load(
+        md: ModelDir,
+        cfg: &EngineConfig,
+        target: KvCachePlan,
+    ) -> Result<(DraftModel, KvCachePlan)> {
+        let (runner, own) = ModelRunner::load(&md, cfg, Some(target.num_blocks))?;
+        let plan = target.with_draft(&own)?;
         let mgr = BlockManager::new(ManagerConfig {
             num_blocks: plan.num_blocks,
             block_size: cfg.block_size,
             prefix_caching: cfg.prefix_caching,
         })?;
-        Ok(DraftModel {
+        let draft = DraftModel {
             runner,
             mgr,
             cached: HashMap::new(),
             max_batched_tokens: cfg.max_batched_tokens,
-        })
+        };
+        Ok((draft, plan))
     }
 
     pub fn cache_stats(&self) -> CacheStats {
@@ -220,23 +229,18 @@ impl DraftModel {
     fn run(&mut self, feed: &[(SeqId, &[u32], bool)]) -> Result<Vec<(SeqId, u32)>> {
         let mut step = Step::default();
         step.subsequence_begins.push(0);
-        for (b, &(seq, tokens, emits)) in feed.iter().enumerate() {
+        for &(seq, tokens, emits) in feed {
             let a = self.mgr.append(seq, tokens)?;
             step.copies.extend(a.copies);
-            let (past, n) = (a.past_len, tokens.len());
-            step.token_ids.extend_from_slice(tokens);
-            step.token_seq.extend(std::iter::repeat_n(b as i32, n));
-            step.token_pos.extend((past..past + n).map(|p| p as i32));
-            step.past_lens.push(past as i32);
-            step.subsequence_begins.push(step.token_ids.len() as i32);
-            step.seqs.push(ScheduledSeq {
+            let rows = ScheduledSeq {
                 id: seq,
-                past_len: past,
-                num_tokens: n,
+                past_len: a.past_len,
+                num_tokens: tokens.len(),
                 emits,
                 logits_rows: usize::from(emits),
                 draft_len: 0,
-            });
+            };
+            step.push_seq(&[tokens], rows);
             if let Some(c) = self.cached.get_mut(&seq) {
                 c.extend_from_slice(tokens);
             }

@@ -173,11 +173,14 @@ impl EngineCore {
             .as_ref()
             .map_or(0.0, |d| crate::draft_model::relative_cost(&md, d));
         let (runner, kv_plan) = ModelRunner::load(&md, cfg, None)?;
-        // As many blocks as the target's: a draft cache holds at most a sequence's tokens plus
-        // k - 1 drafts, fewer than the target verifies.
-        let draft = draft_md
-            .map(|d| DraftModel::load(d, cfg, kv_plan.num_blocks))
-            .transpose()?;
+        // The draft's cache has as many blocks as the target's; under `auto` both fit the share.
+        let (draft, kv_plan) = match draft_md {
+            Some(d) => {
+                let (draft, plan) = DraftModel::load(d, cfg, kv_plan)?;
+                (Some(draft), plan)
+            }
+            None => (None, kv_plan),
+        };
         let mut sched = Scheduler::new(SchedulerConfig {
             num_blocks: kv_plan.num_blocks,
             block_size: cfg.block_size,

@@ -68,18 +68,27 @@ pub struct KvCachePlan {
     pub block_size: usize,
     /// Bytes of one block over all layers.
     pub block_bytes: usize,
+    /// Bytes of one block of the draft model's cache (`--speculative draft`), over all its
+    /// layers: a cache of `num_blocks` blocks too, so it holds as many tokens as the target's.
+    pub draft_block_bytes: Option<usize>,
     /// Memory available once the model was compiled (before the cache), and its source.
     pub available: Option<Available>,
-    /// Bytes of `max_seqs` sequences of the model's whole context (`None`: no context known).
+    /// Bytes of `max_seqs` sequences of the model's whole context, in every cache (`None`: no
+    /// context known).
     pub bound: Option<usize>,
     /// This process's resident memory once the model was compiled (before the cache).
     pub resident_before: Option<u64>,
 }
 
 impl KvCachePlan {
-    /// Bytes of the cache, over all layers.
+    /// Bytes of the cache over all layers, the draft model's included.
     pub fn bytes(&self) -> usize {
-        self.num_blocks * self.block_bytes
+        self.num_blocks * self.bytes_a_block()
+    }
+
+    /// Bytes of a block in every cache: the target's and the draft model's.
+    fn bytes_a_block(&self) -> usize {
+        self.block_bytes + self.draft_block_bytes.unwrap_or(0)
     }
 
     /// What this process should stay under: its resident memory after compiling plus the whole
@@ -106,6 +115,7 @@ impl KvCachePlan {
             num_blocks: 0,
             block_size,
             block_bytes,
+            draft_block_bytes: None,
             bound: bound_blocks.map(|b| b.saturating_mul(block_bytes)),
             resident_before: memory::resident(),
             available: available.clone(),
@@ -115,7 +125,7 @@ impl KvCachePlan {
             (KvCacheSize::Bytes(b), Some(a)) => {
                 if b as u64 > a.bytes {
                     return Err(EngineError::Config(format!(
-                        "out of memory for the KV cache: --kv-cache-size asks for {:.3} GB, and                          {:.3} GB are available ({}) once the model is compiled; give a smaller                          size, or `auto`",
+                        "out of memory for the KV cache: --kv-cache-size asks for {:.3} GB, and {:.3} GB are available ({}) once the model is compiled; give a smaller size, or `auto`",
                         gb(b as f64),
                         gb(a.bytes as f64),
                         a.source
@@ -123,10 +133,10 @@ impl KvCachePlan {
                 }
                 b
             }
-            (KvCacheSize::Auto, Some(a)) => (a.bytes as f64 * KV_AUTO_SHARE) as usize,
+            (KvCacheSize::Auto, Some(a)) => auto_budget(a),
             (KvCacheSize::Auto, None) => {
                 return Err(EngineError::Config(
-                    "--kv-cache-size auto cannot read the memory available (/proc/meminfo):                      give a size in GB"
+                    "--kv-cache-size auto cannot read the memory available (/proc/meminfo): give a size in GB"
                         .into(),
                 ))
             }
@@ -140,7 +150,7 @@ impl KvCachePlan {
         if plan.num_blocks == 0 {
             return Err(EngineError::Config(match (plan.auto, &available) {
                 (true, Some(a)) => format!(
-                    "out of memory for the KV cache: {:.3} GB are available ({}) once the model                      is compiled, and one block of {block_size} tokens takes {block_bytes} bytes",
+                    "out of memory for the KV cache: {:.3} GB are available ({}) once the model is compiled, and one block of {block_size} tokens takes {block_bytes} bytes",
                     gb(a.bytes as f64),
                     a.source
                 ),
@@ -153,24 +163,94 @@ impl KvCachePlan {
     }
 }
 
+/// What `auto` may take of the memory available: [`KV_AUTO_SHARE`] of it.
+fn auto_budget(a: &Available) -> usize {
+    (a.bytes as f64 * KV_AUTO_SHARE) as usize
+}
+
+impl KvCachePlan {
+    /// The plan of the target's cache and its draft model's (`--speculative draft`), from
+    /// `self`, the target's plan, made once the target was compiled, and `draft`, the draft
+    /// model's, made once it was compiled too with the target's block count (its block bytes,
+    /// and the memory available then, before either cache holds a page). Both caches get the
+    /// same block count: a draft cache holds a sequence's tokens plus at most `k - 1` drafts,
+    /// which the target's verification step holds too, so with fewer blocks the draft could
+    /// not follow every sequence the target runs, and more would never be used.
+    ///
+    /// `auto` splits its share of that memory (both models' weights already out of it): `n`
+    /// blocks with `n` x (target + draft block bytes) within [`KV_AUTO_SHARE`] of it, and at
+    /// most the context bound and the target's first choice (both caches were allocated with
+    /// that many blocks; their memory is zeroed and mapped lazily, so the blocks past `n` are
+    /// never written and never take memory). An explicit size is the target's cache alone: the
+    /// draft's comes on top, and its allocation was checked against the memory left.
+    pub(crate) fn with_draft(mut self, draft: &KvCachePlan) -> Result<KvCachePlan> {
+        let target_bytes = self.block_bytes;
+        self.draft_block_bytes = Some(draft.block_bytes);
+        let both = self.bytes_a_block();
+        let bound_blocks = self.bound.map(|b| b / target_bytes.max(1));
+        self.bound = bound_blocks.map(|n| n.saturating_mul(both));
+        if !self.auto {
+            return Ok(self);
+        }
+        let Some(a) = draft.available.clone() else {
+            return Err(EngineError::Config(
+                "--kv-cache-size auto cannot read the memory available (/proc/meminfo) once the \
+                 draft model is compiled: give a size in GB"
+                    .into(),
+            ));
+        };
+        let fit = auto_budget(&a) / both;
+        self.num_blocks = self
+            .num_blocks
+            .min(fit)
+            .min(bound_blocks.unwrap_or(usize::MAX));
+        self.available = Some(a);
+        self.resident_before = draft.resident_before;
+        if self.num_blocks == 0 {
+            let a = self.available.as_ref().expect("set above");
+            return Err(EngineError::Config(format!(
+                "out of memory for the KV caches: {:.3} GB are available ({}) once the model and \
+                 the draft model are compiled, and {:.0}% of it does not hold one block of {} \
+                 tokens in both caches ({target_bytes} bytes in the model's, {} in the draft's); \
+                 give a smaller draft model, or an explicit --kv-cache-size",
+                a.bytes as f64 / 1e9,
+                a.source,
+                KV_AUTO_SHARE * 100.0,
+                self.block_size,
+                draft.block_bytes,
+            )));
+        }
+        Ok(self)
+    }
+}
+
 impl std::fmt::Display for KvCachePlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: f64| b / 1e9;
         write!(
             f,
-            "{:.3} GB, {} blocks of {} tokens ({} bytes a block)",
+            "{:.3} GB, {} blocks of {} tokens ({} bytes a block",
             gb(self.bytes() as f64),
             self.num_blocks,
             self.block_size,
             self.block_bytes
         )?;
+        match self.draft_block_bytes {
+            Some(d) => write!(f, ", and {d} in the draft model's cache of as many blocks)")?,
+            None => write!(f, ")")?,
+        }
         if self.auto {
             write!(f, "; auto: {:.0}% of", KV_AUTO_SHARE * 100.0)?;
             match &self.available {
                 Some(a) => write!(
                     f,
-                    " the {:.3} GB available after compiling ({})",
+                    " the {:.3} GB available after compiling {}({})",
                     gb(a.bytes as f64),
+                    if self.draft_block_bytes.is_some() {
+                        "both models "
+                    } else {
+                        ""
+                    },
                     a.source
                 )?,
                 None => write!(f, " the memory available")?,
@@ -242,4 +322,99 @@ fn zeroed_words(n: usize) -> Result<Vec<u64>> {
     // SAFETY: `ptr` was allocated by the global allocator with the layout of `n` u64s, all
     // initialised (zero), so it is a valid Vec with length and capacity `n`.
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A target's `auto` plan as `choose` makes it: `num_blocks` chosen, `bound_blocks` of
+    /// context bound.
+    fn target(num_blocks: usize, bound_blocks: Option<usize>) -> KvCachePlan {
+        KvCachePlan {
+            auto: true,
+            num_blocks,
+            block_size: 32,
+            block_bytes: 600_000,
+            draft_block_bytes: None,
+            available: Some(Available {
+                bytes: 2_000_000_000,
+                source: "MemAvailable",
+            }),
+            bound: bound_blocks.map(|b| b * 600_000),
+            resident_before: Some(300_000_000),
+        }
+    }
+
+    /// The draft's plan, made once it was compiled: `available` bytes left then.
+    fn draft(available: u64) -> KvCachePlan {
+        KvCachePlan {
+            auto: false,
+            num_blocks: 1666,
+            block_size: 32,
+            block_bytes: 200_000,
+            draft_block_bytes: None,
+            available: Some(Available {
+                bytes: available,
+                source: "cgroup memory.max",
+            }),
+            bound: None,
+            resident_before: Some(400_000_000),
+        }
+    }
+
+    /// Half of 1 GB left once both models are compiled is 500 MB; a block takes 600 kB in the
+    /// target's cache and 200 kB in the draft's, 800 kB in all: 625 blocks of each, 500 MB.
+    /// The target's first choice (1666 blocks, half of 2 GB / 600 kB) and a context bound above
+    /// 625 do not bind; a bound of 512 blocks, or a first choice of 600, does.
+    #[test]
+    fn auto_splits_its_share_between_the_target_and_draft_caches() {
+        let plan = target(1666, Some(4000))
+            .with_draft(&draft(1_000_000_000))
+            .unwrap();
+        assert_eq!(plan.num_blocks, 625);
+        assert_eq!(plan.draft_block_bytes, Some(200_000));
+        assert_eq!(plan.bytes(), 500_000_000);
+        assert_eq!(plan.bound, Some(4000 * 800_000));
+        assert_eq!(plan.available.as_ref().unwrap().bytes, 1_000_000_000);
+        assert_eq!(plan.resident_bound(), Some(900_000_000));
+        let shown = plan.to_string();
+        assert!(
+            shown.starts_with("0.500 GB, 625 blocks of 32 tokens (600000 bytes a block, and 200000 in the draft model's cache of as many blocks); auto: 50% of the 1.000 GB available after compiling both models (cgroup memory.max), at most 3.200 GB"),
+            "{shown}"
+        );
+
+        let bounded = target(1666, Some(512)).with_draft(&draft(1_000_000_000));
+        assert_eq!(bounded.unwrap().num_blocks, 512);
+        let first = target(600, None).with_draft(&draft(1_000_000_000));
+        assert_eq!(first.unwrap().num_blocks, 600);
+    }
+
+    /// 1.5 MB left: half is 750 kB, under one block of both caches (800 kB).
+    #[test]
+    fn auto_refuses_a_draft_when_one_block_of_both_caches_does_not_fit() {
+        let err = target(1666, None)
+            .with_draft(&draft(1_500_000))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "out of memory for the KV caches: 0.002 GB are available (cgroup memory.max)"
+            ) && err.contains("600000 bytes in the model's, 200000 in the draft's"),
+            "{err}"
+        );
+        // 1.6 MB: exactly one block of each.
+        let one = target(1666, None).with_draft(&draft(1_600_000)).unwrap();
+        assert_eq!((one.num_blocks, one.bytes()), (1, 800_000));
+    }
+
+    /// An explicit size is the target's cache: its block count stays, the draft's comes on top.
+    #[test]
+    fn an_explicit_size_keeps_its_blocks_with_a_draft() {
+        let mut t = target(1666, None);
+        t.auto = false;
+        let plan = t.with_draft(&draft(1_000)).unwrap();
+        assert_eq!(plan.num_blocks, 1666);
+        assert_eq!(plan.bytes(), 1666 * 800_000);
+    }
 }

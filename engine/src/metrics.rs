@@ -201,7 +201,7 @@ impl Snapshot {
             ("kv_blocks_cached", false, "gauge", "Unreferenced KV-cache blocks kept for prefix reuse.", self.cache.cached_blocks as f64),
             ("engine_steps_total", false, "counter", "Engine steps.", s.steps as f64),
             ("engine_infer_seconds_total", false, "counter", "Time in OpenVINO's infer().", s.infer_time.as_secs_f64()),
-            ("kv_cache_size_bytes", false, "gauge", "Bytes of KV cache allocated (all layers), as --kv-cache-size chose.", self.kv_cache.bytes() as f64),
+            ("kv_cache_size_bytes", false, "gauge", "Bytes of KV cache allocated (all layers, a draft model's cache included), as --kv-cache-size chose.", self.kv_cache.bytes() as f64),
             ("spec_decode_num_draft_tokens_total", true, "counter", "Draft tokens verified (speculative decoding).", s.draft_tokens as f64),
             ("spec_decode_num_accepted_tokens_total", true, "counter", "Draft tokens accepted (speculative decoding).", s.accepted_draft_tokens as f64),
         ];

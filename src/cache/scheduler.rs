@@ -123,6 +123,31 @@ pub struct Step {
 }
 
 impl Step {
+    /// Appends one sequence's rows: its tokens (`parts` one after another, `seq.num_tokens`
+    /// in all) at positions `seq.past_len..`, its `past_lens` entry and the end of its
+    /// subsequence. The caller has pushed `subsequence_begins`' leading 0.
+    pub fn push_seq(&mut self, parts: &[&[u32]], seq: ScheduledSeq) {
+        let (b, past, n) = (self.seqs.len(), seq.past_len, seq.num_tokens);
+        debug_assert_eq!(
+            parts.iter().map(|p| p.len()).sum::<usize>(),
+            n,
+            "rows of {}",
+            seq.id
+        );
+        debug_assert!(
+            !self.subsequence_begins.is_empty(),
+            "the leading 0 comes first"
+        );
+        for p in parts {
+            self.token_ids.extend_from_slice(p);
+        }
+        self.token_seq.extend(std::iter::repeat_n(b as i32, n));
+        self.token_pos.extend((past..past + n).map(|p| p as i32));
+        self.past_lens.push(past as i32);
+        self.subsequence_begins.push(self.token_ids.len() as i32);
+        self.seqs.push(seq);
+    }
+
     /// `T`.
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
@@ -430,13 +455,19 @@ impl Scheduler {
             });
         }
         self.entry(id)?;
+        self.drop_seq(id)?;
+        self.finished.push((id, reason));
+        Ok(())
+    }
+
+    /// Frees a request's blocks (if it has any) and forgets it, waiting or running.
+    fn drop_seq(&mut self, id: SeqId) -> Result<()> {
         if self.mgr.contains(id) {
             self.mgr.free(id)?;
         }
         self.entries.remove(&id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
-        self.finished.push((id, reason));
         Ok(())
     }
 
@@ -560,15 +591,12 @@ impl Scheduler {
         step.block_indices = bi;
         step.block_indices_begins = bib;
         step.subsequence_begins.push(0);
-        for (b, &(id, past, n, d)) in chunks.iter().enumerate() {
+        for &(id, past, n, d) in &chunks {
             let e = self
                 .entries
                 .get_mut(&id)
                 .ok_or(PaError::UnknownSequence { id })?;
             let start = e.processed;
-            step.token_ids
-                .extend_from_slice(&e.tokens[start..start + n]);
-            step.token_ids.extend_from_slice(&e.draft[..d]);
             // Drafts are cached by the op but not processed until accepted (complete_step).
             e.processed += n;
             let emits = e.processed == e.tokens.len();
@@ -583,19 +611,15 @@ impl Scheduler {
                     e.prompt_rows_given = to;
                 }
             }
-            let n = n + d;
-            step.token_seq.extend(std::iter::repeat_n(b as i32, n));
-            step.token_pos.extend((past..past + n).map(|p| p as i32));
-            step.past_lens.push(past as i32);
-            step.subsequence_begins.push(step.token_ids.len() as i32);
-            step.seqs.push(ScheduledSeq {
+            let rows = ScheduledSeq {
                 id,
                 past_len: past,
-                num_tokens: n,
+                num_tokens: n + d,
                 emits,
                 logits_rows,
                 draft_len: d,
-            });
+            };
+            step.push_seq(&[&e.tokens[start..start + n], &e.draft[..d]], rows);
         }
         step.rotation = self.mgr.take_rotation();
         let c = &mut self.counters;
@@ -730,12 +754,7 @@ impl Scheduler {
         self.mgr.discard_uncomputed();
         let ids: Vec<SeqId> = seqs.iter().map(|s| s.id).collect();
         for &id in &ids {
-            if self.mgr.contains(id) {
-                self.mgr.free(id)?;
-            }
-            self.entries.remove(&id);
-            self.running.retain(|&r| r != id);
-            self.waiting.retain(|&r| r != id);
+            self.drop_seq(id)?;
         }
         Ok(ids)
     }

@@ -219,6 +219,35 @@ def test_kv_cache_auto_is_bounded_by_context_times_sequences(attn):
     assert f", {blocks} blocks of 32 tokens ({block_bytes} bytes a block)" in err, err
 
 
+def test_kv_cache_auto_splits_its_half_with_a_draft_models_cache(smollm2, tmp_path):  # noqa: F811
+    """With a draft model (SmolLM2's first 6 layers), `auto` gives both caches as many blocks,
+    of block sizes derived here from each config.json, within half of the memory read once both
+    models are compiled; resident memory stays under the line's bound."""
+    import gguf_model
+    draft = gguf_model.smollm2_dir(layers=6)
+
+    def block_bytes(model):  # f32 keys and values, 32-token blocks
+        cfg = json.loads((model / "config.json").read_text())
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * 32 * head * 4
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["The capital of France is", "1, 2, 3, 4,"]))
+    _, err, peak = peak_run(["generate", str(smollm2), "--prompts", str(prompts), "--max-new-tokens",
+                             "8", "--json", *F32, "--speculative", "draft", "--draft-model", str(draft),
+                             "--num-speculative-tokens", "3"])
+    m = re.search(r"KV cache: ([0-9.]+) GB, (\d+) blocks of 32 tokens \((\d+) bytes a block, and "
+                  r"(\d+) in the draft model's cache of as many blocks\); auto: 50% of the ([0-9.]+) "
+                  r"GB available after compiling both models .*resident memory at most ([0-9.]+) GB", err)
+    assert m, err
+    gb, blocks, target_bytes, draft_bytes, avail_gb, bound_gb = m.groups()
+    assert (int(target_bytes), int(draft_bytes)) == (block_bytes(smollm2), block_bytes(draft))
+    both = int(blocks) * (block_bytes(smollm2) + block_bytes(draft))
+    assert int(blocks) > 0 and abs(float(gb) - both / 1e9) < 2e-3, err
+    assert both <= 0.5 * float(avail_gb) * 1e9 + 1e6, err
+    assert peak <= float(bound_gb) * 1e9, f"peak resident {peak / 1e9:.3f} GB over the bound {bound_gb} GB"
+
+
 def test_kv_cache_too_large_is_a_start_up_error(tiny):
     code, _, err = run_engine(["generate", str(tiny), "--prompt", "hi", *F32, "--kv-cache-size", "1e6"])
     assert code == 1 and "out of memory for the KV cache" in err, (code, err)

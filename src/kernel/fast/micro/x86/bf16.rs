@@ -872,22 +872,93 @@ pub(crate) mod tests {
     }
 
     /// The values `v` (`n` rows of `d`) rounded and transposed as PV reads them: `dp` rows of
-    /// `ld` keys (`d <= dp`, `n <= ld`; the rest 0).
+    /// `ld` keys (`d <= dp`, `n <= ld`): rows `d..dp` 0 for the first `n` keys, and the keys
+    /// `n..ld` of every row the bf16 bits `pad` (garbage that zero weights must cancel).
     fn transposed_values(
         a: Bf16,
         v: &[f32],
         (n, d): (usize, usize),
         (dp, ld): (usize, usize),
+        pad: u16,
     ) -> Vec<u16> {
-        let mut vt = vec![0u16; dp * ld];
+        let mut vt = vec![pad; dp * ld];
         let mut col = vec![0f32; n];
-        for x in 0..d {
+        for x in 0..dp {
             for j in 0..n {
-                col[j] = v[j * d + x];
+                col[j] = if x < d { v[j * d + x] } else { 0.0 };
             }
             a.round(&col, &mut vt[x * ld..]);
         }
         vt
+    }
+
+    /// One product's packed operands and shape, fixed within a test, so that each call states
+    /// only what differs: the key limits, the scale or the correction.
+    struct Packed<'t> {
+        a: Bf16,
+        terms: &'t [(&'t [u16], &'t [u32])],
+        /// The key panel's stride (QK) or the transposed values' stride (PV).
+        ld: usize,
+        dp: usize,
+        n32: usize,
+        r32: usize,
+    }
+
+    impl<'t> Packed<'t> {
+        fn new(
+            a: Bf16,
+            terms: &'t [(&'t [u16], &'t [u32])],
+            ld: usize,
+            (dp, n32, r32): (usize, usize, usize),
+        ) -> Self {
+            Packed {
+                a,
+                terms,
+                ld,
+                dp,
+                n32,
+                r32,
+            }
+        }
+
+        /// QK's logits on a canvas of NaN, so what it does not write stays NaN (with no key
+        /// limits it must write every one: the operands of these tests are finite).
+        fn qk(&self, keys: Option<&[usize]>, scale: f32) -> Vec<f32> {
+            let mut st = vec![f32::NAN; self.n32 * self.r32];
+            let (ld, dp, r32) = (self.ld, self.dp, self.r32);
+            let limits = (self.n32, keys);
+            self.a
+                .qk_t(self.terms, ld, dp, limits, r32, scale, &mut st, &mut || {});
+            if keys.is_none() {
+                let unwritten = st.iter().position(|x| x.is_nan());
+                assert_eq!(unwritten, None, "QK without key limits writes every logit");
+            }
+            st
+        }
+
+        /// PV added to a copy of `acc`, corrected by `corr` first when it is given.
+        fn pv(&self, keys: Option<&[usize]>, corr: Option<&[f32]>, acc: &[f32]) -> Vec<f32> {
+            let mut out = acc.to_vec();
+            let (ld, dp, r32) = (self.ld, self.dp, self.r32);
+            let limits = (self.n32, keys);
+            self.a
+                .pv_t(self.terms, ld, dp, limits, r32, corr, &mut out, &mut || {});
+            out
+        }
+    }
+
+    /// `got` equals `want` bit for bit; a failure names the element as `what[row][column]` of
+    /// rows `r32` wide.
+    fn assert_same_bits(got: &[f32], want: &[f32], r32: usize, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let (row, col) = (i / r32, i % r32);
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{what}[{row}][{col}]: {g:e}, want {w:e}"
+            );
+        }
     }
 
     /// `qk` (keys rounded into a panel of stride wider than dp, query rows paired by
@@ -947,14 +1018,7 @@ pub(crate) mod tests {
                     let v = rng.v(n * d);
                     let acc0 = rng.v(dp * r32);
                     let ldv = n32 + 5;
-                    let mut vt = vec![0x3F80u16; dp * ldv];
-                    let mut col = vec![0f32; n];
-                    for x in 0..dp {
-                        for j in 0..n {
-                            col[j] = if x < d { v[j * d + x] } else { 0.0 };
-                        }
-                        a.round(&col, &mut vt[x * ldv..]);
-                    }
+                    let vt = transposed_values(a, &v, (n, d), (dp, ldv), 0x3F80);
                     let mut pt = vec![0u32; n32 / 2 * r32];
                     a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
                     let reps = 1 + n % 2;
@@ -1102,25 +1166,16 @@ pub(crate) mod tests {
         q[..d].fill(1.25e18);
         let (kp, qt) = pack_qk(a, (&q, &k, d), (dp, dp, n32, r32));
         let terms = [(&kp[..], &qt[..])];
-        let mut want = vec![0f32; n32 * r32];
-        a.qk_t(&terms, dp, dp, (n32, None), r32, 1.0, &mut want, &mut || {});
+        let qk = Packed::new(a, &terms, dp, (dp, n32, r32));
+        let mut want = qk.qk(None, 1.0);
         let big = want[3 * r32];
         assert!(
             big.is_finite() && big as f64 * 4.0 > f32::MAX as f64,
             "{big:e}"
         );
         m.scale_logits(&mut want, 4.0);
-        let mut got = vec![f32::NAN; n32 * r32];
-        a.qk_t(&terms, dp, dp, (n32, None), r32, 4.0, &mut got, &mut || {});
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(
-                g.to_bits(),
-                w.to_bits(),
-                "logit {} row {}",
-                i / r32,
-                i % r32
-            );
-        }
+        let got = qk.qk(None, 4.0);
+        assert_same_bits(&got, &want, r32, "logits");
         assert_eq!(got[3 * r32], f32::MAX);
     }
 
@@ -1136,32 +1191,13 @@ pub(crate) mod tests {
         let (d, rows, n) = (96usize, 96usize, 61usize);
         let (dp, r32, n32) = (96usize, 96usize, 64usize);
         for lim in [[0usize, 17, 61], [3, 40, 64], [64, 1, 9], [8, 16, 33]] {
+            let keys = Some(&lim[..]);
             let q: Vec<f32> = rng.v(rows * d).iter().map(|x| x * 3.0).collect();
             let k = rng.v(n * d);
             let (kp, qt) = pack_qk(a, (&q, &k, d), (dp + 32, dp, n32, r32));
             let terms = [(&kp[..], &qt[..])];
-            let mut full = vec![0f32; n32 * r32];
-            a.qk_t(
-                &terms,
-                dp + 32,
-                dp,
-                (n32, None),
-                r32,
-                0.3,
-                &mut full,
-                &mut || {},
-            );
-            let mut got = vec![f32::NAN; n32 * r32];
-            a.qk_t(
-                &terms,
-                dp + 32,
-                dp,
-                (n32, Some(&lim)),
-                r32,
-                0.3,
-                &mut got,
-                &mut || {},
-            );
+            let qk = Packed::new(a, &terms, dp + 32, (dp, n32, r32));
+            let (full, got) = (qk.qk(None, 0.3), qk.qk(keys, 0.3));
             for (i, (g, f)) in got.iter().zip(&full).enumerate() {
                 let (j, r) = (i / r32, i % r32);
                 if j < lim[r / 32] {
@@ -1177,68 +1213,23 @@ pub(crate) mod tests {
                     *x = f32::NEG_INFINITY;
                 }
             }
-            let fresh = || (vec![0.5f32; r32], vec![2f32; r32], vec![1f32; r32]);
-            let ((mut m1, mut l1, mut c1), (mut m2, mut l2, mut c2)) = (fresh(), fresh());
-            let mut p1 = vec![7u32; n32 / 2 * r32];
-            let mut p2 = p1.clone();
-            a.softmax_pairs(
-                &st,
-                r32,
-                (rows, n, n32, None),
-                &mut m1,
-                &mut l1,
-                &mut c1,
-                &mut p1,
-            );
-            let keys = Some(&lim[..]);
-            a.softmax_pairs(
-                &st,
-                r32,
-                (rows, n, n32, keys),
-                &mut m2,
-                &mut l2,
-                &mut c2,
-                &mut p2,
-            );
-            assert_eq!(
-                (&m1, &l1, &c1, &p1),
-                (&m2, &l2, &c2, &p2),
-                "{lim:?}: softmax"
-            );
-            let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32));
+            let softmax = |keys| {
+                let (mut m, mut l, mut c) = (vec![0.5f32; r32], vec![2f32; r32], vec![1f32; r32]);
+                let mut p = vec![7u32; n32 / 2 * r32];
+                let shape = (rows, n, n32, keys);
+                a.softmax_pairs(&st, r32, shape, &mut m, &mut l, &mut c, &mut p);
+                (m, l, c, p)
+            };
+            let (whole, limited) = (softmax(None), softmax(keys));
+            assert_eq!(whole, limited, "{lim:?}: softmax");
+            let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32), 0);
             let acc0 = rng.v(dp * r32);
             let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
-            let terms = [(&vt[..], &p1[..])];
-            let (mut want, mut got) = (acc0.clone(), acc0.clone());
-            a.pv_t(
-                &terms,
-                n32,
-                dp,
-                (n32, None),
-                r32,
-                Some(&corr),
-                &mut want,
-                &mut || {},
-            );
-            a.pv_t(
-                &terms,
-                n32,
-                dp,
-                (n32, keys),
-                r32,
-                Some(&corr),
-                &mut got,
-                &mut || {},
-            );
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    w.to_bits(),
-                    "{lim:?}: acc[{}][{}]",
-                    i / r32,
-                    i % r32
-                );
-            }
+            let terms = [(&vt[..], &whole.3[..])];
+            let pv = Packed::new(a, &terms, n32, (dp, n32, r32));
+            let want = pv.pv(None, Some(&corr), &acc0);
+            let got = pv.pv(keys, Some(&corr), &acc0);
+            assert_same_bits(&got, &want, r32, &format!("{lim:?}: acc"));
         }
     }
 
@@ -1250,52 +1241,23 @@ pub(crate) mod tests {
         let (d, n, r32) = (96usize, 50usize, 64usize);
         let (dp, n32) = (96usize, 64usize);
         let p: Vec<f32> = rng.v(n * r32).iter().map(|x| x.abs()).collect();
-        let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32));
+        let vt = transposed_values(a, &rng.v(n * d), (n, d), (dp, n32), 0);
         let mut pt = vec![0u32; n32 / 2 * r32];
         a.pair_rows(&p, r32, n, n32, 1, &mut pt, n32 / 2 * r32);
         let corr: Vec<f32> = rng.v(r32).iter().map(|x| x.abs()).collect();
         let acc0 = rng.v(dp * r32);
         let terms = [(&vt[..], &pt[..])];
-        let mut want = acc0.clone();
-        a.mul_rows(&mut want, &corr);
-        a.pv_t(
-            &terms,
-            n32,
-            dp,
-            (n32, None),
-            r32,
-            None,
-            &mut want,
-            &mut || {},
+        let pv = Packed::new(a, &terms, n32, (dp, n32, r32));
+        let mut corrected = acc0.clone();
+        a.mul_rows(&mut corrected, &corr);
+        let want = pv.pv(None, None, &corrected);
+        let got = pv.pv(None, Some(&corr), &acc0);
+        assert_same_bits(&got, &want, r32, "acc");
+        assert_ne!(
+            got,
+            pv.pv(None, None, &acc0),
+            "the correction changed nothing"
         );
-        let mut got = acc0.clone();
-        a.pv_t(
-            &terms,
-            n32,
-            dp,
-            (n32, None),
-            r32,
-            Some(&corr),
-            &mut got,
-            &mut || {},
-        );
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.to_bits(), w.to_bits(), "acc[{}][{}]", i / r32, i % r32);
-        }
-        assert_ne!(got, {
-            let mut plain = acc0.clone();
-            a.pv_t(
-                &terms,
-                n32,
-                dp,
-                (n32, None),
-                r32,
-                None,
-                &mut plain,
-                &mut || {},
-            );
-            plain
-        });
     }
 
     /// The peak probe computes what it says: 16 accumulators, each `rounds` x 2 x 1 x 1 per lane.
