@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use paged_attention_engine::{
-    EngineConfig, EngineCore, GenerationParams, KvCacheSize, Precision, SpeculativeConfig,
-    SpeculativeMethod,
+    DraftLength, EngineConfig, EngineCore, GenerationParams, KvCacheSize, Precision,
+    SpeculativeConfig, SpeculativeMethod,
 };
 
 type Error = Box<dyn std::error::Error>;
@@ -48,6 +48,7 @@ fn engine(dir: &str, k: usize, prompt_rows: usize) -> Result<EngineCore, Error> 
             num_tokens: k,
             max_ngram: 3,
             max_rows: usize::MAX,
+            draft_length: DraftLength::Fixed,
         }),
         ..EngineConfig::default()
     };

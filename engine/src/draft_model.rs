@@ -59,6 +59,22 @@ pub(crate) fn check_compatible(target: &ModelDir, draft: &ModelDir) -> Result<()
     Ok(())
 }
 
+/// What a call of the `draft` model costs relative to a decode step of `target`: the size of its
+/// weights over the target's (decode steps of both are bound by reading them); 1 when either
+/// size is unknown.
+pub(crate) fn relative_cost(target: &ModelDir, draft: &ModelDir) -> f64 {
+    let size = |m: &ModelDir| {
+        std::fs::metadata(m.xml.with_extension("bin"))
+            .map(|f| f.len())
+            .ok()
+            .filter(|&n| n > 0)
+    };
+    match (size(target), size(draft)) {
+        (Some(t), Some(d)) => d as f64 / t as f64,
+        _ => 1.0,
+    }
+}
+
 impl DraftModel {
     /// Loads the draft model `md` (checked with [`check_compatible`]) with the target's settings
     /// and a cache of as many blocks as the target's, and returns it with the plan of both

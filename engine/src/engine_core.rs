@@ -21,7 +21,7 @@ use crate::model_runner::ModelRunner;
 use crate::output_processor::OutputText;
 use crate::request::{Event, GenerationParams, RequestError, RequestId};
 use crate::sampling::{logprobs, sample, verify_draft, TokenLogprobs};
-use crate::speculative::{self, SpeculativeConfig, SpeculativeMethod};
+use crate::speculative::{self, Acceptance, DraftLength, SpeculativeConfig, SpeculativeMethod};
 use crate::structured::{Grammars, TokenMatcher};
 use crate::tokenizer::TextTokenizer;
 use paged_attention::cache::{
@@ -62,6 +62,8 @@ struct Output {
     text: OutputText,
     /// Its place in the request's constraint (structured output).
     matcher: Option<TokenMatcher>,
+    /// The class of its draft being verified (`speculative::class_of`).
+    draft_class: usize,
 }
 
 /// A token sampled for a sequence in a step.
@@ -116,6 +118,8 @@ pub struct EngineCore {
     /// An output's tokens so far plus those accepted in this step (for the penalties).
     so_far: Vec<u32>,
     speculative: Option<SpeculativeConfig>,
+    /// Verified drafts' acceptance, which sizes the next drafts (with `speculative`).
+    acceptance: Option<Acceptance>,
     /// The draft model (`SpeculativeMethod::Draft`).
     draft: Option<DraftModel>,
     stats: EngineStats,
@@ -164,6 +168,10 @@ impl EngineCore {
         if let Some(d) = &draft_md {
             crate::draft_model::check_compatible(&md, d)?;
         }
+        // A draft-model call's cost relative to a target's step: their weights' sizes.
+        let draft_cost = draft_md
+            .as_ref()
+            .map_or(0.0, |d| crate::draft_model::relative_cost(&md, d));
         let (runner, kv_plan) = ModelRunner::load(&md, cfg, None)?;
         // The draft's cache has as many blocks as the target's; under `auto` both fit the share.
         let (draft, kv_plan) = match draft_md {
@@ -201,6 +209,10 @@ impl EngineCore {
             grammars: None,
             so_far: Vec::new(),
             speculative: cfg.speculative.clone(),
+            acceptance: cfg
+                .speculative
+                .as_ref()
+                .map(|s| Acceptance::new(s.num_tokens, draft_cost)),
             draft,
             stats: EngineStats::default(),
             fail_next_run: false,
@@ -379,6 +391,7 @@ impl EngineCore {
                 rng: SplitMix64::new(seed.wrapping_add(i as u64)),
                 text: OutputText::default(),
                 matcher: matchers.next(),
+                draft_class: 0,
             })
             .collect();
         self.seqs.insert(seq, (id, 0));
@@ -579,10 +592,11 @@ impl EngineCore {
         ran
     }
 
-    /// Drafts for every decoding sequence (speculative decoding), sized by the batch. A
-    /// constrained output's drafts are cut to the prefix its constraint allows.
+    /// Drafts for every decoding sequence (speculative decoding), each as long as its expected
+    /// acceptance pays for at this batch (`speculative::Acceptance::allocate`). A constrained
+    /// output's drafts are cut to the prefix its constraint allows.
     fn propose_drafts(&mut self) -> Result<()> {
-        let Some(spec) = &self.speculative else {
+        let (Some(spec), Some(acceptance)) = (&self.speculative, self.acceptance.as_mut()) else {
             return Ok(());
         };
         let mut decoding: Vec<(SeqId, RequestId, usize)> = self
@@ -591,42 +605,84 @@ impl EngineCore {
             .filter(|(&s, _)| self.sched.is_decoding(s))
             .map(|(&s, &(r, i))| (s, r, i))
             .collect();
-        // In a fixed order: which sequences fit a draft model's budget must not vary by run.
+        // In a fixed order: which sequences draft must not vary by run.
         decoding.sort_unstable();
-        let k = spec.draft_len(decoding.len());
-        if k == 0 {
-            return Ok(());
-        }
         // No more drafts than the output has room for after the target's own token.
-        let wanted: Vec<(SeqId, usize)> = decoding
+        let room: Vec<(SeqId, usize)> = decoding
             .iter()
             .filter_map(|&(s, r, i)| {
                 let st = self.requests.get(&r)?;
                 let done = st.outputs.get(i)?.text.generated.len();
                 let left = st.params.max_new_tokens.saturating_sub(done + 1);
-                Some((s, k.min(left))).filter(|w| w.1 > 0)
+                Some((s, spec.num_tokens.min(left))).filter(|w| w.1 > 0)
             })
             .collect();
-        let drafts: Vec<(SeqId, Vec<u32>)> = match self.draft.as_mut() {
-            None => wanted
+        // Prompt lookup proposes first (a proposal's class is how far its match agrees); a
+        // draft model drafts once the lengths are known (one class).
+        let looked: Vec<(Vec<u32>, usize)> = match self.draft {
+            None => room
                 .iter()
                 .map(|&(s, n)| {
-                    let tokens = self.sched.tokens(s)?;
-                    Ok((s, speculative::propose(tokens, spec.max_ngram, n).to_vec()))
+                    let (d, context) =
+                        speculative::propose(self.sched.tokens(s)?, spec.max_ngram, n);
+                    Ok((d.to_vec(), speculative::class_of(context)))
                 })
                 .collect::<Result<_>>()?,
-            Some(model) => model.propose(&self.sched, &wanted)?,
+            Some(_) => room.iter().map(|_| (Vec::new(), 0)).collect(),
         };
-        for (seq, mut draft) in drafts {
-            let matcher = self
+        let proposals: Vec<(usize, usize)> = looked
+            .iter()
+            .zip(&room)
+            .map(|((d, c), &(_, n))| (*c, if self.draft.is_some() { n } else { d.len() }))
+            .collect();
+        let lens = match spec.draft_length {
+            DraftLength::Adaptive => acceptance.allocate(&proposals, decoding.len(), spec.max_rows),
+            DraftLength::Fixed => {
+                let most = spec.fixed_len(decoding.len());
+                proposals.iter().map(|p| p.1.min(most)).collect()
+            }
+        };
+        let drafts: Vec<(SeqId, Vec<u32>, usize)> = match self.draft.as_mut() {
+            None => room
+                .iter()
+                .zip(looked)
+                .zip(&lens)
+                .map(|((&(s, _), (mut d, c)), &n)| {
+                    d.truncate(n);
+                    (s, d, c)
+                })
+                .collect(),
+            Some(model) => {
+                let wanted: Vec<(SeqId, usize)> = room
+                    .iter()
+                    .zip(&lens)
+                    .filter(|(_, &n)| n > 0)
+                    .map(|(&(s, _), &n)| (s, n))
+                    .collect();
+                if wanted.is_empty() {
+                    Vec::new()
+                } else {
+                    let made = model.propose(&self.sched, &wanted)?;
+                    made.into_iter().map(|(s, d)| (s, d, 0)).collect()
+                }
+            }
+        };
+        for (seq, mut draft, class) in drafts {
+            if draft.is_empty() {
+                continue;
+            }
+            let Some(output) = self
                 .seqs
                 .get(&seq)
                 .and_then(|&(req, index)| self.requests.get_mut(&req)?.outputs.get_mut(index))
-                .and_then(|o| o.matcher.as_mut());
-            if let (Some(m), false) = (matcher, draft.is_empty()) {
+            else {
+                continue;
+            };
+            if let Some(m) = output.matcher.as_mut() {
                 let valid = m.valid_drafts(&draft);
                 draft.truncate(valid);
             }
+            output.draft_class = class;
             if !draft.is_empty() {
                 self.sched.set_draft(seq, &draft)?;
             }
@@ -692,6 +748,8 @@ impl EngineCore {
                 .saturating_sub(state.outputs[index].text.generated.len())
                 .max(1);
             let mut toks: Vec<(u32, Option<TokenLogprobs>)> = Vec::with_capacity(1 + s.draft_len);
+            // Whether the last row verified agreed with its draft.
+            let mut last_agreed = false;
             // The sampled rows end the sequence's rows (prompt rows may come before them).
             for (j, r) in (rows.end - 1 - s.draft_len..rows.end).enumerate() {
                 let raw = logits.row(r);
@@ -760,12 +818,18 @@ impl EngineCore {
                     .matcher
                     .as_ref()
                     .is_some_and(|m| m.done_after(j + 1));
+                last_agreed = agreed;
                 if !agreed || toks.len() >= room || state.stop_ids.contains(&token) || complete {
                     break;
                 }
             }
+            let accepted = toks.len() - 1;
+            if let (Some(a), true) = (self.acceptance.as_mut(), s.draft_len > 0) {
+                let class = state.outputs[index].draft_class;
+                a.record(class, s.draft_len, accepted, !last_agreed);
+            }
             self.stats.draft_tokens += s.draft_len as u64;
-            self.stats.accepted_draft_tokens += (toks.len() - 1) as u64;
+            self.stats.accepted_draft_tokens += accepted as u64;
             sampled.push(Sampled {
                 seq: s.id,
                 tokens: toks,

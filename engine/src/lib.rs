@@ -60,5 +60,5 @@ pub use request::{
     ChatMessage, Constraint, Event, GenerationParams, Prompt, RequestError, RequestId, Update,
 };
 pub use sampling::{Penalties, Sampling, TokenLogprobs};
-pub use speculative::{SpeculativeConfig, SpeculativeMethod, VERIFY_ROWS};
+pub use speculative::{DraftLength, SpeculativeConfig, SpeculativeMethod, VERIFY_ROWS};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

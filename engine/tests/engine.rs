@@ -8,8 +8,8 @@
 
 use paged_attention::ElemType;
 use paged_attention_engine::{
-    EngineConfig, EngineCore as Engine, EngineError, Event, FinishReason, GenerationParams,
-    KvCacheSize, Precision, Sampling, SpeculativeConfig, SpeculativeMethod,
+    DraftLength, EngineConfig, EngineCore as Engine, EngineError, Event, FinishReason,
+    GenerationParams, KvCacheSize, Precision, Sampling, SpeculativeConfig, SpeculativeMethod,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -381,15 +381,17 @@ fn cache_eviction_bounds_every_sequence_and_rotates_kept_keys() {
     );
 }
 
-fn speculative_engine(k: usize) -> Engine {
+fn speculative_engine(k: usize, draft_length: DraftLength) -> Engine {
     let mut cfg = config(64 << 20);
     cfg.speculative = Some(SpeculativeConfig {
         method: SpeculativeMethod::PromptLookup,
         draft_model: None,
         num_tokens: k,
         max_ngram: 3,
-        // Ten sequences still draft (up to 3 each): the test is about exactness, not speed.
+        // Fixed: ten sequences still draft (up to 3 each): the test is about exactness, not
+        // speed.
         max_rows: 40,
+        draft_length,
     });
     Engine::load(model_dir(), &cfg).expect("load the tiny model")
 }
@@ -416,8 +418,14 @@ fn spec_prompts(e: &Engine) -> Vec<Vec<u32>> {
 
 #[test]
 fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
+    for mode in [DraftLength::Fixed, DraftLength::Adaptive] {
+        speculation_keeps_greedy_ids(mode);
+    }
+}
+
+fn speculation_keeps_greedy_ids(mode: DraftLength) {
     let mut plain = engine();
-    let mut spec = speculative_engine(4);
+    let mut spec = speculative_engine(4, mode);
     let prompts = spec_prompts(&plain);
     // Output 3 stops at an id its undisturbed run reaches mid-way: the stop applies to accepted
     // tokens as to sampled ones.
@@ -436,7 +444,10 @@ fn speculation_keeps_greedy_ids_stops_and_the_block_managers_state() {
         want.push(run_prompts(e, &prompts, params));
     }
     for (i, (a, b)) in want[0].iter().zip(&want[1]).enumerate() {
-        assert_eq!(a, b, "prompt {i}: speculation changed the output");
+        assert_eq!(
+            a, b,
+            "prompt {i}: speculation ({mode:?}) changed the output"
+        );
     }
     assert_eq!(want[0][3].0, FinishReason::Stop);
     assert!(want[0][3].1.len() <= 41);
@@ -512,21 +523,36 @@ fn sampled(n: usize, seed: u64) -> GenerationParams {
 
 #[test]
 fn a_seeded_sampled_run_with_speculation_repeats() {
-    let run_once = || {
-        let mut e = speculative_engine(4);
-        let prompts = spec_prompts(&e);
+    // Adaptive drafts with 4 sequences (with 10, a row costs more than an unmeasured draft is
+    // expected to give, and only probes draft).
+    let run_once = |mode: DraftLength| {
+        let mut e = speculative_engine(4, mode);
+        let mut prompts = spec_prompts(&e);
+        if mode == DraftLength::Adaptive {
+            prompts.truncate(4);
+        }
         let out = run_ids(&mut e, &prompts, |i| sampled(64, 100 + i as u64));
         let s = e.stats();
-        assert!(s.accepted_draft_tokens > 0, "{s:?}");
+        assert!(s.accepted_draft_tokens > 0, "{mode:?}: {s:?}");
         assert_eq!(e.cache_stats().used_blocks, 0);
         out
     };
-    let a = run_once();
-    assert!(a.iter().all(|o| o.len() == 64));
-    assert_eq!(a, run_once());
+    for mode in [DraftLength::Fixed, DraftLength::Adaptive] {
+        let a = run_once(mode);
+        assert!(a.iter().all(|o| o.len() == 64));
+        assert_eq!(a, run_once(mode), "{mode:?}");
+    }
 }
 
 fn draft_engine(draft: &Path, k: usize) -> Result<Engine, EngineError> {
+    draft_engine_with(draft, k, DraftLength::Fixed)
+}
+
+fn draft_engine_with(
+    draft: &Path,
+    k: usize,
+    draft_length: DraftLength,
+) -> Result<Engine, EngineError> {
     let mut cfg = config(64 << 20);
     cfg.speculative = Some(SpeculativeConfig {
         method: SpeculativeMethod::Draft,
@@ -534,6 +560,7 @@ fn draft_engine(draft: &Path, k: usize) -> Result<Engine, EngineError> {
         num_tokens: k,
         max_ngram: 3,
         max_rows: 40,
+        draft_length,
     });
     Engine::load(model_dir(), &cfg)
 }
@@ -572,6 +599,27 @@ fn a_draft_model_keeps_greedy_ids_and_both_block_managers_state() {
             (0, 0),
             "the draft cache leaked: {d:?}"
         );
+        // Drafts sized by their acceptance and cost: the same ids. Either draft costs about
+        // what the target does (a call reads as many weights), so a draft never pays, even one
+        // always accepted; the drafts back off to a few (the first steps', then a probe per
+        // 32 turned down), far fewer than the fixed drafts.
+        let mut adaptive = draft_engine_with(draft, 3, DraftLength::Adaptive).unwrap();
+        assert_eq!(
+            run_all(&mut adaptive, &prompts),
+            want,
+            "adaptive drafts changed ids"
+        );
+        let a = adaptive.stats();
+        assert!(
+            a.draft_tokens > 0 && a.draft_tokens * 4 < s.draft_tokens,
+            "draft {}: {} adaptive drafts against {} fixed",
+            draft.display(),
+            a.draft_tokens,
+            s.draft_tokens
+        );
+        assert_eq!(adaptive.cache_stats(), plain.cache_stats());
+        let d = adaptive.draft_cache_stats().unwrap();
+        assert_eq!((d.used_blocks, d.sequences), (0, 0), "{d:?}");
     }
 }
 

@@ -24,9 +24,11 @@ from smollm2_model import smollm2  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(os.environ.get("PA_ENGINE", ROOT / "target/release/pa-engine"))
-# 40 rows: ten sequences still draft (up to 3 each); the default backs off at this batch size.
-SPEC = ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4", "--max-ngram-size", "3",
-        "--speculative-max-rows", "40"]
+# Fixed drafts within 40 rows: ten sequences still draft (up to 3 each); the default (adaptive
+# drafts within 16 rows) backs off at this batch size.
+ADAPTIVE = ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4", "--max-ngram-size",
+            "3"]
+SPEC = [*ADAPTIVE, "--speculative-max-rows", "40", "--speculative-draft-length", "fixed"]
 BASE = ["--cache-type", "f32", "--precision", "f32", "--threads", "2", "--kv-cache-size", "1",
         "--json", "--stats", "--chat"]
 
@@ -96,6 +98,14 @@ def test_greedy_ids_equal_a_run_without_speculation(smollm2, plain_greedy, tmp_p
     assert ss["drafted"] > 0 and 0 < ss["accepted"] < ss["drafted"], ss
 
 
+def test_greedy_ids_with_adaptive_drafts_equal_a_run_without_speculation(
+        smollm2, plain_greedy, tmp_path):
+    """The default: each draft as long as its acceptance so far pays for at this batch size."""
+    spec, ss = generate(smollm2, tmp_path, "adaptive", "--max-new-tokens", "128", *ADAPTIVE)
+    assert_same_run(plain_greedy, spec, ss)
+    assert ss["drafted"] > 0 and ss["accepted"] > 0, ss
+
+
 def test_greedy_ids_with_a_draft_model_equal_a_run_without_speculation(
         smollm2, plain_greedy, early_exit_draft, tmp_path):
     spec, ss = generate(smollm2, tmp_path, "draft", "--max-new-tokens", "128",
@@ -105,9 +115,9 @@ def test_greedy_ids_with_a_draft_model_equal_a_run_without_speculation(
 
 
 def draft_flags(draft):
-    # 40 rows: ten sequences still draft 3 tokens each.
+    # Fixed drafts within 40 rows: ten sequences still draft 3 tokens each.
     return ["--speculative", "draft", "--draft-model", str(draft), "--num-speculative-tokens", "3",
-            "--speculative-max-rows", "40"]
+            "--speculative-max-rows", "40", "--speculative-draft-length", "fixed"]
 
 
 def test_a_seeded_sampled_run_with_the_model_as_its_own_draft_repeats(smollm2, tmp_path):

@@ -8,9 +8,9 @@ use paged_attention_engine::kv_events::{KvEventsConfig, Shape};
 use paged_attention_engine::metrics::Naming;
 use paged_attention_engine::tools::ToolParser;
 use paged_attention_engine::{
-    convert_ir, Constraint, Conversion, EngineClient, EngineConfig, Event, FinishReason,
-    GenerationParams, KvCacheSize, ModelDir, Penalties, Precision, Prompt, Reply, Sampling,
-    SpeculativeConfig, SpeculativeMethod, TokenLogprobs, Update, VERIFY_ROWS,
+    convert_ir, Constraint, Conversion, DraftLength, EngineClient, EngineConfig, Event,
+    FinishReason, GenerationParams, KvCacheSize, ModelDir, Penalties, Precision, Prompt, Reply,
+    Sampling, SpeculativeConfig, SpeculativeMethod, TokenLogprobs, Update, VERIFY_ROWS,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -166,13 +166,22 @@ struct EngineArgs {
     /// Longest n-gram prompt lookup matches (with --speculative prompt-lookup).
     #[arg(long, default_value_t = 3)]
     max_ngram_size: usize,
-    /// Token rows a step verifies at most (decode tokens plus drafts): with B decoding
-    /// sequences each drafts at most ROWS / B - 1 tokens, none once B > ROWS / 2.
+    /// Token rows a step verifies at most (decode tokens plus drafts). Within it each
+    /// sequence's draft is as long as its expected acceptance pays for at the batch's size.
     #[arg(long, value_name = "ROWS", default_value_t = VERIFY_ROWS)]
     speculative_max_rows: usize,
+    /// How long each sequence's draft is (with --speculative): `adaptive` drafts its d-th
+    /// token only while the acceptance measured so far makes it likely to pay for its row at
+    /// this batch size; `fixed` drafts the most each sequence may, min(k, ROWS / B - 1).
+    #[arg(long, value_name = "MODE", default_value = "adaptive", value_parser = parse_draft_length)]
+    speculative_draft_length: DraftLength,
 }
 
 fn parse_speculative(s: &str) -> Result<SpeculativeMethod, String> {
+    s.parse()
+}
+
+fn parse_draft_length(s: &str) -> Result<DraftLength, String> {
     s.parse()
 }
 
@@ -405,6 +414,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         num_tokens: a.num_speculative_tokens,
         max_ngram: a.max_ngram_size,
         max_rows: a.speculative_max_rows,
+        draft_length: a.speculative_draft_length,
     });
     Ok(EngineConfig {
         cache_type: a.cache_type,
