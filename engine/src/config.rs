@@ -36,25 +36,32 @@ impl<T: Copy + PartialEq> Names<T> {
     }
 }
 
-impl Precision {
-    /// The one name table of the hints (OpenVINO's names, which command lines take too).
-    const NAMES: Names<Precision> = Names(&[
-        (Precision::F32, "f32"),
-        (Precision::Bf16, "bf16"),
-        (Precision::F16, "f16"),
-    ]);
+/// Gives an enum of settings its one name table (`NAMES`), `as_str` and `FromStr`, whose error
+/// names `what` and the names there are: `named!(Type, "what", { Variant => "name", ... });`.
+macro_rules! named {
+    ($ty:ident, $what:literal, { $($v:ident => $s:literal),+ $(,)? }) => {
+        impl $ty {
+            /// The one name table of the values (what command lines take).
+            pub(crate) const NAMES: $crate::config::Names<$ty> =
+                $crate::config::Names(&[$(($ty::$v, $s)),+]);
 
-    pub fn as_str(self) -> &'static str {
-        Precision::NAMES.name(self)
-    }
-}
+            pub fn as_str(self) -> &'static str {
+                $ty::NAMES.name(self)
+            }
+        }
 
-impl FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Precision, String> {
-        Precision::NAMES.parse(s, "precision")
-    }
+        impl ::std::str::FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> Result<$ty, String> {
+                $ty::NAMES.parse(s, $what)
+            }
+        }
+    };
 }
+pub(crate) use named;
+
+// OpenVINO's names of the hints, which command lines take too.
+named!(Precision, "precision", { F32 => "f32", Bf16 => "bf16", F16 => "f16" });
 
 /// How big the KV cache is: `Auto` (the default) or a number of bytes over all layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -16,10 +16,9 @@
 //! thread through a bounded channel, and a batch that does not fit is dropped and counted (its
 //! sequence number is skipped, so a subscriber sees the gap).
 
-use crate::config::Names;
+use crate::config::named;
 use bytes::Bytes;
 use paged_attention::cache::CacheEvent;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -36,16 +35,7 @@ pub enum Shape {
     Map,
 }
 
-impl Shape {
-    const NAMES: Names<Shape> = Names(&[(Shape::Array, "array"), (Shape::Map, "map")]);
-}
-
-impl FromStr for Shape {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Shape, String> {
-        Shape::NAMES.parse(s, "KV-event format")
-    }
-}
+named!(Shape, "KV-event format", { Array => "array", Map => "map" });
 
 /// Where and how events are published.
 #[derive(Clone, Debug)]

@@ -8,13 +8,12 @@
 //! does, for routers that cannot be pointed at other names. Figures vLLM has no name for are
 //! `pa_` in both spellings. Every series carries `model_name`.
 
-use crate::config::Names;
+use crate::config::named;
 use crate::engine_core::{EngineCore, EngineStats};
 use crate::kv_cache::KvCachePlan;
 use paged_attention::cache::{CacheStats, FinishReason, SchedulerCounters};
 use paged_attention::ElemType;
 use std::fmt::Write;
-use std::str::FromStr;
 
 /// How `/metrics` spells the names vLLM also has.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -26,20 +25,7 @@ pub enum Naming {
     Vllm,
 }
 
-impl Naming {
-    const NAMES: Names<Naming> = Names(&[(Naming::Pa, "pa"), (Naming::Vllm, "vllm")]);
-
-    pub fn as_str(self) -> &'static str {
-        Naming::NAMES.name(self)
-    }
-}
-
-impl FromStr for Naming {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Naming, String> {
-        Naming::NAMES.parse(s, "metric naming")
-    }
-}
+named!(Naming, "metric naming", { Pa => "pa", Vllm => "vllm" });
 
 /// Bucket bounds in seconds, vLLM's (so its dashboards' quantiles read the same).
 const TTFT_BUCKETS: &[f64] = &[

@@ -49,9 +49,8 @@
 //! sampled run repeats itself. Drafts also count against the step's token budget and shrink
 //! before a sequence would be preempted for their blocks (the scheduler's part).
 
-use crate::config::Names;
+use crate::config::named;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 /// Rows (decode tokens plus drafts) a step verifies at most, by default. The curve the cost
 /// model rests on: SmolLM2-135M at f32 on 2 shared Zen 4 cores (`examples/step_rows.rs`,
@@ -220,24 +219,10 @@ pub enum SpeculativeMethod {
     Draft,
 }
 
-impl SpeculativeMethod {
-    /// The one name table (what `--speculative` takes).
-    const NAMES: Names<SpeculativeMethod> = Names(&[
-        (SpeculativeMethod::PromptLookup, "prompt-lookup"),
-        (SpeculativeMethod::Draft, "draft"),
-    ]);
-
-    pub fn as_str(self) -> &'static str {
-        SpeculativeMethod::NAMES.name(self)
-    }
-}
-
-impl FromStr for SpeculativeMethod {
-    type Err = String;
-    fn from_str(s: &str) -> Result<SpeculativeMethod, String> {
-        SpeculativeMethod::NAMES.parse(s, "speculative method")
-    }
-}
+named!(SpeculativeMethod, "speculative method", {
+    PromptLookup => "prompt-lookup",
+    Draft => "draft",
+});
 
 /// How long each sequence's draft is (`--speculative-draft-length`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -249,24 +234,7 @@ pub enum DraftLength {
     Fixed,
 }
 
-impl DraftLength {
-    /// The one name table (what `--speculative-draft-length` takes).
-    const NAMES: Names<DraftLength> = Names(&[
-        (DraftLength::Adaptive, "adaptive"),
-        (DraftLength::Fixed, "fixed"),
-    ]);
-
-    pub fn as_str(self) -> &'static str {
-        DraftLength::NAMES.name(self)
-    }
-}
-
-impl FromStr for DraftLength {
-    type Err = String;
-    fn from_str(s: &str) -> Result<DraftLength, String> {
-        DraftLength::NAMES.parse(s, "draft length")
-    }
-}
+named!(DraftLength, "draft length", { Adaptive => "adaptive", Fixed => "fixed" });
 
 /// Speculative decoding's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
