@@ -1,7 +1,9 @@
 //! AVX-512 decode-tile loops (see [`DecodeMicro`]).
 //!
 //! QK: the shared [`qk`] block (4 rows x 4 keys, or 1-2 rows x 8 keys, 16-wide columns with a
-//! masked tail). Softmax: one max pass and one exp-and-sum pass per row. PV: the shared
+//! masked tail); for many rows of a small head ([`keys_in_lanes`], e.g. a verify step's
+//! tokens x group), [`qk_lanes`] instead: keys transposed into lanes once per tile, so each
+//! row's logits need no horizontal sums and no row is padded. Softmax: one max pass and one exp-and-sum pass per row. PV: the shared
 //! [`pv_cols`] block over groups of 4 rows, reading the row-major weights in place (a broadcast
 //! load per row and key; no staging transpose), each accumulator loaded, scaled by its row's
 //! correction and stored once per tile. Both loops issue the prefetches of `pf` a few lines
@@ -12,10 +14,12 @@
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
-use super::avx512::{exp_sub_sum, load16, pv_cols, qk, qk_ticks, row_max, tail, Avx512, F32x16, ALL};
+use super::avx512::{
+    exp_sub_sum, load16, pv_cols, qk, qk_ticks, row_max, tail, Avx512, F32x16, ALL,
+};
 use super::prefetch::Pf;
 use super::{bounds, DecodeMicro};
-use crate::dtype::Float;
+use crate::dtype::{ElemType, Float};
 use crate::kernel::softmax::{Lanes, OnlineSoftmax};
 
 impl DecodeMicro for Avx512 {
@@ -34,7 +38,18 @@ impl DecodeMicro for Avx512 {
         if keys_in_lanes(rows, d) {
             let mut pf = Pf::new(pf, lanes_ticks(rows, n, d));
             // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
-            unsafe { qk_lanes::<C>(q.as_ptr(), rows, k.as_ptr(), n, d, s.as_mut_ptr(), &mut pf, scale) };
+            unsafe {
+                qk_lanes::<C>(
+                    q.as_ptr(),
+                    rows,
+                    k.as_ptr(),
+                    n,
+                    d,
+                    s.as_mut_ptr(),
+                    &mut pf,
+                    scale,
+                )
+            };
             return;
         }
         let mut pf = Pf::new(pf, qk_ticks(rows, n, d));
@@ -103,15 +118,19 @@ impl DecodeMicro for Avx512 {
 
 /// Keys per pass of [`qk_lanes`] (two vectors).
 const LANE_KEYS: usize = 32;
-/// The largest head size [`qk_lanes`] takes: its transposed keys (`LANE_KEYS` x `d` floats)
-/// live on the stack.
-const LANES_MAX_D: usize = 256;
+/// The largest head size [`qk_lanes`] takes: its transposed keys (`LANE_KEYS` x `d` floats,
+/// 16 KiB) live on the stack.
+const LANES_MAX_D: usize = 128;
 /// Query rows per register block of [`qk_lanes`] (x 2 vectors of keys).
 const LANE_ROWS: usize = 8;
 
 /// Whether [`qk_lanes`] beats the row-major [`qk`] blocks for `rows` query rows of size `d`.
+/// The transpose costs about `d` per key, once; what it saves (the horizontal sums and padded
+/// rows of `qk`) grows with the rows. Measured on AMD EPYC Zen 4 (whole decode calls, one
+/// thread): at d = 64, 6 rows break even, 9 and 15 take 0.86-0.94x the time; at d = 128, 8
+/// rows take 1.05x, 12 break even, 20 take 0.96x; 3 and 4 rows took 1.03x and 1.2x.
 fn keys_in_lanes(rows: usize, d: usize) -> bool {
-    d <= LANES_MAX_D && rows >= 3
+    d <= LANES_MAX_D && rows * 8 >= d + 8
 }
 
 /// Row blocks of [`qk_lanes`] for `rows`: as few as [`LANE_ROWS`] allows, of even sizes.
@@ -126,7 +145,8 @@ fn lanes_ticks(rows: usize, n: usize, d: usize) -> usize {
 }
 
 /// `s[r*n + j] = cap(scale * <q[r*d..][..d], k[j*d..][..d]>)` with keys in lanes: each pass
-/// transposes up to 32 keys into a `[d][32]` panel (16 x 16 blocks in registers), then every
+/// transposes up to 32 keys into a `[d][32]` panel (in registers, 16 keys x 16 columns at a
+/// time), then every
 /// query row accumulates 32 logits in two vectors, one FMA per column with the query element
 /// broadcast, in column order, so no horizontal sums. The caller guarantees the ranges, `s`
 /// with row stride `n`, and `d <= LANES_MAX_D`.
@@ -197,6 +217,43 @@ unsafe fn transpose_keys<C: Float>(k: *const C, kn: usize, d: usize, dst: *mut _
     // Keys past `kn` repeat the last one (always readable); their lanes are never stored.
     let kp: [*const C; 16] = std::array::from_fn(|i| k.wrapping_add(i.min(kn - 1) * d));
     let mut x = 0;
+    if C::TYPE == ElemType::F32 {
+        let kp = kp.map(|p| p as *const f32);
+        while x + 16 <= d {
+            // P[4a + m]: quarter L = columns x+4m..x+4m+4 of key 4L + a, so no shuffle moves
+            // data across quarters (the loads place it).
+            let p: [__m512; 16] = std::array::from_fn(|i| {
+                let (a, c) = (i / 4, x + 4 * (i % 4));
+                // SAFETY: columns x..x+16 <= d of keys < kn (or the last one repeated).
+                unsafe {
+                    let v = _mm512_castps128_ps512(_mm_loadu_ps(kp[a].add(c)));
+                    let v = _mm512_insertf32x4::<1>(v, _mm_loadu_ps(kp[4 + a].add(c)));
+                    let v = _mm512_insertf32x4::<2>(v, _mm_loadu_ps(kp[8 + a].add(c)));
+                    _mm512_insertf32x4::<3>(v, _mm_loadu_ps(kp[12 + a].add(c)))
+                }
+            });
+            // A 4 x 4 transpose in every quarter of P[m], P[4+m], P[8+m], P[12+m] gives
+            // columns x+4m..x+4m+4 with lane 4L + a = key 4L + a.
+            for m in 0..4 {
+                let (a0, a1, a2, a3) = (p[m], p[4 + m], p[8 + m], p[12 + m]);
+                let t0 = _mm512_unpacklo_ps(a0, a1);
+                let t1 = _mm512_unpackhi_ps(a0, a1);
+                let t2 = _mm512_unpacklo_ps(a2, a3);
+                let t3 = _mm512_unpackhi_ps(a2, a3);
+                let c = [
+                    _mm512_shuffle_ps::<0x44>(t0, t2),
+                    _mm512_shuffle_ps::<0xEE>(t0, t2),
+                    _mm512_shuffle_ps::<0x44>(t1, t3),
+                    _mm512_shuffle_ps::<0xEE>(t1, t3),
+                ];
+                for (e, r) in c.iter().enumerate() {
+                    // SAFETY: vector 2(x + 4m + e) of the caller's panel.
+                    unsafe { dst.add(2 * (x + 4 * m + e)).write(*r) };
+                }
+            }
+            x += 16;
+        }
+    }
     while x < d {
         let mask = if d - x >= 16 { ALL } else { tail(d - x) };
         // SAFETY: the lanes of `mask` are columns x.. < d of a key < kn.
