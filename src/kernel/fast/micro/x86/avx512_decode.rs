@@ -35,37 +35,16 @@ impl DecodeMicro for Avx512 {
         scale: f32,
     ) {
         bounds::qk(q.len(), rows, k.len(), n, d, s.len(), n);
+        let (qp, kp, sp) = (q.as_ptr(), k.as_ptr(), s.as_mut_ptr());
         if keys_in_lanes(rows, d) {
             let mut pf = Pf::new(pf, lanes_ticks(rows, n, d));
+            // SAFETY: `self` proves the features; `bounds::qk` bounds every access, and
+            // `keys_in_lanes` holds `d` within what `qk_lanes` takes.
+            unsafe { qk_lanes::<C>(qp, rows, kp, n, d, sp, &mut pf, scale) }
+        } else {
+            let mut pf = Pf::new(pf, qk_ticks(rows, n, d));
             // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
-            unsafe {
-                qk_lanes::<C>(
-                    q.as_ptr(),
-                    rows,
-                    k.as_ptr(),
-                    n,
-                    d,
-                    s.as_mut_ptr(),
-                    &mut pf,
-                    scale,
-                )
-            };
-            return;
-        }
-        let mut pf = Pf::new(pf, qk_ticks(rows, n, d));
-        // SAFETY: `self` proves the features; `bounds::qk` bounds every access.
-        unsafe {
-            qk::<C>(
-                q.as_ptr(),
-                rows,
-                k.as_ptr(),
-                n,
-                d,
-                s.as_mut_ptr(),
-                n,
-                &mut pf,
-                scale,
-            )
+            unsafe { qk::<C>(qp, rows, kp, n, d, sp, n, &mut pf, scale) }
         }
     }
 
