@@ -197,13 +197,14 @@ unsafe fn transpose_keys<C: Float>(k: *const C, kn: usize, d: usize, dst: *mut _
     let kp: [*const C; 16] = std::array::from_fn(|i| k.wrapping_add(i.min(kn - 1) * d));
     let mut x = 0;
     if C::TYPE == ElemType::F32 {
+        // `C::TYPE` names the element type: these rows are f32 (read as such below).
         let kp = kp.map(|p| p as *const f32);
         while x + 16 <= d {
             // P[4a + m]: quarter L = columns x+4m..x+4m+4 of key 4L + a, so no shuffle moves
             // data across quarters (the loads place it).
             let p: [__m512; 16] = std::array::from_fn(|i| {
                 let (a, c) = (i / 4, x + 4 * (i % 4));
-                // SAFETY: columns x..x+16 <= d of keys < kn (or the last one repeated).
+                // SAFETY: columns x..x+16 <= d (f32) of keys < kn (or the last one repeated).
                 unsafe {
                     let v = _mm512_castps128_ps512(_mm_loadu_ps(kp[a].add(c)));
                     let v = _mm512_insertf32x4::<1>(v, _mm_loadu_ps(kp[4 + a].add(c)));
