@@ -1,17 +1,19 @@
 //! Small calls run on the calling thread: a call whose work (`kernel::fast::call_work`) is
-//! below `FastOptions::serial_below` never enters the host's parallel-for, one at or above it
-//! does, and both give the bits of a run on the calling thread alone.
+//! below `FastOptions::host_serial_below` never enters the host's parallel-for, one at or above
+//! it does, and both give the bits of a run on the calling thread alone.
 
 mod common;
 
 use common::call::Call;
 use common::host::{run_on, Host};
 use common::ref64::{gen_case, Features, Geometry, SeqKind};
-use paged_attention::kernel::fast::{call_work, execute_with, FastOptions, SERIAL_BELOW};
+use paged_attention::kernel::fast::{
+    call_work, execute_with, FastOptions, HOST_SERIAL_BELOW, SERIAL_BELOW,
+};
 use paged_attention::threads::Runner;
 use paged_attention::ElemType;
 
-/// Runs `call` on a 2-thread host runner with `serial_below` (`None`: the default options);
+/// Runs `call` on a 2-thread host runner with `host_serial_below` (`None`: the default options);
 /// returns the result and how many regions the host's parallel-for was asked for.
 fn on_host(call: &Call, serial_below: Option<usize>) -> (Call, usize) {
     let host = Host::default();
@@ -20,7 +22,9 @@ fn on_host(call: &Call, serial_below: Option<usize>) -> (Call, usize) {
         ..FastOptions::default()
     };
     if let Some(b) = serial_below {
-        opts.serial_below = b;
+        opts.host_serial_below = b;
+        // The pool's threshold never applies to a host's runner.
+        opts.serial_below = usize::MAX;
     }
     let mut c = call.clone();
     c.with_api(|i, mut o| execute_with(opts, &mut i.unwrap(), &mut o))
@@ -78,13 +82,16 @@ fn serial_and_parallel_agree_around_the_threshold() {
     }
 }
 
-/// The default threshold: a one-token decode at SmolLM2's shapes over 200 keys stays on the
-/// calling thread; over 2000 keys, or a 64-token prefill, it goes to the host's threads.
+/// The default thresholds: on a host's runner (threads awake) a one-token decode at SmolLM2's
+/// shapes over up to 60 keys stays on the calling thread; over 150 keys or more, or a 64-token
+/// prefill, it goes to the host's threads. The library's own pool keeps its higher threshold.
 #[test]
 fn default_threshold_keeps_tiny_decodes_serial() {
     assert_eq!(FastOptions::default().serial_below, SERIAL_BELOW);
+    assert_eq!(FastOptions::default().host_serial_below, HOST_SERIAL_BELOW);
     for (kinds, max_past, max_new, serial_wanted) in [
-        (vec![SeqKind::Decode], 200, 1, true),
+        (vec![SeqKind::Decode], 60, 1, true),
+        (vec![SeqKind::Decode], 300, 1, false),
         (vec![SeqKind::Decode; 4], 2000, 1, false),
         (vec![SeqKind::Prefill], 1, 300, false),
     ] {

@@ -16,6 +16,7 @@ every layer (or empty tensors), sums each sequence's new tokens' attention
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,7 @@ class PagedModel:
         self.block_size = next(c for n, c in self.caches.items() if n.startswith("value_cache.")).shape[2]
         self._keep = []
         self.scores = []
+        self.last_infer_s = 0.0
 
     def step(self, seqs: list[Seq], rotation=None) -> np.ndarray:
         """Runs one call over ``seqs`` (in order); returns the logits of every new token, [T, V]
@@ -111,7 +113,9 @@ class PagedModel:
                              else ov.Tensor(a, shared_memory=True))
             self.req.set_tensor(inp, tensors[name])
         self._keep = tensors  # alive until the next call replaces them
+        t0 = time.perf_counter()
         self.req.infer()
+        self.last_infer_s = time.perf_counter() - t0  # infer() alone, for benchmarks
         logits = self.req.get_tensor(self.compiled.outputs[0]).data
         self.scores = [np.array(self.req.get_tensor(o).data, np.float32, copy=True)
                        for o in self.compiled.outputs if o.get_any_name().startswith("scores.")]

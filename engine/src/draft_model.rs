@@ -20,7 +20,6 @@
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::kv_cache::KvCachePlan;
 use crate::model_dir::ModelDir;
 use crate::model_runner::ModelRunner;
 use crate::sampling::argmax;
@@ -76,29 +75,21 @@ pub(crate) fn relative_cost(target: &ModelDir, draft: &ModelDir) -> f64 {
 }
 
 impl DraftModel {
-    /// Loads the draft model `md` (checked with [`check_compatible`]) with the target's settings
-    /// and a cache of as many blocks as the target's, and returns it with the plan of both
-    /// caches ([`KvCachePlan::with_draft`]: under `auto`, the target's `target` plan shrunk so
-    /// that both caches fit its share of the memory both models leave).
-    pub fn load(
-        md: ModelDir,
-        cfg: &EngineConfig,
-        target: KvCachePlan,
-    ) -> Result<(DraftModel, KvCachePlan)> {
-        let (runner, own) = ModelRunner::load(&md, cfg, Some(target.num_blocks))?;
-        let plan = target.with_draft(&own)?;
+    /// The draft model (checked with [`check_compatible`], compiled with the target's settings)
+    /// over its `runner`, whose cache has `num_blocks` blocks, as many as the target's
+    /// ([`crate::kv_cache::KvCachePlan::with_draft`] chose them for both).
+    pub fn new(runner: ModelRunner, cfg: &EngineConfig, num_blocks: usize) -> Result<DraftModel> {
         let mgr = BlockManager::new(ManagerConfig {
-            num_blocks: plan.num_blocks,
+            num_blocks,
             block_size: cfg.block_size,
             prefix_caching: cfg.prefix_caching,
         })?;
-        let draft = DraftModel {
+        Ok(DraftModel {
             runner,
             mgr,
             cached: HashMap::new(),
             max_batched_tokens: cfg.max_batched_tokens,
-        };
-        Ok((draft, plan))
+        })
     }
 
     pub fn cache_stats(&self) -> CacheStats {

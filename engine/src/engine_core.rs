@@ -172,15 +172,27 @@ impl EngineCore {
         let draft_cost = draft_md
             .as_ref()
             .map_or(0.0, |d| crate::draft_model::relative_cost(&md, d));
-        let (runner, kv_plan) = ModelRunner::load(&md, cfg, None)?;
-        // The draft's cache has as many blocks as the target's; under `auto` both fit the share.
-        let (draft, kv_plan) = match draft_md {
-            Some(d) => {
-                let (draft, plan) = DraftModel::load(d, cfg, kv_plan)?;
-                (Some(draft), plan)
-            }
-            None => (None, kv_plan),
-        };
+        let target = ModelRunner::compile(&md, cfg)?;
+        let draft = draft_md
+            .map(|d| ModelRunner::compile(&d, cfg))
+            .transpose()?;
+        // Sized once both models are compiled, so that `auto` sees the memory they left; the
+        // draft's cache has as many blocks as the target's, and under `auto` both fit the share.
+        let mut kv_plan = KvCachePlan::choose(
+            cfg.kv_cache,
+            target.block_bytes,
+            cfg.block_size,
+            md.config
+                .max_position_embeddings
+                .map(|c| c.saturating_mul(cfg.max_seqs)),
+        )?;
+        if let Some(d) = &draft {
+            kv_plan = kv_plan.with_draft(d.block_bytes)?;
+        }
+        let runner = target.allocate(kv_plan.num_blocks)?;
+        let draft = draft
+            .map(|d| DraftModel::new(d.allocate(kv_plan.num_blocks)?, cfg, kv_plan.num_blocks))
+            .transpose()?;
         let mut sched = Scheduler::new(SchedulerConfig {
             num_blocks: kv_plan.num_blocks,
             block_size: cfg.block_size,

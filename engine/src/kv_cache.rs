@@ -170,29 +170,42 @@ fn auto_budget(a: &Available) -> usize {
 
 impl KvCachePlan {
     /// The plan of the target's cache and its draft model's (`--speculative draft`), from
-    /// `self`, the target's plan, made once the target was compiled, and `draft`, the draft
-    /// model's, made once it was compiled too with the target's block count (its block bytes,
-    /// and the memory available then, before either cache holds a page). Both caches get the
-    /// same block count: a draft cache holds a sequence's tokens plus at most `k - 1` drafts,
-    /// which the target's verification step holds too, so with fewer blocks the draft could
-    /// not follow every sequence the target runs, and more would never be used.
+    /// `self`, the target's plan, made once both models were compiled (so `available` is the
+    /// memory both left), and `draft_block_bytes`, a block of the draft's cache over all its
+    /// layers. Both caches get the same block count: a draft cache holds a sequence's tokens
+    /// plus at most `k - 1` drafts, which the target's verification step holds too, so with
+    /// fewer blocks the draft could not follow every sequence the target runs, and more would
+    /// never be used.
     ///
-    /// `auto` splits its share of that memory (both models' weights already out of it): `n`
-    /// blocks with `n` x (target + draft block bytes) within [`KV_AUTO_SHARE`] of it, and at
-    /// most the context bound and the target's first choice (both caches were allocated with
-    /// that many blocks; their memory is zeroed and mapped lazily, so the blocks past `n` are
-    /// never written and never take memory). An explicit size is the target's cache alone: the
-    /// draft's comes on top, and its allocation was checked against the memory left.
-    pub(crate) fn with_draft(mut self, draft: &KvCachePlan) -> Result<KvCachePlan> {
+    /// `auto` splits its share of the memory available: `n` blocks with `n` x (target + draft
+    /// block bytes) within [`KV_AUTO_SHARE`] of it, and at most the context bound. An explicit
+    /// size is the target's cache alone: the draft's comes on top, and both must fit in the
+    /// memory available.
+    pub(crate) fn with_draft(mut self, draft_block_bytes: usize) -> Result<KvCachePlan> {
         let target_bytes = self.block_bytes;
-        self.draft_block_bytes = Some(draft.block_bytes);
+        self.draft_block_bytes = Some(draft_block_bytes);
         let both = self.bytes_a_block();
         let bound_blocks = self.bound.map(|b| b / target_bytes.max(1));
         self.bound = bound_blocks.map(|n| n.saturating_mul(both));
+        let gb = |b: f64| b / 1e9;
         if !self.auto {
+            if let Some(a) = &self.available {
+                if self.bytes() as u64 > a.bytes {
+                    return Err(EngineError::Config(format!(
+                        "out of memory for the KV caches: --kv-cache-size asks for {:.3} GB, the \
+                         draft model's cache of as many blocks takes {:.3} GB more, and {:.3} GB \
+                         are available ({}) once both models are compiled; give a smaller size, \
+                         or `auto`",
+                        gb((self.num_blocks * target_bytes) as f64),
+                        gb((self.num_blocks * draft_block_bytes) as f64),
+                        gb(a.bytes as f64),
+                        a.source
+                    )));
+                }
+            }
             return Ok(self);
         }
-        let Some(a) = draft.available.clone() else {
+        let Some(a) = self.available.clone() else {
             return Err(EngineError::Config(
                 "--kv-cache-size auto cannot read the memory available (/proc/meminfo) once the \
                  draft model is compiled: give a size in GB"
@@ -204,20 +217,16 @@ impl KvCachePlan {
             .num_blocks
             .min(fit)
             .min(bound_blocks.unwrap_or(usize::MAX));
-        self.available = Some(a);
-        self.resident_before = draft.resident_before;
         if self.num_blocks == 0 {
-            let a = self.available.as_ref().expect("set above");
             return Err(EngineError::Config(format!(
                 "out of memory for the KV caches: {:.3} GB are available ({}) once the model and \
                  the draft model are compiled, and {:.0}% of it does not hold one block of {} \
-                 tokens in both caches ({target_bytes} bytes in the model's, {} in the draft's); \
-                 give a smaller draft model, or an explicit --kv-cache-size",
-                a.bytes as f64 / 1e9,
+                 tokens in both caches ({target_bytes} bytes in the model's, {draft_block_bytes} \
+                 in the draft's); give a smaller draft model, or an explicit --kv-cache-size",
+                gb(a.bytes as f64),
                 a.source,
                 KV_AUTO_SHARE * 100.0,
                 self.block_size,
-                draft.block_bytes,
             )));
         }
         Ok(self)
@@ -328,9 +337,9 @@ fn zeroed_words(n: usize) -> Result<Vec<u64>> {
 mod tests {
     use super::*;
 
-    /// A target's `auto` plan as `choose` makes it: `num_blocks` chosen, `bound_blocks` of
-    /// context bound.
-    fn target(num_blocks: usize, bound_blocks: Option<usize>) -> KvCachePlan {
+    /// A target's `auto` plan as `choose` makes it once both models are compiled, `available`
+    /// bytes left then: `num_blocks` chosen, `bound_blocks` of context bound.
+    fn target(num_blocks: usize, bound_blocks: Option<usize>, available: u64) -> KvCachePlan {
         KvCachePlan {
             auto: true,
             num_blocks,
@@ -338,45 +347,27 @@ mod tests {
             block_bytes: 600_000,
             draft_block_bytes: None,
             available: Some(Available {
-                bytes: 2_000_000_000,
-                source: "MemAvailable",
-            }),
-            bound: bound_blocks.map(|b| b * 600_000),
-            resident_before: Some(300_000_000),
-        }
-    }
-
-    /// The draft's plan, made once it was compiled: `available` bytes left then.
-    fn draft(available: u64) -> KvCachePlan {
-        KvCachePlan {
-            auto: false,
-            num_blocks: 1666,
-            block_size: 32,
-            block_bytes: 200_000,
-            draft_block_bytes: None,
-            available: Some(Available {
                 bytes: available,
                 source: "cgroup memory.max",
             }),
-            bound: None,
+            bound: bound_blocks.map(|b| b * 600_000),
             resident_before: Some(400_000_000),
         }
     }
 
     /// Half of 1 GB left once both models are compiled is 500 MB; a block takes 600 kB in the
     /// target's cache and 200 kB in the draft's, 800 kB in all: 625 blocks of each, 500 MB.
-    /// The target's first choice (1666 blocks, half of 2 GB / 600 kB) and a context bound above
-    /// 625 do not bind; a bound of 512 blocks, or a first choice of 600, does.
+    /// The target's own choice (833 blocks, half of 1 GB / 600 kB) and a context bound above
+    /// 625 do not bind; a bound of 512 blocks, or a choice of 600, does.
     #[test]
     fn auto_splits_its_share_between_the_target_and_draft_caches() {
-        let plan = target(1666, Some(4000))
-            .with_draft(&draft(1_000_000_000))
+        let plan = target(833, Some(4000), 1_000_000_000)
+            .with_draft(200_000)
             .unwrap();
         assert_eq!(plan.num_blocks, 625);
         assert_eq!(plan.draft_block_bytes, Some(200_000));
         assert_eq!(plan.bytes(), 500_000_000);
         assert_eq!(plan.bound, Some(4000 * 800_000));
-        assert_eq!(plan.available.as_ref().unwrap().bytes, 1_000_000_000);
         assert_eq!(plan.resident_bound(), Some(900_000_000));
         let shown = plan.to_string();
         assert!(
@@ -384,17 +375,17 @@ mod tests {
             "{shown}"
         );
 
-        let bounded = target(1666, Some(512)).with_draft(&draft(1_000_000_000));
+        let bounded = target(833, Some(512), 1_000_000_000).with_draft(200_000);
         assert_eq!(bounded.unwrap().num_blocks, 512);
-        let first = target(600, None).with_draft(&draft(1_000_000_000));
+        let first = target(600, None, 1_000_000_000).with_draft(200_000);
         assert_eq!(first.unwrap().num_blocks, 600);
     }
 
     /// 1.5 MB left: half is 750 kB, under one block of both caches (800 kB).
     #[test]
     fn auto_refuses_a_draft_when_one_block_of_both_caches_does_not_fit() {
-        let err = target(1666, None)
-            .with_draft(&draft(1_500_000))
+        let err = target(1, None, 1_500_000)
+            .with_draft(200_000)
             .unwrap_err()
             .to_string();
         assert!(
@@ -404,17 +395,25 @@ mod tests {
             "{err}"
         );
         // 1.6 MB: exactly one block of each.
-        let one = target(1666, None).with_draft(&draft(1_600_000)).unwrap();
+        let one = target(1, None, 1_600_000).with_draft(200_000).unwrap();
         assert_eq!((one.num_blocks, one.bytes()), (1, 800_000));
     }
 
-    /// An explicit size is the target's cache: its block count stays, the draft's comes on top.
+    /// An explicit size is the target's cache: its block count stays, the draft's comes on top,
+    /// and both must fit in the memory left.
     #[test]
     fn an_explicit_size_keeps_its_blocks_with_a_draft() {
-        let mut t = target(1666, None);
+        let mut t = target(1666, None, 2_000_000_000);
         t.auto = false;
-        let plan = t.with_draft(&draft(1_000)).unwrap();
+        let plan = t.clone().with_draft(200_000).unwrap();
         assert_eq!(plan.num_blocks, 1666);
         assert_eq!(plan.bytes(), 1666 * 800_000);
+        // 1.0 GB of the target's cache fits in 1.2 GB; with the draft's 0.333 GB more, not.
+        t.available.as_mut().unwrap().bytes = 1_200_000_000;
+        let err = t.with_draft(200_000).unwrap_err().to_string();
+        assert!(
+            err.contains("--kv-cache-size asks for 1.000 GB, the draft model's cache of as many blocks takes 0.333 GB more, and 1.200 GB are available (cgroup memory.max)"),
+            "{err}"
+        );
     }
 }

@@ -5,9 +5,9 @@
 //! `infer()`. It knows no requests and no text: the engine core gives it a `Step` and reads the
 //! logits back.
 
-use crate::config::{EngineConfig, KvCacheSize};
+use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{self, CacheBuf, KvCachePlan, LayerDims};
+use crate::kv_cache::{self, CacheBuf, LayerDims};
 use crate::model_dir::ModelDir;
 use crate::ov::{CacheType, ConvertOptions, Property, Session};
 use paged_attention::cache::{copy_blocks_kv, rotation_lut, RotationDirection, Step};
@@ -117,15 +117,26 @@ impl Logits<'_> {
     }
 }
 
+/// A model converted and compiled, its feeds learnt: a [`ModelRunner`] but for its caches,
+/// which [`Compiled::allocate`] adds once their block count is chosen (from the memory every
+/// compiled model of the engine left: a target's and its draft model's).
+pub(crate) struct Compiled {
+    session: cxx::UniquePtr<Session>,
+    feeds: Vec<Feed>,
+    layers: Vec<LayerDims>,
+    logits_output: usize,
+    score_outputs: Vec<usize>,
+    rope_theta: f64,
+    cache_type: CacheType,
+    elem: ElemType,
+    block_size: usize,
+    /// Bytes of one block over all layers, keys and values.
+    pub block_bytes: usize,
+}
+
 impl ModelRunner {
-    /// Converts, learns the feeds, compiles and allocates the caches of `cfg` (or, given
-    /// `num_blocks`, caches of that many blocks: a draft model's, sized by its target's).
-    /// Returns the runner and the cache's plan (its block count, and how it was chosen).
-    pub fn load(
-        md: &ModelDir,
-        cfg: &EngineConfig,
-        num_blocks: Option<usize>,
-    ) -> Result<(ModelRunner, KvCachePlan)> {
+    /// Converts `md` with the settings of `cfg`, learns the feeds and compiles it.
+    pub fn compile(md: &ModelDir, cfg: &EngineConfig) -> Result<Compiled> {
         let xml = md.xml.to_str().ok_or_else(|| EngineError::Model {
             path: md.xml.clone(),
             detail: "path is not UTF-8".into(),
@@ -176,40 +187,44 @@ impl ModelRunner {
             });
         }
         session.pin_mut().compile(&cfg.device, &props)?;
-        let size = match num_blocks {
-            None => cfg.kv_cache,
-            Some(n) => KvCacheSize::Bytes(n.checked_mul(block_bytes).ok_or_else(|| {
-                EngineError::Config(format!("{n} KV cache blocks overflow the address space"))
-            })?),
-        };
-        // Sized after compiling, so that `auto` sees the memory the compiled model left.
-        let plan = KvCachePlan::choose(
-            size,
-            block_bytes,
-            cfg.block_size,
-            md.config
-                .max_position_embeddings
-                .map(|c| c.saturating_mul(cfg.max_seqs)),
-        )?;
-        let caches = kv_cache::allocate(&layers, cfg.cache_type, plan.num_blocks)?;
-        let runner = ModelRunner {
-            gathered: session.gathered_logits(),
+        Ok(Compiled {
             session,
             feeds,
+            layers,
             logits_output,
             score_outputs,
             rope_theta: md.config.rope_theta,
-            head_size: layers[0].0[2],
-            caches,
             cache_type: opts.cache_type,
+            elem: cfg.cache_type,
             block_size: cfg.block_size,
+            block_bytes,
+        })
+    }
+}
+
+impl Compiled {
+    /// The runner, with caches of `num_blocks` blocks.
+    pub fn allocate(self, num_blocks: usize) -> Result<ModelRunner> {
+        let caches = kv_cache::allocate(&self.layers, self.elem, num_blocks)?;
+        Ok(ModelRunner {
+            gathered: self.session.gathered_logits(),
+            session: self.session,
+            feeds: self.feeds,
+            logits_output: self.logits_output,
+            score_outputs: self.score_outputs,
+            rope_theta: self.rope_theta,
+            head_size: self.layers[0].0[2],
+            caches,
+            cache_type: self.cache_type,
+            block_size: self.block_size,
             buf: StepBuffers::default(),
             caches_bound: false,
             infer_time: Duration::ZERO,
-        };
-        Ok((runner, plan))
+        })
     }
+}
 
+impl ModelRunner {
     /// Performs the step's block copies, binds its inputs and runs `infer()`.
     pub fn execute(&mut self, step: &Step) -> Result<()> {
         for (k, v) in &mut self.caches {

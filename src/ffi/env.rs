@@ -9,8 +9,9 @@
 //!   value leaves the caller's choice.
 //!
 //! - `PA_SERIAL_BELOW=N`: calls whose work is below `N` (`kernel::fast::call_work`) run on
-//!   the calling thread alone (`FastOptions::serial_below`; 0: never); unset or not a number:
-//!   the library's default (`kernel::fast::SERIAL_BELOW`).
+//!   the calling thread alone, whatever the runner (`FastOptions::serial_below` and
+//!   `host_serial_below`; 0: never); unset or not a number: the library's defaults
+//!   (`kernel::fast::SERIAL_BELOW` on its pool, `HOST_SERIAL_BELOW` on a host's runner).
 //!
 //! Each is read once per process.
 
@@ -29,14 +30,14 @@ pub fn simd_level() -> SimdLevel {
     })
 }
 
-/// The work below which a call runs on the calling thread: `PA_SERIAL_BELOW`, else the default.
-pub fn serial_below() -> usize {
-    static BELOW: OnceLock<usize> = OnceLock::new();
+/// The work below which a call runs on the calling thread, whatever the runner, when
+/// `PA_SERIAL_BELOW` sets it.
+pub fn serial_below() -> Option<usize> {
+    static BELOW: OnceLock<Option<usize>> = OnceLock::new();
     *BELOW.get_or_init(|| {
         std::env::var("PA_SERIAL_BELOW")
             .ok()
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(crate::kernel::fast::SERIAL_BELOW)
     })
 }
 
@@ -66,11 +67,13 @@ pub fn fast_options(runner: Runner, asked: Precision) -> FastOptions {
             )
         });
     }
+    let defaults = FastOptions::default();
     FastOptions {
         simd,
         runner,
         precision,
-        serial_below: serial_below(),
-        ..FastOptions::default()
+        serial_below: serial_below().unwrap_or(defaults.serial_below),
+        host_serial_below: serial_below().unwrap_or(defaults.host_serial_below),
+        ..defaults
     }
 }

@@ -29,6 +29,25 @@ pub(crate) fn prefetch_lines(p: *const u8, bytes: usize, (i, parts): (usize, usi
     let _ = (p, bytes, i, parts);
 }
 
+/// Asks the CPU to bring every cache line of `x` into its L2 cache (a hint; no effect on
+/// results). A burst of these for data a few steps ahead keeps more lines in flight than the
+/// L1 requests of [`prefetch_lines`] can.
+#[inline]
+pub(crate) fn prefetch_l2<T>(x: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let p = x.as_ptr() as *const u8;
+        for l in 0..std::mem::size_of_val(x).div_ceil(64) {
+            // SAFETY: prefetch never faults (the address is only a hint, hence `wrapping_add`);
+            // SSE is part of the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(l * 64) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// Cache lines to request spread evenly over the steps of a loop (so the requests never queue
 /// up behind each other, and the loop's own loads never wait behind a burst of them): `push`
 /// ranges, `start` with the number of steps, then `tick` once a step requests the next share;

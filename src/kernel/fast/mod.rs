@@ -342,10 +342,14 @@ pub struct FastOptions {
     pub runner: Runner,
     /// The inference precision ([`Precision`]).
     pub precision: Precision,
-    /// A call whose [`call_work`] is below this runs on the calling thread alone, whatever
-    /// the runner (0: never): for a small call, waking other threads costs more than they
-    /// save. Results do not depend on it.
+    /// A call whose [`call_work`] is below this runs on the calling thread alone (0: never)
+    /// when its runner is the library's pool or the caller's rayon pool, whose threads sleep
+    /// between calls: for a small call, waking them costs more than they save. Results do not
+    /// depend on it.
     pub serial_below: usize,
+    /// The same for a host's runner ([`Runner::Host`]), whose threads are usually awake
+    /// between calls (OpenVINO's run the model's other nodes): only a tiny call stays serial.
+    pub host_serial_below: usize,
 }
 
 impl Default for FastOptions {
@@ -356,18 +360,26 @@ impl Default for FastOptions {
             runner: Runner::Auto,
             precision: Precision::F32,
             serial_below: SERIAL_BELOW,
+            host_serial_below: HOST_SERIAL_BELOW,
         }
     }
 }
 
 /// [`FastOptions::serial_below`]'s default, in [`call_work`] units: a one-token decode at
 /// SmolLM2's shapes (9 query heads, 3 KV heads, head size 64) up to about 700 keys, or a 5-row
-/// verify step up to about 340. Measured inside OpenVINO on 2 threads (2-core AMD EPYC Zen 4,
-/// one one-node model per layer, 30 layers, `tools/bench_call.py`, a loaded host): at 200 to
-/// 700 keys one thread took 0 to 0.035 ms less a call than two; from about 1000 keys (or 5 rows
-/// at 500) two threads were as fast or faster. Every call of a model with Llama's head shapes
-/// is far above it.
+/// verify step up to about 340. Through the C ABI on the library's own pool (2-core AMD EPYC
+/// Zen 4, 30 layers' caches with 18 MB read between calls, as a model's weights evict them), a
+/// 1-token decode over 500 keys took 0.10-0.12 ms on the calling thread against 0.15-0.30 ms
+/// on two pool threads woken for it. Every call of a model with Llama's head shapes is far
+/// above it.
 pub const SERIAL_BELOW: usize = 3_000_000;
+
+/// [`FastOptions::host_serial_below`]'s default: a one-token decode at SmolLM2's shapes up to
+/// about 70 keys. Inside OpenVINO (its threads, SmolLM2's whole graph decoding at 2 threads on
+/// the same 2-core Zen 4), two threads took 0.034 ms an attention call where the calling thread
+/// alone took 0.048 at 100 to 300 keys, 0.078 against 0.106 at 440 to 640 keys, and about as
+/// long (0.041-0.047) at 40 to 240 keys.
+pub const HOST_SERIAL_BELOW: usize = 300_000;
 
 /// How much work a call's attention is, in multiply-adds: its query rows' products with the keys
 /// and values they see, plus [`READ_COST`] per key and value element read from the cache (once
@@ -409,14 +421,19 @@ pub fn execute_with(
 /// Runs a validated plan with the fast kernels, on the micro-kernels of the asked level (or the
 /// best one below it this CPU has), in one region of the runner for the whole call (see
 /// [`Runner::region`]: a host's fork/join is paid once, not once per parallel step), or on the
-/// calling thread alone when the call is smaller than [`FastOptions::serial_below`].
+/// calling thread alone when the call is smaller than [`FastOptions::serial_below`] (a host's
+/// runner: [`FastOptions::host_serial_below`]).
 fn run(
     plan: &Plan,
     inputs: &mut PaInputs<'_>,
     outputs: &mut PaOutputs<'_>,
     opts: FastOptions,
 ) -> Result<()> {
-    let opts = if call_work(plan) < opts.serial_below {
+    let below = match opts.runner {
+        Runner::Host(_) => opts.host_serial_below,
+        _ => opts.serial_below,
+    };
+    let opts = if call_work(plan) < below {
         FastOptions {
             runner: Runner::Serial,
             ..opts
