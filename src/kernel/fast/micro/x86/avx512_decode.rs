@@ -101,7 +101,7 @@ const LANE_KEYS: usize = 32;
 /// 16 KiB) live on the stack.
 const LANES_MAX_D: usize = 128;
 // The panel holds whole 16-column blocks of every head size up to it.
-const _: () = assert!(LANES_MAX_D % 16 == 0);
+const _: () = assert!(LANES_MAX_D.is_multiple_of(16));
 /// Query rows per register block of [`qk_lanes`] (x 2 vectors of keys).
 const LANE_ROWS: usize = 8;
 
