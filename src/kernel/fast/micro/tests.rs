@@ -77,6 +77,54 @@ fn qk<M: Micro, C: Float>(m: M, tier: &str) {
     }
 }
 
+/// `dec_qk` at the shapes of verify steps and grouped heads (a tile's rows are tokens x group):
+/// row counts from 3 to 24 at head sizes up to 129, where the AVX-512 tier switches to keys in
+/// lanes (both sides of its rule), key counts that leave partial vectors and passes (tiles
+/// shorter than 32, blocks of 64 and 70 keys), a scale that is not a power of two, and one that
+/// overflows the larger logits (capped at `f32::MAX`; `-inf` below). A NaN sentinel after the
+/// last row catches a store past it.
+fn dec_qk_rows<M: Micro, C: Float>(m: M, tier: &str) {
+    let mut rng = Rng(0x9e71f);
+    for rows in [3, 8, 9, 15, 17, 20, 24] {
+        for n in [1, 5, 16, 17, 31, 32, 33, 64, 70] {
+            for d in [1, 15, 16, 17, 63, 64, 80, 128, 129] {
+                let what = format!("{tier} {:?} rows={rows} n={n} d={d}", C::TYPE);
+                let q = rng.vec(rows * d, 1.0);
+                let k: Vec<C> = rng.typed(n * d);
+                let kf: Vec<f64> = k.iter().map(|x| x.to_f32() as f64).collect();
+                let scale = 0.37f32;
+                let mut s = vec![f32::NAN; rows * n + 17];
+                m.dec_qk(&q, rows, &k, n, d, &mut s[..rows * n], &k, scale);
+                let mut capped = vec![f32::NAN; rows * n];
+                m.dec_qk(&q, rows, &k, n, d, &mut capped, &[], f32::MAX);
+                untouched(&format!("{what} dec_qk"), &s[rows * n..]);
+                for r in 0..rows {
+                    for j in 0..n {
+                        let t = (0..d).map(|x| q[r * d + x] as f64 * kf[j * d + x]);
+                        let (dot, mag) = t.fold((0.0, 0.0), |(a, b), t| (a + t, b + t.abs()));
+                        let (want, mag) = (dot * scale as f64, mag * scale as f64);
+                        let tol = (d as f64 + 3.0) * EPS * mag;
+                        close(
+                            &format!("{what} dec_qk ({r}, {j})"),
+                            s[r * n + j],
+                            want,
+                            tol,
+                        );
+                        let got = capped[r * n + j];
+                        if dot > 1.01 {
+                            assert_eq!(got, f32::MAX, "{what} dec_qk cap ({r}, {j})");
+                        } else if dot < -1.01 {
+                            assert_eq!(got, f32::NEG_INFINITY, "{what} dec_qk cap ({r}, {j})");
+                        } else if dot.abs() < 0.99 {
+                            assert!(got.is_finite(), "{what} dec_qk cap ({r}, {j}): {got}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `dec_softmax_pv` from states where some rows are fresh (`m = -inf`), some have a running
 /// max above or below the tile's, with masked keys and one fully masked row.
 fn dec_softmax<M: Micro, C: Float>(m: M, tier: &str) {
@@ -454,6 +502,9 @@ fn all<M: TileMicro>(m: M, tier: &str) {
     qk::<M, f32>(m, tier);
     qk::<M, f16>(m, tier);
     qk::<M, bf16>(m, tier);
+    dec_qk_rows::<M, f32>(m, tier);
+    dec_qk_rows::<M, f16>(m, tier);
+    dec_qk_rows::<M, bf16>(m, tier);
     dec_softmax::<M, f32>(m, tier);
     dec_softmax::<M, f16>(m, tier);
     dec_softmax::<M, bf16>(m, tier);
