@@ -9,12 +9,13 @@ time by node type (as shares: the plugin's counters do not add up to wall time):
 nodes are ``Reference`` (ours, an extension op) and ``PagedAttentionExtension`` (the built-in).
 
     .venv/bin/python tools/bench_step.py [MODEL_DIR] [--past 440] [--rows 1] [--steps 200]
-                                         [--hint f32] [--threads 2] [--profile]
+                                         [--hint f32] [--threads 2] [--profile] [--ext LIB]
 
 Prints the median and minimum step of each graph and the ratio ours / built-in (below 1: ours
 is faster). Both graphs read the same weights in the same node order; only the attention nodes
 differ, so the ratio is the attention's share of a step, OpenVINO's handling of each op
-included. The extension is ``target/release/libpaged_attention_openvino.so``.
+included. The extension is ``target/release/libpaged_attention_openvino.so`` unless ``--ext`` names
+another build's.
 """
 from __future__ import annotations
 
@@ -43,13 +44,14 @@ def main() -> int:
     ap.add_argument("--hint", default="f32", help="INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="per-node-type times (PERF_COUNT)")
+    ap.add_argument("--ext", type=Path, default=EXT, help="our extension (another build's, say)")
     args = ap.parse_args()
     if args.model_dir is None:
         import gguf_model
         args.model_dir = gguf_model.smollm2_dir(log=lambda m: print(m, file=sys.stderr))
     import openvino as ov
     core = ov.Core()
-    core.add_extension(str(EXT))
+    core.add_extension(str(args.ext))
     xml = str(args.model_dir / "openvino_model.xml")
     cfg = {"INFERENCE_PRECISION_HINT": args.hint, "KV_CACHE_PRECISION": args.hint,
            "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": args.profile}
