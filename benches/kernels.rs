@@ -12,6 +12,12 @@ use paged_attention::kernel::quant::{insert_u8, KeyQuant, QuantLayout};
 use paged_attention::Runner;
 use paged_attention::{validate, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Duration;
+#[path = "../examples/common/mod.rs"]
+mod common;
+
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    common::noise(n, seed)
+}
 
 const H: usize = 32;
 const HKV: usize = 8;
@@ -32,18 +38,6 @@ struct Call<C> {
     bib: Vec<i32>,
     out: Vec<f32>,
     scores: Vec<f32>,
-}
-
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 impl<C: Float> Call<C> {

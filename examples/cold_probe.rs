@@ -6,18 +6,13 @@
 //! `READ_ONLY` to time a plain read of each layer's cache instead.
 use paged_attention::{execute_on, PaInputs, PaOutputs, Runner, Tensor, TensorMut};
 use std::time::Instant;
-const BS: usize = 32;
+#[path = "common/mod.rs"]
+mod common;
+
 fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    common::noise(n, seed)
 }
+const BS: usize = 32;
 fn main() {
     let args: Vec<usize> = std::env::args()
         .skip(1)

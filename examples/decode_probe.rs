@@ -6,23 +6,17 @@ use half::{bf16, f16};
 use paged_attention::{execute, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use rayon::prelude::*;
 use std::time::Instant;
+#[path = "common/mod.rs"]
+mod common;
+
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    common::noise(n, seed)
+}
 
 const H: usize = 32;
 const HKV: usize = 8;
 const D: usize = 128;
 const BS: usize = 32;
-
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 fn bench<C: Float>(seqs: &[(usize, usize)], reps: usize, hot: bool) -> (f64, f64)
 where

@@ -10,24 +10,15 @@
 use half::{bf16, f16};
 use paged_attention::{execute, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::time::Instant;
+#[path = "common/mod.rs"]
+mod common;
+use common::noise;
 
 const H: usize = 32;
 const HKV: usize = 8;
 const D: usize = 128;
 const BS: usize = 32;
 const T: usize = 1024;
-
-fn noise<Q: Float>(n: usize, seed: u64) -> Vec<Q> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            Q::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect()
-}
 
 /// CPU time (user + system) of the whole process so far, in ms.
 fn cpu_ms() -> f64 {

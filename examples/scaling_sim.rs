@@ -29,6 +29,9 @@ use paged_attention::threads::{timing, Runner};
 use paged_attention::{execute_on, Float, PaInputs, PaOutputs, Tensor, TensorMut};
 use std::collections::BTreeMap;
 use std::time::Instant;
+#[path = "common/mod.rs"]
+mod common;
+use common::noise;
 
 const H: usize = 32;
 const HKV: usize = 8;
@@ -46,18 +49,6 @@ fn workloads() -> Vec<(&'static str, Vec<(usize, usize)>)> {
         ("prefill 1 x 1024", vec![(0, 1024)]),
         ("mixed 256 on 768 + 15 x 1024 decode", mixed),
     ]
-}
-
-fn noise<Q: Float>(n: usize, seed: u64) -> Vec<Q> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            Q::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect()
 }
 
 /// Greedy replay of one region's items (in claim order) on `p` threads: its makespan.
