@@ -67,13 +67,13 @@ pub fn fast_options(runner: Runner, asked: Precision) -> FastOptions {
             )
         });
     }
-    let defaults = FastOptions::default();
+    let (defaults, below) = (FastOptions::default(), serial_below());
     FastOptions {
         simd,
         runner,
         precision,
-        serial_below: serial_below().unwrap_or(defaults.serial_below),
-        host_serial_below: serial_below().unwrap_or(defaults.host_serial_below),
+        serial_below: below.unwrap_or(defaults.serial_below),
+        host_serial_below: below.unwrap_or(defaults.host_serial_below),
         ..defaults
     }
 }

@@ -194,6 +194,35 @@ fn exp16_parts(x: __m512) -> (__m512, __m512) {
     (y, fx)
 }
 
+/// Transposes 16 rows of 16 32-bit lanes (row `i` in `r[i]`) into 16 columns (column `j` in
+/// `r[j]`): u32 words as the bf16 packers pair them, or f32 values cast to integer vectors.
+#[target_feature(enable = "avx512f")]
+pub(super) fn transpose16(r: &mut [__m512i; 16]) {
+    // Within 128-bit lanes: pairs of rows, then groups of four rows (column 4L + k of rows
+    // 4g..4g+4 in lane L of `c[4g + k]`).
+    let mut c = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+        let (a0, b0) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+        let (a1, b1) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+        c[4 * g] = _mm512_unpacklo_epi64(a0, a1);
+        c[4 * g + 1] = _mm512_unpackhi_epi64(a0, a1);
+        c[4 * g + 2] = _mm512_unpacklo_epi64(b0, b1);
+        c[4 * g + 3] = _mm512_unpackhi_epi64(b0, b1);
+    }
+    // Across lanes: column 4L + k gathers lane L of c[k], c[4 + k], c[8 + k], c[12 + k].
+    for k in 0..4 {
+        let e0 = _mm512_shuffle_i32x4::<0x88>(c[k], c[4 + k]);
+        let e1 = _mm512_shuffle_i32x4::<0xDD>(c[k], c[4 + k]);
+        let f0 = _mm512_shuffle_i32x4::<0x88>(c[8 + k], c[12 + k]);
+        let f1 = _mm512_shuffle_i32x4::<0xDD>(c[8 + k], c[12 + k]);
+        r[k] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
+        r[4 + k] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
+        r[8 + k] = _mm512_shuffle_i32x4::<0xDD>(e0, f0);
+        r[12 + k] = _mm512_shuffle_i32x4::<0xDD>(e1, f1);
+    }
+}
+
 /// Lane `i` of the result is the sum of the 16 lanes of `v[i]`: a tree of in-lane unpacks and
 /// shuffles, then 128-bit lane shuffles (45 instructions for 16 sums).
 #[inline]

@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use super::avx512::{
-    exp_sub_sum, load16, pv_cols, qk, qk_ticks, row_max, tail, Avx512, F32x16, ALL,
+    exp_sub_sum, load16, pv_cols, qk, qk_ticks, row_max, tail, transpose16, Avx512, F32x16, ALL,
 };
 use super::prefetch::Pf;
 use super::{bounds, DecodeMicro};
@@ -239,49 +239,17 @@ unsafe fn transpose_keys<C: Float>(k: *const C, kn: usize, d: usize, dst: *mut _
     while x < d {
         let mask = if d - x >= 16 { ALL } else { tail(d - x) };
         // SAFETY: the lanes of `mask` are columns x.. < d of a key < kn.
-        let v: [__m512; 16] = std::array::from_fn(|i| unsafe { load16(kp[i].add(x), mask) });
-        let t = transpose16(&v);
+        let mut t: [__m512i; 16] = std::array::from_fn(|i| {
+            // SAFETY: as above.
+            _mm512_castps_si512(unsafe { load16(kp[i].add(x), mask) })
+        });
+        transpose16(&mut t);
         for (c, r) in t.iter().enumerate() {
             // SAFETY: vector 2(x + c) of the caller's panel.
-            unsafe { dst.add(2 * (x + c)).write(*r) };
+            unsafe { dst.add(2 * (x + c)).write(_mm512_castsi512_ps(*r)) };
         }
         x += 16;
     }
-}
-
-/// The 16 x 16 transpose: lane `i` of result `c` is lane `c` of `v[i]` (pairs of lanes, then
-/// 128-bit quarters within and across vectors).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-fn transpose16(v: &[__m512; 16]) -> [__m512; 16] {
-    let z = _mm512_setzero_ps();
-    // t[2i], t[2i+1]: per 128-bit quarter, columns (0,1) and (2,3) of rows 2i, 2i+1 interleaved.
-    let mut t = [z; 16];
-    for i in 0..8 {
-        t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-    }
-    // u[4i+m]: per quarter L, column 4L+m of rows 4i..4i+4.
-    let mut u = [z; 16];
-    for i in 0..4 {
-        u[4 * i] = _mm512_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
-    }
-    // Column 4L+m is quarter L of u[m], u[4+m], u[8+m], u[12+m]: a 4 x 4 transpose of quarters.
-    let mut out = [z; 16];
-    for m in 0..4 {
-        let a = _mm512_shuffle_f32x4::<0x44>(u[m], u[4 + m]);
-        let b = _mm512_shuffle_f32x4::<0xEE>(u[m], u[4 + m]);
-        let c = _mm512_shuffle_f32x4::<0x44>(u[8 + m], u[12 + m]);
-        let e = _mm512_shuffle_f32x4::<0xEE>(u[8 + m], u[12 + m]);
-        out[m] = _mm512_shuffle_f32x4::<0x88>(a, c);
-        out[4 + m] = _mm512_shuffle_f32x4::<0xDD>(a, c);
-        out[8 + m] = _mm512_shuffle_f32x4::<0x88>(b, e);
-        out[12 + m] = _mm512_shuffle_f32x4::<0xDD>(b, e);
-    }
-    out
 }
 
 /// `R` query rows (stride `d`) x `16W` keys of the panel `kt` (see [`qk_lanes`]); stores the

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::avx512::{exp16_nonpos, tail};
+use super::avx512::{exp16_nonpos, tail, transpose16};
 use super::avx512_tile::{row_mask, softmax_end, softmax_step};
 
 /// Proof that this CPU has AVX-512F/BW/VL/DQ and AVX512-BF16 (with AVX2, FMA and F16C).
@@ -567,34 +567,6 @@ unsafe fn mul_rows(x: *mut f32, n: usize, c: *const f32, w: usize) {
                 _mm512_storeu_ps(x.add(i + r), _mm512_mul_ps(v, _mm512_loadu_ps(c.add(r))));
             }
         }
-    }
-}
-
-/// Transposes 16 rows of 16 u32 (row `i` in `r[i]`) into 16 columns (column `j` in `r[j]`).
-#[target_feature(enable = "avx512f")]
-fn transpose16(r: &mut [__m512i; 16]) {
-    // Within 128-bit lanes: pairs of rows, then groups of four rows (column 4L + k of rows
-    // 4g..4g+4 in lane L of `c[4g + k]`).
-    let mut c = [_mm512_setzero_si512(); 16];
-    for g in 0..4 {
-        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
-        let (a0, b0) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
-        let (a1, b1) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
-        c[4 * g] = _mm512_unpacklo_epi64(a0, a1);
-        c[4 * g + 1] = _mm512_unpackhi_epi64(a0, a1);
-        c[4 * g + 2] = _mm512_unpacklo_epi64(b0, b1);
-        c[4 * g + 3] = _mm512_unpackhi_epi64(b0, b1);
-    }
-    // Across lanes: column 4L + k gathers lane L of c[k], c[4 + k], c[8 + k], c[12 + k].
-    for k in 0..4 {
-        let e0 = _mm512_shuffle_i32x4::<0x88>(c[k], c[4 + k]);
-        let e1 = _mm512_shuffle_i32x4::<0xDD>(c[k], c[4 + k]);
-        let f0 = _mm512_shuffle_i32x4::<0x88>(c[8 + k], c[12 + k]);
-        let f1 = _mm512_shuffle_i32x4::<0xDD>(c[8 + k], c[12 + k]);
-        r[k] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
-        r[4 + k] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
-        r[8 + k] = _mm512_shuffle_i32x4::<0xDD>(e0, f0);
-        r[12 + k] = _mm512_shuffle_i32x4::<0xDD>(e1, f1);
     }
 }
 
