@@ -62,7 +62,10 @@ with the chat template:
 
 - ``grounded``: 8 prompts of 200 to 800 tokens asking to repeat, edit or summarise a given text or
   code (slices of this repository's sources), 256 new tokens, all at once (8 concurrent);
-- ``grounded1``: the first two of them one after the other (batch 1), 256 new tokens;
+- ``grounded1``: the first two of them one after the other (batch 1), 256 new tokens
+  (``--count 8``: all eight); a row per prompt, and a closing line per engine with the
+  workload's tokens/s at batch 1 (every prompt's tokens over every prompt's wall time, per
+  repetition, median over repetitions) and the median of the per-repetition ratios;
 - ``norep``: 8 open questions with nothing to copy, 256 new tokens, all at once.
 
 ``--draft-model DIR`` (with or without ``--speculative``) runs draft-model speculation instead:
@@ -482,6 +485,42 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def pooled_lines(rows, engines, repeats) -> list[str]:
+    """Per workload of several serial rows: each engine's tokens/s over the whole workload (all
+    its rows' tokens over all their wall times) per repetition, the median over repetitions, and
+    the median of the per-repetition ratios to GenAI (same repetition: the same machine state)."""
+    out = []
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        wrows = [r for r in rows if r["workload"] == name]
+        if len(wrows) < 2:
+            continue
+        rate = {}
+        for e in engines:
+            per = []
+            for rep in range(repeats):
+                runs = [next((x for x in r["runs"] if x["engine"] == e and x["rep"] == rep
+                              and "metrics" in x), None) for r in wrows]
+                if all(runs):
+                    per.append(sum(x["metrics"]["generated"] for x in runs)
+                               / sum(x["metrics"]["wall_s"] for x in runs))
+                else:
+                    per.append(None)
+            rate[e] = per
+        for e in engines:
+            got = [x for x in rate[e] if x is not None]
+            if not got:
+                continue
+            line = (f"{name}, {len(wrows)} prompts at batch 1, {e}: {np.median(got):.1f} tok/s "
+                    f"(repetitions {', '.join(f'{x:.1f}' for x in got)})")
+            if e != "genai" and "genai" in rate:
+                ratios = [a / b for a, b in zip(rate[e], rate["genai"]) if a and b]
+                if ratios:
+                    line += (f"; / GenAI per repetition {', '.join(f'{x:.3f}' for x in ratios)}, "
+                             f"median {np.median(ratios):.3f}")
+            out.append(line)
+    return out
+
+
 def write_chart(rows, path):
     """Tokens/s, TTFT p50 and TPOT p50 (columns) of both engines per workload (rows of panels,
     each with its own scale) and cache type; the ratio above each pair (> 1: ours is better)."""
@@ -583,6 +622,7 @@ def main():
     ap.add_argument("--draft-model", type=Path,
                     help="draft-model speculation (this draft directory) in ours and GenAI, "
                          "and ours without it as engine `plain`")
+    ap.add_argument("--count", type=int, help="prompts of a chat workload (grounded1: default 2)")
     ap.add_argument("--genai-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -637,7 +677,7 @@ def main():
     for name in names:
         w = wls[name]
         model_dir = ensure_model_dir(work, w["variant"])
-        ids = (chat_prompt_ids(model_dir, w["texts"], w.get("count")) if "texts" in w
+        ids = (chat_prompt_ids(model_dir, w["texts"], args.count or w.get("count")) if "texts" in w
                else prompt_ids(work, model_dir, w["lengths"]))
         # Batch 1 (serial): a row per prompt, each run alone.
         groups = [[x] for x in ids] if w.get("serial") else [ids]
@@ -717,6 +757,8 @@ def main():
         for e in engines:
             if not row[f"{e}_self_consistent"]:
                 print(f"note: {e} gave different ids across repetitions on {row['workload']} {row['cache']}")
+    for line in pooled_lines(rows, engines, repeats):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({"config": config, "versions": ver, "rows": rows,
                                          "total_s": total}, indent=1))

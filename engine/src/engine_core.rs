@@ -637,7 +637,7 @@ impl EngineCore {
                 .map(|&(s, n)| {
                     let (d, context) =
                         speculative::propose(self.sched.tokens(s)?, spec.max_ngram, n);
-                    Ok((d.to_vec(), speculative::class_of(context)))
+                    Ok((d, speculative::class_of(context)))
                 })
                 .collect::<Result<_>>()?,
             Some(_) => room.iter().map(|_| (Vec::new(), 0)).collect(),
