@@ -43,7 +43,9 @@ Metrics, computed the same way for both engines from per-request times:
 - TPOT: (last token - first token) / (tokens - 1), per request;
 - p50 / p99 over requests (numpy linear interpolation: with 8 or 16 requests p99 is nearly the max);
 - ratios: tokens/s ours / GenAI, latencies GenAI / ours (so > 1 means ours is better in both);
-- steps: our engine's scheduler steps (--stats) and GenAI's ``step()`` calls;
+- steps: our engine's scheduler steps (--stats) and GenAI's ``step()`` calls (with
+  ``LLMPipeline``, below: its streamer's calls, one for each step that gives tokens, plus the
+  prompt's earlier prefill chunks, ceil(prompt / max batched tokens) - 1, which give none);
 - ours outside infer(): 100 - "% of step time in infer()" from our --stats line (the target is
   <= 5% of a step);
 - KV cache: --kv-cache-gb whole GB for both (GenAI's ``SchedulerConfig.cache_size`` is an int;
@@ -67,6 +69,12 @@ with the chat template:
   workload's tokens/s at batch 1 (every prompt's tokens over every prompt's wall time, per
   repetition, median over repetitions) and the median of the per-repetition ratios;
 - ``norep``: 8 open questions with nothing to copy, 256 new tokens, all at once.
+
+At batch 1 (``grounded1``) GenAI runs as ``LLMPipeline(model_dir, "CPU", prompt_lookup=True,
+scheduler_config=...)`` (or ``draft_model=...``), the reference the engine's speculative decoding
+is held to: one ``generate()`` on the prompt's ids with a streamer that stamps each call's tokens
+(its C++ loop, no Python between steps). ``--genai-pipeline cb`` uses the
+``ContinuousBatchingPipeline`` driven as above instead; elsewhere it is the only choice.
 
 ``--draft-model DIR`` (with or without ``--speculative``) runs draft-model speculation instead:
 ours with ``--speculative draft --draft-model DIR`` (k drafts a step), GenAI's pipeline with
@@ -306,9 +314,72 @@ def run_genai(spec: dict, tmp: Path) -> dict:
     return out
 
 
+def genai_llm_worker(spec: dict) -> None:
+    """Runs in its own process: ``LLMPipeline`` with speculative decoding, one prompt, one
+    ``generate()``; a streamer stamps when each step's tokens arrive."""
+    sys.path.insert(0, str(TOOLS))
+    import openvino as ov
+    import openvino_genai as ov_genai
+    from genai_ref import Options, properties
+
+    assert len(spec["prompts"]) == 1 and spec.get("speculative"), "LLMPipeline: one prompt, speculative"
+    opts = Options(max_new_tokens=spec["max_new_tokens"], cache_type=spec["cache_type"],
+                   precision=spec["precision"], threads=spec["threads"], ignore_eos=True)
+    t0 = time.perf_counter()
+    sc = ov_genai.SchedulerConfig()
+    sc.max_num_batched_tokens = spec["max_batched_tokens"]
+    sc.enable_prefix_caching = spec["prefix_caching"]
+    sc.dynamic_split_fuse = True
+    sc.cache_size = int(spec["kv_cache_gb"])
+    props = properties(opts) | {"scheduler_config": sc}
+    if spec.get("draft_model"):
+        props["draft_model"] = ov_genai.draft_model(spec["draft_model"], "CPU", **properties(opts))
+    else:
+        props["prompt_lookup"] = True
+    pipe = ov_genai.LLMPipeline(spec["model_dir"], "CPU", **props)
+    load_s = time.perf_counter() - t0
+    cfg = pipe.get_generation_config()
+    cfg.max_new_tokens = spec["max_new_tokens"]
+    cfg.do_sample = False
+    cfg.ignore_eos = True
+    cfg.apply_chat_template = False
+    cfg.num_assistant_tokens = spec["speculative"][0]
+    if not spec.get("draft_model"):
+        cfg.max_ngram_size = spec["speculative"][1]
+
+    class Stamps(ov_genai.StreamerBase):
+        def __init__(self):
+            super().__init__()
+            self.at, self.ids = [], []
+
+        def write(self, tok):
+            self.at.append(time.perf_counter())
+            self.ids.extend([int(tok)] if isinstance(tok, int) else [int(t) for t in tok])
+            return ov_genai.StreamingStatus.RUNNING
+
+        def end(self):
+            pass
+
+    stamps = Stamps()
+    start = time.perf_counter()
+    res = pipe.generate(ov.Tensor(np.array([spec["prompts"][0]], dtype=np.int64)), cfg, stamps)
+    wall = time.perf_counter() - start
+    ids = [int(t) for t in res.tokens[0]]
+    assert ids == stamps.ids, "the streamer saw other tokens than generate() returned"
+    req = {"index": 0, "token_ids": ids, "add_s": 0.0, "first_s": stamps.at[0] - start,
+           "last_s": stamps.at[-1] - start, "tokens": len(ids)}
+    chunks = -(-len(spec["prompts"][0]) // spec["max_batched_tokens"])
+    print(json.dumps({"requests": [req], "stats": {"load_s": load_s,
+                                                   "steps": len(stamps.at) + chunks - 1,
+                                                   "loop_s": wall, "pipeline": "LLMPipeline"}}))
+
+
 def genai_worker(spec_path: str) -> None:
     """Runs in its own process: the GenAI pipeline, requests added at their arrival times."""
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("genai_pipeline") == "llm":
+        genai_llm_worker(spec)
+        return
     sys.path.insert(0, str(TOOLS))
     import openvino as ov
     import openvino_genai as ov_genai
@@ -623,6 +694,9 @@ def main():
                     help="draft-model speculation (this draft directory) in ours and GenAI, "
                          "and ours without it as engine `plain`")
     ap.add_argument("--count", type=int, help="prompts of a chat workload (grounded1: default 2)")
+    ap.add_argument("--genai-pipeline", choices=["llm", "cb"], default="llm",
+                    help="GenAI at batch 1 with speculation: LLMPipeline (default) or "
+                         "ContinuousBatchingPipeline")
     ap.add_argument("--genai-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -664,13 +738,16 @@ def main():
               "max_batched_tokens": args.max_batched_tokens, "kv_cache_gb": args.kv_cache_gb,
               "prefix_caching": args.prefix_caching, "repeats": repeats, "quick": args.quick,
               "engine": str(args.engine), "engine_mtime": eng_mtime, "load_avg_start": os.getloadavg(),
-              "speculative": speculative, "draft_model": draft}
+              "speculative": speculative, "draft_model": draft,
+              "genai_pipeline": args.genai_pipeline}
     print(f"# pa-engine ({eng_mtime}, git {ver.get('git_head')}{'+dirty' if ver.get('git_dirty') else ''}) "
           f"vs OpenVINO GenAI {ver.get('openvino_genai')}; precision {args.precision}, "
           f"{args.threads} threads, max batched tokens {args.max_batched_tokens}, KV cache "
           f"{args.kv_cache_gb} GB, prefix caching {'on' if args.prefix_caching else 'off'}, "
           f"{repeats} repetition(s); {ver.get('cpu')}, {ver.get('affinity')} CPUs, "
-          f"load avg {os.getloadavg()[0]:.2f}", flush=True)
+          f"load avg {os.getloadavg()[0]:.2f}"
+          + ("; GenAI at batch 1: LLMPipeline" if speculative and args.genai_pipeline == "llm"
+             else ""), flush=True)
 
     rows = []
     t_all = time.perf_counter()
@@ -689,7 +766,9 @@ def main():
                     "max_new_tokens": w["new"], "cache_type": cache, "precision": args.precision,
                     "threads": args.threads, "max_batched_tokens": args.max_batched_tokens,
                     "kv_cache_gb": args.kv_cache_gb, "prefix_caching": args.prefix_caching,
-                    "timeout": args.timeout, "speculative": speculative, "draft_model": draft}
+                    "timeout": args.timeout, "speculative": speculative, "draft_model": draft,
+                    "genai_pipeline": ("llm" if w.get("serial") and speculative
+                                       and args.genai_pipeline == "llm" else "cb")}
             row = {"workload": name, "cache": cache, "variant": w["variant"],
                    "prompt_lens": [len(x) for x in ids], "arrivals": arrivals,
                    "max_new_tokens": w["new"], "runs": []}
