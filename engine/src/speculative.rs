@@ -4,11 +4,10 @@
 //! the same verify path. With prompt lookup, between steps each decoding sequence looks up the
 //! earlier occurrences of its last `n` tokens (`n` from `max_ngram` down to 1) in its prompt and
 //! output, takes the one whose longer context agrees best (see [`propose`]), and proposes the
-//! tokens that followed it. The next step feeds them behind the sequence's last token, so the
-//! model scores
-//! `1 + d` positions in one pass over the weights; the engine core keeps the longest prefix the
-//! model agrees with plus the model's own next token (`sampling::verify_draft`), and the
-//! scheduler rolls the rest back.
+//! tokens that followed it (a match near the end copied on through its period). The next step
+//! feeds them behind the sequence's last token, so the model scores `1 + d` positions in one
+//! pass over the weights; the engine core keeps the longest prefix the model agrees with plus
+//! the model's own next token (`sampling::verify_draft`), and the scheduler rolls the rest back.
 //!
 //! A structured output drafts too: its drafts are cut to the prefix its grammar allows, and
 //! each verified row is masked at the grammar's place after the drafts before it
