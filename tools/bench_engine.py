@@ -314,38 +314,53 @@ def run_genai(spec: dict, tmp: Path) -> dict:
     return out
 
 
-def genai_llm_worker(spec: dict) -> None:
-    """Runs in its own process: ``LLMPipeline`` with speculative decoding, one prompt, one
-    ``generate()``; a streamer stamps when each step's tokens arrive."""
-    sys.path.insert(0, str(TOOLS))
-    import openvino as ov
+def genai_settings(spec: dict):
+    """Both GenAI workers' settings from the run's spec: the generation options, the scheduler's
+    configuration and the pipeline's properties (the speculative method's among them)."""
     import openvino_genai as ov_genai
     from genai_ref import Options, properties
 
-    assert len(spec["prompts"]) == 1 and spec.get("speculative"), "LLMPipeline: one prompt, speculative"
     opts = Options(max_new_tokens=spec["max_new_tokens"], cache_type=spec["cache_type"],
-                   precision=spec["precision"], threads=spec["threads"], ignore_eos=True)
-    t0 = time.perf_counter()
+                   precision=spec["precision"], threads=spec["threads"], ignore_eos=True,
+                   max_batched_tokens=spec["max_batched_tokens"],
+                   prefix_caching=spec["prefix_caching"])
     sc = ov_genai.SchedulerConfig()
     sc.max_num_batched_tokens = spec["max_batched_tokens"]
     sc.enable_prefix_caching = spec["prefix_caching"]
     sc.dynamic_split_fuse = True
-    sc.cache_size = int(spec["kv_cache_gb"])
-    props = properties(opts) | {"scheduler_config": sc}
+    sc.max_num_seqs = 256  # as pa-engine's --max-seqs default
+    sc.cache_size = int(spec["kv_cache_gb"])  # GenAI takes whole GB
+    props = properties(opts)
     if spec.get("draft_model"):
-        props["draft_model"] = ov_genai.draft_model(spec["draft_model"], "CPU", **properties(opts))
-    else:
+        props["draft_model"] = ov_genai.draft_model(spec["draft_model"], "CPU", **props)
+    elif spec.get("speculative"):
         props["prompt_lookup"] = True
-    pipe = ov_genai.LLMPipeline(spec["model_dir"], "CPU", **props)
+    return opts, sc, props
+
+
+def genai_generation_config(pipe, opts, spec: dict):
+    from genai_ref import generation_config
+
+    cfg = generation_config(pipe, opts)
+    if spec.get("draft_model"):
+        cfg.num_assistant_tokens = spec["speculative"][0]
+    elif spec.get("speculative"):
+        cfg.num_assistant_tokens, cfg.max_ngram_size = spec["speculative"]
+    return cfg
+
+
+def genai_llm_worker(spec: dict) -> None:
+    """Runs in its own process: ``LLMPipeline`` with speculative decoding, one prompt, one
+    ``generate()``; a streamer stamps when each step's tokens arrive."""
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    assert len(spec["prompts"]) == 1 and spec.get("speculative"), "LLMPipeline: one prompt, speculative"
+    t0 = time.perf_counter()
+    opts, sc, props = genai_settings(spec)
+    pipe = ov_genai.LLMPipeline(spec["model_dir"], "CPU", scheduler_config=sc, **props)
     load_s = time.perf_counter() - t0
-    cfg = pipe.get_generation_config()
-    cfg.max_new_tokens = spec["max_new_tokens"]
-    cfg.do_sample = False
-    cfg.ignore_eos = True
-    cfg.apply_chat_template = False
-    cfg.num_assistant_tokens = spec["speculative"][0]
-    if not spec.get("draft_model"):
-        cfg.max_ngram_size = spec["speculative"][1]
+    cfg = genai_generation_config(pipe, opts, spec)
 
     class Stamps(ov_genai.StreamerBase):
         def __init__(self):
@@ -377,37 +392,18 @@ def genai_llm_worker(spec: dict) -> None:
 def genai_worker(spec_path: str) -> None:
     """Runs in its own process: the GenAI pipeline, requests added at their arrival times."""
     spec = json.loads(Path(spec_path).read_text())
+    sys.path.insert(0, str(TOOLS))
     if spec.get("genai_pipeline") == "llm":
         genai_llm_worker(spec)
         return
-    sys.path.insert(0, str(TOOLS))
     import openvino as ov
     import openvino_genai as ov_genai
-    from genai_ref import Options, generation_config, properties
 
-    opts = Options(max_new_tokens=spec["max_new_tokens"], cache_type=spec["cache_type"],
-                   precision=spec["precision"], threads=spec["threads"], ignore_eos=True,
-                   max_batched_tokens=spec["max_batched_tokens"],
-                   prefix_caching=spec["prefix_caching"])
     t0 = time.perf_counter()
-    sc = ov_genai.SchedulerConfig()
-    sc.max_num_batched_tokens = spec["max_batched_tokens"]
-    sc.enable_prefix_caching = spec["prefix_caching"]
-    sc.dynamic_split_fuse = True
-    sc.max_num_seqs = 256  # as pa-engine's --max-seqs default
-    sc.cache_size = int(spec["kv_cache_gb"])  # GenAI takes whole GB
-    props = properties(opts)
-    if spec.get("draft_model"):
-        props["draft_model"] = ov_genai.draft_model(spec["draft_model"], "CPU", **props)
-    elif spec.get("speculative"):
-        props["prompt_lookup"] = True
+    opts, sc, props = genai_settings(spec)
     pipe = ov_genai.ContinuousBatchingPipeline(spec["model_dir"], sc, "CPU", props)
     load_s = time.perf_counter() - t0
-    cfg = generation_config(pipe, opts)
-    if spec.get("draft_model"):
-        cfg.num_assistant_tokens = spec["speculative"][0]
-    elif spec.get("speculative"):
-        cfg.num_assistant_tokens, cfg.max_ngram_size = spec["speculative"]
+    cfg = genai_generation_config(pipe, opts, spec)
     prompts, arrivals = spec["prompts"], spec["arrivals"]
     tensors = [ov.Tensor(np.array([ids], dtype=np.int64)) for ids in prompts]
     n = len(prompts)
@@ -556,14 +552,15 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def pooled_lines(rows, engines, repeats) -> list[str]:
-    """Per workload of several serial rows: each engine's tokens/s over the whole workload (all
-    its rows' tokens over all their wall times) per repetition, the median over repetitions, and
-    the median of the per-repetition ratios to GenAI (same repetition: the same machine state)."""
+def pooled_lines(rows, engines, repeats, serial) -> list[str]:
+    """Per batch-1 workload (``serial``: their names) of several prompts, per cache type: each
+    engine's tokens/s over the whole workload (all its prompts' tokens over all their wall
+    times) per repetition, the median over repetitions, and the median of the per-repetition
+    ratios to GenAI (same repetition: the same machine state)."""
     out = []
-    for name in dict.fromkeys(r["workload"] for r in rows):
-        wrows = [r for r in rows if r["workload"] == name]
-        if len(wrows) < 2:
+    for name, cache in dict.fromkeys((r["workload"], r["cache"]) for r in rows):
+        wrows = [r for r in rows if r["workload"] == name and r["cache"] == cache]
+        if name not in serial or len(wrows) < 2:
             continue
         rate = {}
         for e in engines:
@@ -581,7 +578,7 @@ def pooled_lines(rows, engines, repeats) -> list[str]:
             got = [x for x in rate[e] if x is not None]
             if not got:
                 continue
-            line = (f"{name}, {len(wrows)} prompts at batch 1, {e}: {np.median(got):.1f} tok/s "
+            line = (f"{name} {cache}, {len(wrows)} prompts at batch 1, {e}: {np.median(got):.1f} tok/s "
                     f"(repetitions {', '.join(f'{x:.1f}' for x in got)})")
             if e != "genai" and "genai" in rate:
                 ratios = [a / b for a, b in zip(rate[e], rate["genai"]) if a and b]
@@ -836,7 +833,7 @@ def main():
         for e in engines:
             if not row[f"{e}_self_consistent"]:
                 print(f"note: {e} gave different ids across repetitions on {row['workload']} {row['cache']}")
-    for line in pooled_lines(rows, engines, repeats):
+    for line in pooled_lines(rows, engines, repeats, {n for n in names if wls[n].get("serial")}):
         print(line)
     if args.json:
         args.json.write_text(json.dumps({"config": config, "versions": ver, "rows": rows,

@@ -158,8 +158,9 @@ def _tensor(ids):
 
 
 def generation_config(pipe, opts: Options):
-    """Greedy, ``max_new_tokens``, EOS from generation_config.json (stops only when emitted)."""
-    cfg = pipe.get_config()
+    """Greedy, ``max_new_tokens``, EOS from generation_config.json (stops only when emitted).
+    ``pipe``: a ``ContinuousBatchingPipeline`` or an ``LLMPipeline``."""
+    cfg = pipe.get_config() if hasattr(pipe, "get_config") else pipe.get_generation_config()
     cfg.max_new_tokens = opts.max_new_tokens
     cfg.do_sample = False
     cfg.num_beams = 1
