@@ -309,15 +309,11 @@ pub fn propose(tokens: &[u32], max_ngram: usize, k: usize) -> (Vec<u32>, usize) 
             }
         }
         if let Some((agree, i)) = best {
-            // `from < len`: the occurrence ends before the tail does. Past the end the copy
-            // reads what it proposed: `from + j - len < j`.
+            // The occurrence ends before the tail does (`from < len`): the text from `from`
+            // on repeats with period `len - from`, and the copy goes round it.
             let from = i + n;
-            let mut draft = Vec::with_capacity(k);
-            for j in 0..k {
-                let at = from + j;
-                let t = if at < len { tokens[at] } else { draft[at - len] };
-                draft.push(t);
-            }
+            let period = len - from;
+            let draft = (0..k).map(|j| tokens[from + j % period]).collect();
             return (draft, agree);
         }
     }
@@ -387,9 +383,15 @@ mod tests {
     #[test]
     fn a_match_near_the_end_is_copied_on_with_its_period() {
         // [a, b, a] at 0 is 2 tokens before the tail: b, a follow it, then b, a again.
-        assert_eq!(propose(&[10, 11, 10, 11, 10], 3, 4), (vec![11, 10, 11, 10], 3));
+        assert_eq!(
+            propose(&[10, 11, 10, 11, 10], 3, 4),
+            (vec![11, 10, 11, 10], 3)
+        );
         // Period 3 through the 1-gram [12] (n = 1 only): 10, 11, 12 follow it, then again.
-        assert_eq!(propose(&[10, 11, 12, 10, 11, 12], 1, 7).0, &[10, 11, 12, 10, 11, 12, 10]);
+        assert_eq!(
+            propose(&[10, 11, 12, 10, 11, 12], 1, 7).0,
+            &[10, 11, 12, 10, 11, 12, 10]
+        );
         // A match far from the end needs no extension: the tokens after it.
         assert_eq!(propose(&[5, 6, 7, 8, 9, 5], 3, 3).0, &[6, 7, 8]);
     }
